@@ -1,0 +1,3 @@
+from kvwall.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""Shipped data: real models' config.json files and the accelerator table.
+
+Each ``models/<name>.json`` is a Hugging Face config.json as published, plus
+keys starting with ``_`` that say where the copy was seen (``_hub_id``,
+``_source``, ``_unconfirmed``, ``_notes``); parsers ignore those.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+HERE = Path(__file__).parent
+MODELS_DIR = HERE / "models"
+DEVICES_FILE = HERE / "devices.json"
+ENERGY_FILE = HERE / "energy.json"
+
+
+def model_names() -> list[str]:
+    return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+
+
+@lru_cache(maxsize=None)
+def load_model_config(name: str) -> dict:
+    return json.loads((MODELS_DIR / f"{name}.json").read_text())
+
+
+def find_model(query: str) -> str | None:
+    """A catalog name for a short name or hub id (case-insensitive), or None."""
+    q = query.strip().lower()
+    names = model_names()
+    if q in names:
+        return q
+    aliases = {"mamba-130m": "mamba-130m-hf", "mamba-2.8b": "mamba-2.8b-hf", "mistral-7b": "mistral-7b-v0.1"}
+    if q in aliases and aliases[q] in names:
+        return aliases[q]
+    for name in names:
+        hub = load_model_config(name).get("_hub_id", "")
+        if hub.lower() == q or hub.lower().split("/")[-1] == q:
+            return name
+    return None
+
+
+@lru_cache(maxsize=None)
+def devices_table() -> dict:
+    data = json.loads(DEVICES_FILE.read_text())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+@lru_cache(maxsize=None)
+def energy_table() -> dict:
+    return json.loads(ENERGY_FILE.read_text())

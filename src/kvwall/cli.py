@@ -1,0 +1,42 @@
+"""The `kvwall` command line: argument parsing and error handling; commands live in kvwall.commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvwall import __version__
+from kvwall.errors import KvwallError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvwall.commands import memory_cmds
+
+    p = argparse.ArgumentParser(
+        prog="kvwall",
+        description="What remembering the context costs a language model at decode time: "
+                    "cache and weight bytes, what fits, and how fast it decodes.",
+    )
+    p.add_argument("--version", action="version", version=f"kvwall {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    memory_cmds.register(sub)
+    return p
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KvwallError as exc:
+        print(f"kvwall: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvwall: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,64 @@
+"""Options shared by the predictor's commands: model, what-if knobs, formats, parallelism, device."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvwall.errors import KvwallError
+from kvwall.predict.memory import Formats, Parallel
+from kvwall.spec.model import Attention, ModelSpec
+from kvwall.spec.resolve import load_spec
+from kvwall.units import parse_tokens
+
+
+def add_model_knobs(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("what-if (re-shape the model without editing its config)")
+    g.add_argument("--kv-heads", type=int, metavar="N", help="every attention layer gets N KV heads (1 = MQA)")
+    g.add_argument("--window", metavar="N", help="sliding window of N tokens on every attention layer")
+    f = p.add_argument_group("storage formats")
+    f.add_argument("--weight-format", metavar="F", help="weights: bf16, fp16, fp8, int8, int4[:g128], nvfp4, ...")
+    f.add_argument("--kv-format", metavar="F", help="KV cache: bf16, fp8, int8, int4, int2, nvfp4, ...")
+    f.add_argument("--state-format", metavar="F", help="SSM state (default: the model's 16-bit type)")
+
+
+def add_parallel(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel GPUs (default 1)")
+    p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline-parallel stages (default 1)")
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON (all sizes in bytes) instead of a table")
+
+
+def reshape(spec: ModelSpec, args: argparse.Namespace) -> tuple[ModelSpec, list[str]]:
+    """Apply --kv-heads / --window; return the new spec and what was changed, in words."""
+    notes = []
+    if getattr(args, "kv_heads", None) is not None:
+        n = args.kv_heads
+        heads = {layer.mixer.n_q_heads for layer in spec.layers if isinstance(layer.mixer, Attention)}
+        if not heads:
+            raise KvwallError(f"--kv-heads: {spec.name} has no (non-latent) attention layers to re-shape")
+        if n <= 0 or any(h % n for h in heads):
+            raise KvwallError(f"--kv-heads {n}: must divide the query heads ({', '.join(map(str, sorted(heads)))})")
+        spec = spec.with_kv_heads(n)
+        notes.append(f"re-shaped: every attention layer has {n} KV heads")
+    if getattr(args, "window", None) is not None:
+        w = parse_tokens(args.window, "window")
+        if not spec.attention_layers() or not any(isinstance(l.mixer, Attention) for l in spec.layers):
+            raise KvwallError(f"--window: {spec.name} has no (non-latent) attention layers to give a window")
+        if spec.max_context and w >= spec.max_context:
+            raise KvwallError(f"--window {w} is not shorter than {spec.name}'s maximum context {spec.max_context}; "
+                              "such a window never slides: pick a smaller one")
+        spec = spec.with_window(w)
+        notes.append(f"re-shaped: every attention layer has a sliding window of {w} tokens")
+    return spec, notes
+
+
+def model_and_formats(arg: str, args: argparse.Namespace) -> tuple[ModelSpec, Formats, list[str]]:
+    spec, notes = reshape(load_spec(arg), args)
+    fm = Formats.for_spec(spec, args.weight_format, args.kv_format, args.state_format)
+    return spec, fm, notes
+
+
+def parallel(args: argparse.Namespace) -> Parallel:
+    return Parallel(getattr(args, "tp", 1), getattr(args, "pp", 1))

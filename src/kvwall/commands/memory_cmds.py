@@ -1,0 +1,342 @@
+"""`kvwall models | devices | show | memory | compare | fit`: the memory predictor on the command line."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvwall import catalog
+from kvwall.commands import common
+from kvwall.errors import KvwallError
+from kvwall.predict import devices as dev
+from kvwall.predict.fit import fit, parse_reserve
+from kvwall.predict.memory import cache_bytes_per_token, growth_bytes_per_token, memory, state_bytes
+from kvwall.report.tables import console, print_json, table
+from kvwall.spec.resolve import load_spec
+from kvwall.units import fmt_bytes, fmt_count, fmt_tokens, parse_bytes, parse_token_list, parse_tokens
+
+LINEUP = ["gpt2-xl", "llama-3-8b", "llama-3-70b", "deepseek-v3", "gemma-3-27b", "mamba-2.8b", "jamba-v0.1"]
+COMPARE_CONTEXTS = "4k,32k,128k,1M"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list the catalog of real models")
+    common.add_json(p)
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("devices", help="list the accelerator catalog with machine balance")
+    common.add_json(p)
+    p.set_defaults(func=cmd_devices)
+
+    p = sub.add_parser("show", help="a model's layers, parameters and cache per token")
+    p.add_argument("model", help="catalog name, hub id, config.json or checkpoint directory")
+    common.add_model_knobs(p)
+    common.add_json(p)
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("memory", help="weights and cache for a batch and context, per layer and per GPU")
+    p.add_argument("model")
+    p.add_argument("--context", default="4k", help="tokens per sequence (e.g. 4096, 128k, 1M; default 4k)")
+    p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+    p.add_argument("--block-size", type=int, metavar="B", help="paged allocation: round each sequence up to B-token blocks")
+    p.add_argument("--device", help="also say whether it fits this device (see `kvwall devices`)")
+    p.add_argument("--layers", action="store_true", help="print every layer")
+    common.add_model_knobs(p)
+    common.add_parallel(p)
+    common.add_json(p)
+    p.set_defaults(func=cmd_memory)
+
+    p = sub.add_parser("compare", help="cache per token and at several contexts, side by side")
+    p.add_argument("models", nargs="*", help=f"models (default: {' '.join(LINEUP)})")
+    p.add_argument("--context", default=COMPARE_CONTEXTS, help=f"contexts (default {COMPARE_CONTEXTS})")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--device", default="h100-sxm", help="device for the 'longest context that fits' column")
+    p.add_argument("--memory", help="memory size instead of a device, e.g. 80GB")
+    common.add_model_knobs(p)
+    common.add_json(p)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("fit", help="the longest context for a batch, or the largest batch for a context")
+    p.add_argument("model")
+    p.add_argument("--device", help="catalog device (default h100-sxm unless --memory)")
+    p.add_argument("--memory", help="memory per GPU instead of a device, e.g. 80GB or 24GiB")
+    p.add_argument("--batch", type=int, help="find the longest context for this batch (default 1)")
+    p.add_argument("--context", help="find the largest batch for this context")
+    p.add_argument("--reserve", help="memory kept free per GPU: a percentage or size (default 10%%)")
+    p.add_argument("--block-size", type=int, metavar="B", help="paged allocation block size")
+    common.add_model_knobs(p)
+    common.add_parallel(p)
+    common.add_json(p)
+    p.set_defaults(func=cmd_fit)
+
+
+# -- models / devices ----------------------------------------------------------
+
+def cmd_models(args) -> int:
+    rows = []
+    for name in catalog.model_names():
+        cfg = catalog.load_model_config(name)
+        spec = load_spec(name)
+        rows.append({
+            "name": name, "hub_id": cfg.get("_hub_id"), "model_type": spec.model_type, "family": spec.family(),
+            "params": spec.params(), "active_params": spec.active_params(), "layers": spec.n_layers,
+            "max_context": spec.max_context, "source": cfg.get("_source"), "unconfirmed": cfg.get("_unconfirmed", []),
+        })
+    if args.json:
+        print_json(rows)
+        return 0
+    t = table("kvwall catalog: real models' config.json (sources: kvwall/catalog/models/*.json)",
+              ["name", "hub id", "type", "family", "params", "active", "layers", "max ctx"],
+              [[r["name"], r["hub_id"], r["model_type"], r["family"], fmt_count(r["params"]),
+                fmt_count(r["active_params"]), r["layers"], fmt_tokens(r["max_context"]) if r["max_context"] else "-"]
+               for r in rows])
+    console().print(t)
+    return 0
+
+
+def cmd_devices(args) -> int:
+    devs = [dev.get_device(n) for n in dev.device_names()]
+    if args.json:
+        print_json([d.as_dict() | {"balance_bf16": _balance(d, "bf16"), "balance_fp8": _balance(d, "fp8")}
+                    for d in devs])
+        return 0
+    rows = []
+    for d in devs:
+        rows.append([d.name, d.year or "-", f"{d.memory_bytes / 1e9:g} GB", f"{d.bandwidth / 1e9:,.0f} GB/s",
+                     _tflops(d, "bf16"), _tflops(d, "fp8"), _tflops(d, "fp4"),
+                     _fmt_balance(_balance(d, "bf16")), _fmt_balance(_balance(d, "fp8")),
+                     f"{d.interconnect_bw * 2 / 1e9:,.0f} GB/s" if d.interconnect_bw else "-"])
+    t = table("Accelerators (dense peaks; balance = FLOP per byte at which compute and memory take equal time)",
+              ["device", "year", "memory", "bandwidth", "bf16 TFLOP/s", "fp8", "fp4", "balance bf16", "fp8",
+               "link (bidir)"], rows, caption="Sources and unconfirmed figures: `kvwall devices --json`.")
+    console().print(t)
+    return 0
+
+
+def _peak(d: dev.Device, dtype: str) -> float | None:
+    return d.peak_flops.get(dtype)
+
+
+def _tflops(d: dev.Device, dtype: str) -> str:
+    v = _peak(d, dtype)
+    return f"{v / 1e12:,.0f}" if v else "-"
+
+
+def _balance(d: dev.Device, dtype: str) -> float | None:
+    v = _peak(d, dtype)
+    return v / d.bandwidth if v else None
+
+
+def _fmt_balance(b: float | None) -> str:
+    return f"{b:,.0f}" if b else "-"
+
+
+# -- show ----------------------------------------------------------------------
+
+def cmd_show(args) -> int:
+    spec, fm, notes = common.model_and_formats(args.model, args)
+    data = {
+        "name": spec.name, "model_type": spec.model_type, "family": spec.family(), "hidden": spec.hidden,
+        "vocab": spec.vocab, "layers": spec.n_layers, "tied_embeddings": spec.tied_embeddings,
+        "max_context": spec.max_context, "dtype": spec.dtype,
+        "params": spec.params(), "active_params": spec.active_params(), "formats": fm.as_dict(),
+        "cache_bytes_per_token": cache_bytes_per_token(spec, fm.kv), "state_bytes_per_sequence": state_bytes(spec, fm.state),
+        "layer_groups": [{"layer": desc, "indices": idx} for desc, idx in spec.layer_groups()],
+        "notes": list(spec.notes) + notes,
+    }
+    if args.json:
+        print_json(data)
+        return 0
+    c = console()
+    c.print(f"[bold]{spec.name}[/bold]  ({spec.model_type}, {spec.family()})  hidden {spec.hidden}, vocab {spec.vocab}, "
+            f"{spec.n_layers} layers, embeddings {'tied' if spec.tied_embeddings else 'untied'}, "
+            f"max context {fmt_tokens(spec.max_context) if spec.max_context else 'unknown'}")
+    active = f" ({spec.active_params():,} active per token)" if spec.active_params() != spec.params() else ""
+    c.print(f"parameters: {spec.params():,}{active}")
+    c.print(f"cache per token: {fmt_bytes(data['cache_bytes_per_token'])} ({data['cache_bytes_per_token']:,} B, "
+            f"KV in {fm.kv.label}); fixed state per sequence: {fmt_bytes(data['state_bytes_per_sequence'])}")
+    t = table("layers", ["layer", "count", "indices"],
+              [[desc, len(idx), _ranges(idx)] for desc, idx in spec.layer_groups()])
+    c.print(t)
+    for note in data["notes"]:
+        c.print(f"note: {note}")
+    return 0
+
+
+def _ranges(idx: list[int]) -> str:
+    out, start, prev = [], idx[0], idx[0]
+    for i in idx[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    text = ", ".join(out)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+# -- memory --------------------------------------------------------------------
+
+def cmd_memory(args) -> int:
+    spec, fm, notes = common.model_and_formats(args.model, args)
+    ctx = parse_tokens(args.context, "context")
+    _positive(args.batch, "--batch")
+    rep = memory(spec, batch=args.batch, context=ctx, formats=fm, parallel=common.parallel(args),
+                 block_size=args.block_size)
+    data = rep.as_dict() | {"notes": list(spec.notes) + notes}
+    w, cache = rep.per_gpu()
+    device = dev.get_device(args.device) if args.device else None
+    if device:
+        reserve = device.memory_bytes // 10
+        free = device.memory_bytes - reserve - w - cache
+        data["device"] = {"name": device.name, "memory_bytes": device.memory_bytes, "reserve_bytes": reserve,
+                          "fits": free >= 0, "free_bytes": free}
+    if args.json:
+        print_json(data)
+        return 0
+    c = console()
+    par = f", tp={rep.parallel.tp} pp={rep.parallel.pp}" if rep.parallel.gpus > 1 else ""
+    c.print(f"[bold]{spec.name}[/bold]: batch {args.batch} x {fmt_tokens(ctx)} tokens; weights {fm.weights.label}, "
+            f"KV {fm.kv.label}, state {fm.state.label}{par}")
+    rows = [["weights", fmt_bytes(rep.weight_bytes), f"{rep.weight_bytes:,}"],
+            ["cache", fmt_bytes(rep.cache_bytes), f"{rep.cache_bytes:,}"]]
+    if args.block_size:
+        waste = rep.cache_bytes - rep.cache_used_bytes
+        rows.append([f"  of which paging waste ({args.block_size}-token blocks)", fmt_bytes(waste), f"{waste:,}"])
+    rows.append(["total", fmt_bytes(rep.weight_bytes + rep.cache_bytes), f"{rep.weight_bytes + rep.cache_bytes:,}"])
+    if rep.parallel.gpus > 1:
+        rows.append([f"per GPU (busiest of {rep.parallel.gpus})", fmt_bytes(w + cache),
+                     f"{w:,} weights + {cache:,} cache"])
+    c.print(table("memory", ["", "size", "bytes"], rows))
+    c.print(f"cache per token: {fmt_bytes(data['cache_bytes_per_token'])} "
+            f"({data['cache_bytes_per_token']:,} B); fixed state per sequence: {fmt_bytes(rep.fixed_bytes)}")
+    if device:
+        verdict = "fits" if data["device"]["fits"] else "does NOT fit"
+        c.print(f"on {device.name} ({device.memory_bytes / 1e9:g} GB per GPU, 10% kept in reserve): {verdict}, "
+                f"{fmt_bytes(abs(data['device']['free_bytes']))} {'free' if data['device']['fits'] else 'short'}")
+    if args.layers:
+        c.print(table("per layer (per GPU)", ["layer", "kind", "weights", "B/token", "tokens held", "cache", "state/seq"],
+                      [[l.index, l.kind, fmt_bytes(l.weight_bytes), f"{l.token_bytes:,}", f"{l.tokens_held:,}",
+                        fmt_bytes(l.cache_bytes), fmt_bytes(l.fixed_bytes)] for l in rep.layers]))
+    else:
+        c.print(table("per layer kind (per GPU)", ["kind", "layers", "B/token", "cache", "state/seq"],
+                      _kinds(rep.layers)))
+    for note in data["notes"]:
+        c.print(f"note: {note}")
+    return 0
+
+
+def _kinds(layers) -> list[list]:
+    groups: dict[str, list] = {}
+    for l in layers:
+        g = groups.setdefault(l.kind, [0, 0, 0, 0])
+        g[0] += 1
+        g[1] += l.token_bytes
+        g[2] += l.cache_bytes
+        g[3] += l.fixed_bytes
+    return [[k, n, f"{tb:,}", fmt_bytes(cb), fmt_bytes(fb)] for k, (n, tb, cb, fb) in groups.items()]
+
+
+def _positive(n: int | None, what: str) -> None:
+    if n is not None and n <= 0:
+        raise KvwallError(f"{what} must be at least 1 (got {n})")
+
+
+# -- compare -------------------------------------------------------------------
+
+def cmd_compare(args) -> int:
+    contexts = parse_token_list(args.context, "context")
+    _positive(args.batch, "--batch")
+    mem_bytes, where = _memory_target(args.device, args.memory)
+    out = []
+    for name in args.models or LINEUP:
+        spec, fm, notes = common.model_and_formats(name, args)
+        per_ctx = {str(ctx): memory(spec, batch=args.batch, context=ctx, formats=fm).cache_bytes for ctx in contexts}
+        f = fit(spec, mem_bytes, batch=args.batch, formats=fm)
+        out.append({
+            "model": spec.name, "family": spec.family(), "params": spec.params(), "formats": fm.as_dict(),
+            "cache_bytes_per_token": cache_bytes_per_token(spec, fm.kv),
+            "growth_bytes_per_token": growth_bytes_per_token(spec, fm.kv),
+            "state_bytes_per_sequence": state_bytes(spec, fm.state), "cache_bytes": per_ctx,
+            "weight_bytes": f.weight_bytes, "weights_fit": f.weights_fit,
+            "max_context": None if f.unbounded else f.max_context, "max_context_unbounded": f.unbounded,
+            "model_max_context": spec.max_context, "notes": notes,
+        })
+    data = {"batch": args.batch, "memory_bytes": mem_bytes, "memory_target": where, "reserve_bytes": mem_bytes // 10,
+            "contexts": contexts, "models": out}
+    if args.json:
+        print_json(data)
+        return 0
+    rows = []
+    for r in out:
+        if not r["weights_fit"]:
+            longest = "weights do not fit"
+        elif r["max_context_unbounded"]:
+            longest = "any (fixed state)"
+        else:
+            longest = f"{r['max_context']:,}" if r["max_context"] else "none"
+        top = r["model_max_context"]
+        rows.append([r["model"], r["family"], fmt_count(r["params"]), fmt_tokens(top) if top else "-",
+                     fmt_bytes(r["cache_bytes_per_token"]), fmt_bytes(r["growth_bytes_per_token"]),
+                     fmt_bytes(r["state_bytes_per_sequence"]) if r["state_bytes_per_sequence"] else "-",
+                     *[fmt_bytes(r["cache_bytes"][str(c)]) for c in contexts],
+                     longest])
+    title = (f"Cache for batch {args.batch} (KV/state in each model's 16-bit type unless --kv-format); "
+             f"longest context next to the weights on {where}")
+    caption = ("cache/token: bytes each token adds while every layer still keeps it; past windows: what each token adds "
+               "once sliding layers are full. max ctx: the model's trained maximum (contexts past it are what-ifs). "
+               "10% of memory kept in reserve for activations and runtime.")
+    console().print(table(title, ["model", "family", "params", "max ctx", "cache/token", "past windows", "fixed state",
+                                  *[f"@{fmt_tokens(c)}" for c in contexts], "longest ctx"], rows, caption=caption))
+    return 0
+
+
+def _memory_target(device: str | None, mem: str | None) -> tuple[int, str]:
+    if mem:
+        b = parse_bytes(mem)
+        return b, f"{b / 1e9:g} GB"
+    d = dev.get_device(device or "h100-sxm")
+    return d.memory_bytes, f"{d.name} ({d.memory_bytes / 1e9:g} GB)"
+
+
+# -- fit -----------------------------------------------------------------------
+
+def cmd_fit(args) -> int:
+    if args.batch is not None and args.context is not None:
+        raise KvwallError("give --batch (to find the longest context) or --context (to find the largest batch), not both")
+    _positive(args.batch, "--batch")
+    spec, fm, notes = common.model_and_formats(args.model, args)
+    mem_bytes, where = _memory_target(args.device, args.memory)
+    ctx = parse_tokens(args.context, "context") if args.context else None
+    par = common.parallel(args)
+    res = fit(spec, mem_bytes, batch=None if ctx else (args.batch or 1), context=ctx, formats=fm, parallel=par,
+              reserve_bytes=parse_reserve(args.reserve, mem_bytes), block_size=args.block_size)
+    data = res.as_dict() | {"model": spec.name, "device": where, "formats": fm.as_dict(), "tp": par.tp, "pp": par.pp,
+                            "model_max_context": spec.max_context, "notes": list(spec.notes) + notes}
+    if args.json:
+        print_json(data)
+        return 0
+    c = console()
+    gpus = f" x {par.gpus} GPUs (tp={par.tp}, pp={par.pp})" if par.gpus > 1 else ""
+    c.print(f"[bold]{spec.name}[/bold] on {where}{gpus}; weights {fm.weights.label}, KV {fm.kv.label}")
+    c.print(f"per GPU: {fmt_bytes(mem_bytes)} memory - {fmt_bytes(res.reserve_bytes)} reserve - "
+            f"{fmt_bytes(res.weight_bytes)} weights = {fmt_bytes(max(res.available_bytes, 0))} for the cache")
+    if not res.weights_fit:
+        c.print("[red]weights do not fit[/red]: use more GPUs (--tp/--pp), a smaller --weight-format, or a bigger device")
+        return 1
+    if ctx is None:
+        b = args.batch or 1
+        if res.unbounded:
+            c.print(f"batch {b}: any context fits (the cache stops growing: fixed state / sliding windows)")
+        elif res.max_context == 0:
+            c.print(f"batch {b}: not even one token of context fits")
+        else:
+            over = (f" (beyond the model's trained maximum of {fmt_tokens(spec.max_context)})"
+                    if spec.max_context and res.max_context > spec.max_context else "")
+            c.print(f"batch {b}: longest context [bold]{res.max_context:,}[/bold] tokens "
+                    f"({fmt_tokens(res.max_context)}){over}")
+    else:
+        c.print(f"context {fmt_tokens(ctx)}: largest batch [bold]{res.max_batch:,}[/bold] sequences")
+    for note in data["notes"]:
+        c.print(f"note: {note}")
+    return 0

@@ -1,0 +1,110 @@
+"""Accelerators: the catalog (data in ``catalog/devices.json``), this machine's profile, or a bare memory size."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvwall import catalog
+from kvwall.errors import KvwallError
+
+# A dtype without its own peak falls back along this chain (e.g. fp16 on a chip that lists only bf16).
+_FALLBACK = {"fp16": "bf16", "bf16": "fp16", "tf32": "fp32", "fp8": "bf16", "int8": "fp8", "fp4": "fp8"}
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_bytes: int
+    bandwidth: float  # bytes/s, sustained main-memory read (datasheet peak for catalog devices)
+    peak_flops: dict = field(default_factory=dict)  # dtype -> dense FLOP/s
+    interconnect_bw: float | None = None  # bytes/s per direction, per device
+    onchip_cache_bytes: int | None = None
+    tdp_w: float | None = None
+    memory_tech: str | None = None
+    year: int | None = None
+    vendor: str = ""
+    source: str = ""
+    unconfirmed: tuple = ()
+    notes: tuple = ()
+
+    def flops(self, dtype: str = "bf16") -> float:
+        """Dense peak FLOP/s for a compute dtype, falling back to the nearest listed one."""
+        seen = set()
+        d = dtype
+        while d and d not in seen:
+            value = self.peak_flops.get(d)
+            if value:
+                return float(value)
+            seen.add(d)
+            d = _FALLBACK.get(d)
+        value = self.peak_flops.get("fp32")
+        if value:
+            return float(value)
+        raise KvwallError(f"device {self.name!r} lists no compute peak for {dtype}; pass a device that does")
+
+    def balance(self, dtype: str = "bf16") -> float:
+        """Machine balance: FLOPs per byte of memory traffic at which compute and bandwidth take equal time."""
+        return self.flops(dtype) / self.bandwidth
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name, "vendor": self.vendor, "year": self.year, "memory_bytes": self.memory_bytes,
+            "memory_bandwidth_Bps": self.bandwidth, "peak_flops": dict(self.peak_flops),
+            "interconnect_per_direction_Bps": self.interconnect_bw, "onchip_cache_bytes": self.onchip_cache_bytes,
+            "tdp_W": self.tdp_w, "memory_tech": self.memory_tech, "source": self.source,
+            "unconfirmed": list(self.unconfirmed), "notes": list(self.notes),
+        }
+
+
+def _from_entry(name: str, e: dict) -> Device:
+    link = e.get("interconnect") or {}
+    per_dir = link.get("per_direction_Bps") or (link.get("bandwidth_Bps") or 0) / 2 or None
+    return Device(
+        name=name, memory_bytes=int(e["memory_bytes"]), bandwidth=float(e["memory_bandwidth_Bps"]),
+        peak_flops={k: v for k, v in (e.get("peak_flops") or {}).items() if v},
+        interconnect_bw=per_dir, onchip_cache_bytes=e.get("onchip_cache_bytes"), tdp_w=e.get("tdp_W"),
+        memory_tech=e.get("memory_tech"), year=e.get("year"), vendor=e.get("vendor", ""),
+        source=e.get("source", ""), unconfirmed=tuple(e.get("unconfirmed", ())), notes=tuple(e.get("notes", ())),
+    )
+
+
+def device_names() -> list[str]:
+    return list(catalog.devices_table())
+
+
+_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "h200-sxm": "h200", "4090": "rtx-4090", "cpu": "cpu-generic",
+            "a100-80gb-sxm": "a100-80gb", "a100-40gb-sxm": "a100-40gb", "v100": "v100-sxm"}
+
+
+def profile_path() -> Path:
+    base = os.environ.get("KVWALL_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "kvwall")
+    return Path(base) / "local-device.json"
+
+
+def get_device(name: str) -> Device:
+    key = name.strip().lower()
+    if key == "local":
+        return local_device()
+    table = catalog.devices_table()
+    key = _ALIASES.get(key, key)
+    if key not in table:
+        raise KvwallError(f"unknown device {name!r}; known: {', '.join(table)}, local (after `kvwall calibrate`)")
+    return _from_entry(key, table[key])
+
+
+def local_device() -> Device:
+    path = profile_path()
+    if not path.is_file():
+        raise KvwallError(f"no profile of this machine at {path}; run `kvwall calibrate` first")
+    try:
+        return _from_entry("local", json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise KvwallError(f"the profile at {path} is damaged ({exc}); run `kvwall calibrate` again") from None
+
+
+def memory_only(memory_bytes: int) -> Device:
+    """A device known only by its memory size (for `fit --memory 80GB`)."""
+    return Device(name=f"{memory_bytes / 1e9:g} GB", memory_bytes=memory_bytes, bandwidth=float("nan"))

@@ -1,0 +1,111 @@
+"""What fits: the longest context for a batch, the largest batch for a context.
+
+A GPU's memory holds its share of the weights, its share of the cache, and a
+reserve (activations, CUDA context, allocator slack: 10 % of memory by
+default). With pipeline parallelism the busiest stage decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvwall.errors import KvwallError
+from kvwall.predict.memory import Formats, Parallel, memory
+from kvwall.spec.model import ModelSpec
+
+NEVER = 1 << 40  # a context no model reaches: if it fits, the cache does not grow with context
+
+
+@dataclass
+class FitResult:
+    memory_bytes: int  # per GPU
+    reserve_bytes: int
+    weight_bytes: int  # per GPU (busiest stage)
+    batch: int | None
+    context: int | None
+    max_context: int | None = None  # None with unbounded: the cache stops growing
+    max_batch: int | None = None
+    unbounded: bool = False
+    weights_fit: bool = True
+
+    @property
+    def available_bytes(self) -> int:
+        return self.memory_bytes - self.reserve_bytes - self.weight_bytes
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["available_bytes"] = self.available_bytes
+        return d
+
+
+def parse_reserve(text: str | None, memory_bytes: int) -> int:
+    from kvwall.units import parse_bytes
+
+    if text is None:
+        return memory_bytes // 10
+    text = str(text).strip()
+    if text.endswith("%"):
+        try:
+            frac = float(text[:-1]) / 100
+        except ValueError:
+            raise KvwallError(f"bad reserve {text!r}: write a percentage such as 10% or a size such as 4GB") from None
+        if not 0 <= frac < 1:
+            raise KvwallError(f"bad reserve {text!r}: a percentage must be from 0% to below 100%")
+        return int(memory_bytes * frac)
+    return 0 if text == "0" else parse_bytes(text, "reserve")
+
+
+def _need(spec, batch, context, formats, parallel, block) -> tuple[int, int]:
+    """(per-GPU weights, per-GPU weights + cache) on the busiest stage."""
+    rep = memory(spec, batch=batch, context=context, formats=formats, parallel=parallel, block_size=block)
+    totals = [rep.stage_bytes(s) for s in range(len(rep.stages))]
+    return max(w for w, _ in totals), max(w + c for w, c in totals)
+
+
+def _largest(ok, lo: int, hi: int) -> int:
+    """Largest n in [lo, hi] with ok(n), given ok(lo) and ok monotone decreasing."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def fit(spec: ModelSpec, memory_bytes: int, *, batch: int | None = None, context: int | None = None,
+        formats: Formats | None = None, parallel: Parallel | None = None, reserve_bytes: int | None = None,
+        block_size: int | None = None) -> FitResult:
+    """Give a batch to get the longest context, or a context to get the largest batch."""
+    formats = formats or Formats.for_spec(spec)
+    parallel = parallel or Parallel()
+    reserve = memory_bytes // 10 if reserve_bytes is None else reserve_bytes
+    budget = memory_bytes - reserve
+    if budget <= 0:
+        raise KvwallError("the reserve takes all of the memory; lower --reserve")
+    weights, _ = _need(spec, 1, 1, formats, parallel, block_size)
+    res = FitResult(memory_bytes, reserve, weights, batch, context)
+    if weights > budget:
+        res.weights_fit = False
+        return res
+
+    def fits(b: int, ctx: int) -> bool:
+        return _need(spec, b, ctx, formats, parallel, block_size)[1] <= budget
+
+    if context is None:
+        b = batch or 1
+        if fits(b, NEVER):
+            res.unbounded = True
+        elif fits(b, 1):
+            res.max_context = _largest(lambda n: fits(b, n), 1, NEVER)
+        else:
+            res.max_context = 0
+    else:
+        if not fits(1, context):
+            res.max_batch = 0
+        else:
+            hi = 1
+            while fits(hi * 2, context) and hi < NEVER:
+                hi *= 2
+            res.max_batch = _largest(lambda n: fits(n, context), hi, hi * 2)
+    return res

@@ -1,0 +1,114 @@
+"""Storage formats: how many bytes n elements take, scales and zero points included.
+
+Layout convention (the same for weights, KV cache and SSM state): elements are
+grouped along the contiguous dimension of each vector (a head's head_dim for a
+K or V vector, a row for a weight matrix) in groups of ``group`` elements. Each
+group stores ``bits`` per element, packed (sub-byte formats round the packed
+data of a vector up to whole bytes), plus one scale and, for asymmetric
+formats, one zero point:
+
+==========  ====  =====  ===========  ===========  ================================
+name        bits  group  scale        zero point   bytes per element (group default)
+==========  ====  =====  ===========  ===========  ================================
+fp32        32    -      -            -            4
+fp16/bf16   16    -      -            -            2
+fp8, e4m3,  8     -      per tensor   -            1 (one fp32 scale per tensor,
+e5m2                     (not counted)             a few bytes: not counted)
+int8        8     128    fp16         fp16         1 + 4/128   = 1.031
+int4        4     32     fp16         fp16         0.5 + 4/32  = 0.625  (KIVI-4)
+int2        2     32     fp16         fp16         0.25 + 4/32 = 0.375  (KIVI-2)
+nvfp4       4     16     fp8 e4m3     -            0.5 + 1/16  = 0.5625 (plus an fp32
+                                                   per-tensor scale, not counted)
+mxfp4       4     32     e8m0 (1 B)   -            0.5 + 1/32  = 0.53125
+==========  ====  =====  ===========  ===========  ================================
+
+Integer formats take a group size suffix: ``int4:g128`` (weights, GPTQ/AWQ
+style), ``int8:g64``; ``int8:sym`` drops the zero point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvwall.errors import KvwallError
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    bits: int
+    group: int | None = None  # elements sharing one scale (None: no per-group metadata)
+    scale_bytes: int = 0
+    zero_bytes: int = 0
+    torch_dtype: str | None = None  # the element type an engine stores (None: packed integers)
+
+    @property
+    def label(self) -> str:
+        if self.group is None or self.name.startswith(("nvfp4", "mxfp4")):
+            return self.name
+        return f"{self.name}:g{self.group}" + ("" if self.zero_bytes else ":sym")
+
+    def vector_bytes(self, n: int) -> int:
+        """Bytes of one vector of n elements: packed data + per-group scale/zero."""
+        data = -(-n * self.bits // 8)
+        if self.group is None:
+            return data
+        groups = -(-n // self.group)
+        return data + groups * (self.scale_bytes + self.zero_bytes)
+
+    def bytes(self, n_vectors: int, vector_len: int) -> int:
+        return n_vectors * self.vector_bytes(vector_len)
+
+    def bytes_per_element(self) -> float:
+        """Average, for a long vector made of whole groups."""
+        if self.group is None:
+            return self.bits / 8
+        return self.bits / 8 + (self.scale_bytes + self.zero_bytes) / self.group
+
+    def is_float(self) -> bool:
+        return self.torch_dtype is not None
+
+
+_BASE = {
+    "fp32": Format("fp32", 32, torch_dtype="float32"),
+    "fp16": Format("fp16", 16, torch_dtype="float16"),
+    "bf16": Format("bf16", 16, torch_dtype="bfloat16"),
+    "fp8": Format("fp8", 8, torch_dtype="float8_e4m3fn"),
+    "fp8_e4m3": Format("fp8_e4m3", 8, torch_dtype="float8_e4m3fn"),
+    "fp8_e5m2": Format("fp8_e5m2", 8, torch_dtype="float8_e5m2"),
+    "int8": Format("int8", 8, 128, 2, 2),
+    "int4": Format("int4", 4, 32, 2, 2),
+    "int2": Format("int2", 2, 32, 2, 2),
+    "nvfp4": Format("nvfp4", 4, 16, 1, 0),
+    "mxfp4": Format("mxfp4", 4, 32, 1, 0),
+}
+_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "e4m3": "fp8_e4m3",
+            "e5m2": "fp8_e5m2", "float8": "fp8", "fp4": "nvfp4"}
+FORMAT_NAMES = sorted(_BASE)
+
+
+def get_format(text: str) -> Format:
+    """'bf16', 'fp8', 'int4', 'int4:g128', 'int8:g64:sym' -> Format."""
+    parts = str(text).strip().lower().split(":")
+    base = _ALIASES.get(parts[0], parts[0])
+    if base not in _BASE:
+        raise KvwallError(f"unknown format {text!r}; known formats: {', '.join(FORMAT_NAMES)} "
+                          "(integer formats take :gN for group size, e.g. int4:g128)")
+    fmt = _BASE[base]
+    for opt in parts[1:]:
+        if fmt.group is None or base in ("nvfp4", "mxfp4"):
+            raise KvwallError(f"format {text!r}: {base} has a fixed layout and takes no options")
+        if opt == "sym":
+            fmt = Format(fmt.name, fmt.bits, fmt.group, fmt.scale_bytes, 0)
+        elif opt.startswith("g") and opt[1:].isdigit() and int(opt[1:]) > 0:
+            fmt = Format(fmt.name, fmt.bits, int(opt[1:]), fmt.scale_bytes, fmt.zero_bytes)
+        else:
+            raise KvwallError(f"format {text!r}: option {opt!r} not understood; use :gN (group size) or :sym")
+    return fmt
+
+
+def checkpoint_format(dtype: str | None) -> Format:
+    """The format a checkpoint's torch_dtype names (bf16 when unknown or absent)."""
+    if dtype in ("float32", "float16", "bfloat16"):
+        return get_format(dtype)
+    return _BASE["bf16"]

@@ -1,0 +1,299 @@
+"""Bytes: weights and the decode-time cache, per layer, per GPU.
+
+What each layer holds per sequence:
+
+* attention: K and V for every token it attends to: ``n_kv_heads x (head_dim + v_head_dim)``
+  elements per token; a sliding layer holds at most ``window`` tokens.
+* latent attention (MLA): one latent ``kv_lora_rank`` + one rope key ``qk_rope_head_dim`` per token.
+* Mamba / Mamba-2: a fixed conv state + SSM state, whatever the length.
+
+Totals scale linearly in batch. Paged allocation rounds each sequence's
+tokens up to whole blocks. Tensor parallel splits heads (and SSM channels)
+across GPUs; K/V heads are replicated when tp exceeds their number; MLA's
+latent cannot be split by head and is replicated on every GPU. Pipeline
+parallel gives each stage a contiguous run of layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvwall.errors import KvwallError
+from kvwall.predict.formats import Format, checkpoint_format, get_format
+from kvwall.spec.model import Attention, LatentAttention, Layer, Mamba, Mamba2, ModelSpec
+
+
+@dataclass(frozen=True)
+class Formats:
+    """Storage formats of the three kinds of bytes."""
+
+    weights: Format
+    kv: Format
+    state: Format
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec, weights: str | None = None, kv: str | None = None,
+                 state: str | None = None) -> "Formats":
+        """Defaults: the checkpoint's 16-bit type (bf16 for fp32 or unknown) for all three."""
+        base = checkpoint_format(spec.dtype)
+        if base.bits > 16:
+            base = get_format("bf16")
+        w = get_format(weights) if weights else base
+        return cls(w, get_format(kv) if kv else base, get_format(state) if state else base)
+
+    def as_dict(self) -> dict:
+        return {"weights": self.weights.label, "kv": self.kv.label, "state": self.state.label}
+
+
+@dataclass(frozen=True)
+class Parallel:
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        if self.tp < 1 or self.pp < 1:
+            raise KvwallError(f"tensor/pipeline parallel sizes must be at least 1 (got tp={self.tp}, pp={self.pp})")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+
+# -- per layer, per sequence ---------------------------------------------------
+
+def kv_heads_per_gpu(attn: Attention, tp: int) -> int:
+    """K/V heads one GPU holds: split tp ways, or one (replicated) head when tp > n_kv."""
+    if attn.n_q_heads % tp:
+        raise KvwallError(f"tp={tp} does not divide the {attn.n_q_heads} query heads; pick a divisor")
+    if attn.n_kv_heads >= tp:
+        if attn.n_kv_heads % tp:
+            raise KvwallError(f"tp={tp} does not divide the {attn.n_kv_heads} KV heads; pick a divisor")
+        return attn.n_kv_heads // tp
+    if tp % attn.n_kv_heads:
+        raise KvwallError(f"tp={tp} is not a multiple of the {attn.n_kv_heads} KV heads; pick one that is")
+    return 1
+
+
+def token_bytes(layer: Layer, kv: Format, tp: int = 1) -> int:
+    """Bytes one token of context costs this layer, per sequence, on one GPU."""
+    m = layer.mixer
+    if isinstance(m, Attention):
+        return kv_heads_per_gpu(m, tp) * (kv.vector_bytes(m.head_dim) + kv.vector_bytes(m.v_head_dim))
+    if isinstance(m, LatentAttention):
+        return kv.vector_bytes(m.kv_lora_rank + m.qk_rope_head_dim)
+    return 0
+
+
+def fixed_bytes(layer: Layer, state: Format, tp: int = 1) -> int:
+    """Bytes of state this layer holds per sequence regardless of length (SSM conv + SSM state)."""
+    m = layer.mixer
+    if isinstance(m, Mamba):
+        d = _split(m.d_inner, tp, "Mamba d_inner")
+        return state.bytes(d, m.d_conv) + state.bytes(d, m.d_state)
+    if isinstance(m, Mamba2):
+        heads = _split(m.n_heads, tp, "Mamba-2 heads")
+        groups = m.n_groups // tp if m.n_groups >= tp else 1
+        conv_dim = heads * m.head_dim + 2 * groups * m.d_state
+        return state.bytes(conv_dim, m.d_conv) + state.bytes(heads * m.head_dim, m.d_state)
+    return 0
+
+
+def tokens_held(layer: Layer, context: int) -> int:
+    m = layer.mixer
+    if isinstance(m, Attention) and m.window:
+        return min(context, m.window)
+    if isinstance(m, (Attention, LatentAttention)):
+        return context
+    return 0
+
+
+def _split(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise KvwallError(f"tp={tp} does not divide the {n} {what}; pick a divisor")
+    return n // tp
+
+
+def round_to_blocks(tokens: int, block: int | None) -> int:
+    return tokens if not block or tokens == 0 else -(-tokens // block) * block
+
+
+# -- weights -------------------------------------------------------------------
+
+def _param_bytes(params: float, fmt: Format) -> int:
+    return int(-(-params * fmt.bytes_per_element() // 1))
+
+
+def _keep16(fmt: Format) -> Format:
+    """Embeddings, norms and heads stay 16-bit when the weights are quantized below 16 bits."""
+    return fmt if fmt.bits >= 16 else get_format("bf16")
+
+
+def layer_weight_bytes(layer: Layer, spec: ModelSpec, fmt: Format, tp: int = 1) -> int:
+    """One GPU's share of a layer's weights: matrices split tp ways, norms replicated,
+    K/V projections replicated when tp > kv heads, MLA's shared latent projection replicated."""
+    h = spec.hidden
+    mats = 0.0
+    m = layer.mixer
+    if isinstance(m, Attention):
+        kvh = kv_heads_per_gpu(m, tp)
+        full = m.params(h)
+        kv_params = h * m.n_kv_heads * (m.head_dim + m.v_head_dim)
+        mats += (full - kv_params) / tp + kv_params * kvh / m.n_kv_heads
+    elif isinstance(m, LatentAttention):
+        shared = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+        mats += (m.params(h) - shared) / tp + shared
+    elif m is not None:
+        mats += m.params(h) / tp
+    if layer.ffn is not None:
+        mats += layer.ffn.params(h) / tp
+    return _param_bytes(mats, fmt) + _param_bytes(layer.norm_params, _keep16(fmt))
+
+
+def embedding_bytes(spec: ModelSpec, fmt: Format, tp: int = 1) -> tuple[int, int]:
+    """(input embedding, LM head + final norm) bytes on one GPU; vocab split tp ways."""
+    f16 = _keep16(fmt)
+    emb = _param_bytes(spec.embedding_params() / tp + spec.extra_params, f16)
+    head = _param_bytes(spec.lm_head_params() / tp, f16) + _param_bytes(spec.final_norm_params, f16)
+    return emb, head
+
+
+# -- reports -------------------------------------------------------------------
+
+@dataclass
+class LayerMemory:
+    index: int
+    kind: str
+    weight_bytes: int
+    token_bytes: int  # per token of context, per sequence
+    tokens_held: int  # per sequence, after the window
+    cache_bytes: int  # for the whole batch (paged: allocated)
+    fixed_bytes: int  # per sequence
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class MemoryReport:
+    spec: ModelSpec
+    batch: int
+    context: int
+    formats: Formats
+    parallel: Parallel
+    block_size: int | None
+    layers: list[LayerMemory]
+    embedding_bytes: int
+    head_bytes: int
+    stages: list[list[int]] = field(default_factory=list)  # layer indices per pipeline stage
+
+    @property
+    def weight_bytes(self) -> int:
+        """All weights of the model (one copy, unsharded)."""
+        return total_weight_bytes(self.spec, self.formats.weights)
+
+    @property
+    def cache_bytes(self) -> int:
+        """The whole batch's cache, all GPUs together (replicated copies counted once per GPU)."""
+        return sum(l.cache_bytes for l in self.layers) * self.parallel.tp
+
+    @property
+    def cache_used_bytes(self) -> int:
+        """Cache bytes actually holding tokens (paged allocation rounds up to blocks)."""
+        return self.parallel.tp * sum(
+            self.batch * (l.token_bytes * min(l.tokens_held, self.context) + l.fixed_bytes) for l in self.layers)
+
+    @property
+    def token_bytes(self) -> int:
+        """Per-token bytes of one sequence, summed over layers, on one GPU."""
+        return sum(l.token_bytes for l in self.layers)
+
+    @property
+    def fixed_bytes(self) -> int:
+        return sum(l.fixed_bytes for l in self.layers)
+
+    def stage_bytes(self, stage: int) -> tuple[int, int]:
+        """(weights, cache) on one GPU of a pipeline stage."""
+        idx = self.stages[stage]
+        w = sum(self.layers[i].weight_bytes for i in idx)
+        if stage == 0:
+            w += self.embedding_bytes
+        if stage == len(self.stages) - 1:
+            w += self.head_bytes
+        return w, sum(self.layers[i].cache_bytes for i in idx)
+
+    def per_gpu(self) -> tuple[int, int]:
+        """(weights, cache) of the busiest GPU."""
+        return max((self.stage_bytes(s) for s in range(len(self.stages))), key=lambda wc: wc[0] + wc[1])
+
+    def as_dict(self) -> dict:
+        w, c = self.per_gpu()
+        return {
+            "model": self.spec.name, "batch": self.batch, "context": self.context,
+            "formats": self.formats.as_dict(), "tp": self.parallel.tp, "pp": self.parallel.pp,
+            "block_size": self.block_size,
+            "params": self.spec.params(), "active_params": self.spec.active_params(),
+            "weight_bytes": self.weight_bytes, "cache_bytes": self.cache_bytes,
+            "cache_used_bytes": self.cache_used_bytes, "cache_waste_bytes": self.cache_bytes - self.cache_used_bytes,
+            "cache_bytes_per_token": cache_bytes_per_token(self.spec, self.formats.kv),
+            "cache_bytes_per_token_per_gpu": self.token_bytes,
+            "fixed_bytes_per_sequence": self.fixed_bytes,
+            "per_gpu": {"weight_bytes": w, "cache_bytes": c, "total_bytes": w + c},
+            "layers": [l.as_dict() for l in self.layers],
+        }
+
+
+def total_weight_bytes(spec: ModelSpec, fmt: Format) -> int:
+    emb, head = embedding_bytes(spec, fmt)
+    return emb + head + sum(layer_weight_bytes(l, spec, fmt) for l in spec.layers)
+
+
+def pipeline_stages(n_layers: int, pp: int) -> list[list[int]]:
+    if pp > n_layers:
+        raise KvwallError(f"pp={pp} is more pipeline stages than the model's {n_layers} layers")
+    base, extra = divmod(n_layers, pp)
+    stages, start = [], 0
+    for s in range(pp):
+        size = base + (1 if s < extra else 0)
+        stages.append(list(range(start, start + size)))
+        start += size
+    return stages
+
+
+def memory(spec: ModelSpec, *, batch: int = 1, context: int = 4096, formats: Formats | None = None,
+           parallel: Parallel | None = None, block_size: int | None = None) -> MemoryReport:
+    """Weights and cache for `batch` sequences of `context` tokens each."""
+    if batch <= 0 or context <= 0:
+        raise KvwallError(f"batch and context must be positive (got batch={batch}, context={context})")
+    if block_size is not None and block_size <= 0:
+        raise KvwallError(f"block size must be positive (got {block_size})")
+    formats = formats or Formats.for_spec(spec)
+    par = parallel or Parallel()
+    layers = []
+    for i, layer in enumerate(spec.layers):
+        tb = token_bytes(layer, formats.kv, par.tp)
+        held = tokens_held(layer, context)
+        fb = fixed_bytes(layer, formats.state, par.tp)
+        cache = batch * (tb * round_to_blocks(held, block_size) + fb)
+        kind = layer.mixer.kind if layer.mixer is not None else (layer.ffn.kind if layer.ffn else "identity")
+        if isinstance(layer.mixer, Attention) and layer.mixer.window:
+            kind = "sliding"
+        layers.append(LayerMemory(i, kind, layer_weight_bytes(layer, spec, formats.weights, par.tp), tb, held, cache, fb))
+    emb, head = embedding_bytes(spec, formats.weights, par.tp)
+    return MemoryReport(spec, batch, context, formats, par, block_size, layers, emb, head,
+                        pipeline_stages(spec.n_layers, par.pp))
+
+
+def cache_bytes_per_token(spec: ModelSpec, kv: Format) -> int:
+    """Per-token cache bytes of one sequence with every attention layer still below its window."""
+    return sum(token_bytes(layer, kv) for layer in spec.layers)
+
+
+def growth_bytes_per_token(spec: ModelSpec, kv: Format) -> int:
+    """Per-token cache bytes once every sliding layer holds its full window (full-attention layers only)."""
+    return sum(token_bytes(layer, kv) for layer in spec.layers
+               if not (isinstance(layer.mixer, Attention) and layer.mixer.window))
+
+
+def state_bytes(spec: ModelSpec, state: Format) -> int:
+    """Fixed per-sequence state bytes (SSM layers)."""
+    return sum(fixed_bytes(layer, state) for layer in spec.layers)

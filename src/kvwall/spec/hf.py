@@ -1,0 +1,426 @@
+"""Hugging Face ``config.json`` -> ModelSpec.
+
+This is the only module that knows Hugging Face field names. One parser per
+family; a new architecture is a new function registered in ``PARSERS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+from kvwall.errors import KvwallError
+from kvwall.spec.model import (
+    MLP,
+    Attention,
+    Layer,
+    LatentAttention,
+    Mamba,
+    Mamba2,
+    ModelSpec,
+    MoE,
+    dt_rank_auto,
+)
+
+_MISSING = object()
+
+
+class Config:
+    """A config dict plus where it came from, so a missing field names its file."""
+
+    def __init__(self, data: dict[str, Any], where: str):
+        self.data = data
+        self.where = where
+
+    def req(self, *keys: str) -> Any:
+        for key in keys:
+            if self.data.get(key) is not None:
+                return self.data[key]
+        names = " or ".join(repr(k) for k in keys)
+        mt = self.data.get("model_type", "?")
+        raise KvwallError(f"{self.where} has no {names} (needed for model_type {mt!r}); add it to the config")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key, _MISSING)
+        return default if value is _MISSING or value is None else value
+
+    def positive(self, *keys: str) -> int:
+        value = self.req(*keys)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise KvwallError(f"{self.where}: {keys[0]!r} is {value!r}; it must be a positive integer")
+        return value
+
+
+def _dtype(c: Config) -> str | None:
+    return c.get("torch_dtype") or c.get("dtype")
+
+
+def _windows(c: Config, n_layers: int, default_sliding: Callable[[int], bool] | None) -> list[int | None]:
+    """Per-layer sliding window: from `layer_types` when present, else the family's rule."""
+    window = c.get("sliding_window")
+    types = c.get("layer_types")
+    if types is not None:
+        if len(types) != n_layers:
+            raise KvwallError(f"{c.where}: layer_types has {len(types)} entries but num_hidden_layers is {n_layers}")
+        out: list[int | None] = []
+        for t in types:
+            if t == "full_attention":
+                out.append(None)
+            elif t == "sliding_attention":
+                if not window:
+                    raise KvwallError(f"{c.where}: layer_types says sliding_attention but sliding_window is not set")
+                out.append(int(window))
+            else:
+                raise KvwallError(f"{c.where}: layer type {t!r} is not supported (full_attention, sliding_attention)")
+        return out
+    if not window or default_sliding is None:
+        return [None] * n_layers
+    return [int(window) if default_sliding(i) else None for i in range(n_layers)]
+
+
+def _attention(c: Config, hidden: int, *, qkv_bias=False, o_bias=False, qk_norm=False, window=None, theta=None):
+    n_q = c.positive("num_attention_heads")
+    n_kv = c.get("num_key_value_heads") or n_q
+    head_dim = c.get("head_dim") or hidden // n_q
+    if n_q % n_kv:
+        raise KvwallError(f"{c.where}: num_attention_heads {n_q} is not a multiple of num_key_value_heads {n_kv}")
+    return Attention(n_q, n_kv, head_dim, head_dim, window, qkv_bias, o_bias, qk_norm,
+                     theta if theta is not None else float(c.get("rope_theta", 10000.0)))
+
+
+def _decoder(c: Config, name: str, layers: list[Layer], *, tied: bool, final_norm: int, hidden: int,
+             vocab: int | None = None, pos: int = 0, extra: int = 0, notes=()) -> ModelSpec:
+    return ModelSpec(
+        name=name, model_type=c.req("model_type"), hidden=hidden, vocab=vocab or c.positive("vocab_size"),
+        layers=tuple(layers), tied_embeddings=tied, position_embeddings=pos, final_norm_params=final_norm,
+        max_context=c.get("max_position_embeddings"), dtype=_dtype(c), extra_params=extra, notes=tuple(notes),
+    )
+
+
+# -- families ---------------------------------------------------------------
+
+def parse_gpt2(c: Config, name: str) -> ModelSpec:
+    d = c.positive("n_embd", "hidden_size")
+    n_layer = c.positive("n_layer", "num_hidden_layers")
+    n_head = c.positive("n_head", "num_attention_heads")
+    d_ff = c.get("n_inner") or 4 * d
+    attn = Attention(n_head, n_head, d // n_head, d // n_head, None, qkv_bias=True, o_bias=True)
+    layer = Layer(attn, MLP(d_ff, gated=False, bias=True), norm_params=4 * d)  # two LayerNorms, weight + bias
+    n_pos = c.positive("n_positions", "max_position_embeddings")
+    spec = _decoder(c, name, [layer] * n_layer, tied=c.get("tie_word_embeddings", True), final_norm=2 * d,
+                    hidden=d, pos=n_pos, notes=["learned absolute positions (wpe)"])
+    return replace(spec, max_context=n_pos)
+
+
+def _llama_family(c: Config, name: str, *, qkv_bias: bool, qk_norm: bool = False,
+                  sliding_rule: Callable[[int], bool] | None = lambda i: True,
+                  ffn: Callable[[int], Any] | None = None) -> ModelSpec:
+    hidden = c.positive("hidden_size")
+    n = c.positive("num_hidden_layers")
+    bias = bool(c.get("attention_bias", False))
+    windows = _windows(c, n, sliding_rule)
+    dense = MLP(c.positive("intermediate_size"), gated=True, bias=bool(c.get("mlp_bias", False))) if ffn is None else None
+    layers = []
+    for i in range(n):
+        attn = _attention(c, hidden, qkv_bias=qkv_bias or bias, o_bias=bias, qk_norm=qk_norm, window=windows[i])
+        layers.append(Layer(attn, dense if ffn is None else ffn(i), norm_params=2 * hidden))
+    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden)
+
+
+def parse_llama(c: Config, name: str) -> ModelSpec:
+    return _llama_family(c, name, qkv_bias=False)
+
+
+def parse_qwen2(c: Config, name: str) -> ModelSpec:
+    return _llama_family(c, name, qkv_bias=True, sliding_rule=_qwen_sliding(c))
+
+
+def parse_qwen3(c: Config, name: str) -> ModelSpec:
+    return _llama_family(c, name, qkv_bias=False, qk_norm=True, sliding_rule=_qwen_sliding(c))
+
+
+def _qwen_sliding(c: Config) -> Callable[[int], bool] | None:
+    """Qwen2/3: sliding only when use_sliding_window, and only for layers >= max_window_layers."""
+    if not c.get("use_sliding_window", False):
+        return None
+    start = c.get("max_window_layers", 0)
+    return lambda i: i >= start
+
+
+def _moe_from(c: Config, experts_key: str, width_key: str, **kw) -> MoE:
+    return MoE(c.positive(experts_key), c.positive("num_experts_per_tok"), c.positive(width_key), **kw)
+
+
+def parse_mixtral(c: Config, name: str) -> ModelSpec:
+    moe = _moe_from(c, "num_local_experts", "intermediate_size")
+    return _llama_family(c, name, qkv_bias=False, ffn=lambda i: moe)
+
+
+def parse_qwen_moe(c: Config, name: str) -> ModelSpec:
+    """qwen2_moe / qwen3_moe: MoE on layers (i+1) % decoder_sparse_step == 0 not in mlp_only_layers."""
+    shared = c.get("shared_expert_intermediate_size", 0)
+    moe = _moe_from(c, "num_experts", "moe_intermediate_size", n_shared=1 if shared else 0, d_shared=shared,
+                    shared_gate=bool(shared))
+    dense = MLP(c.positive("intermediate_size"))
+    step = c.get("decoder_sparse_step", 1)
+    dense_only = set(c.get("mlp_only_layers", []))
+
+    def ffn(i: int):
+        return moe if (i not in dense_only and (i + 1) % step == 0) else dense
+
+    qwen3 = c.req("model_type") == "qwen3_moe"
+    return _llama_family(c, name, qkv_bias=not qwen3, qk_norm=qwen3, sliding_rule=_qwen_sliding(c), ffn=ffn)
+
+
+def parse_phi3(c: Config, name: str) -> ModelSpec:
+    return _llama_family(c, name, qkv_bias=False)
+
+
+# Gemma 3 text defaults (transformers Gemma3TextConfig), for multimodal configs whose
+# text_config lists only the fields that differ.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "tie_word_embeddings": True, "model_type": "gemma3_text",
+}
+
+
+def _gemma(c: Config, name: str, *, qk_norm: bool, sliding_rule, local_theta=None, extra=0, notes=()) -> ModelSpec:
+    hidden = c.positive("hidden_size")
+    n = c.positive("num_hidden_layers")
+    windows = _windows(c, n, sliding_rule)
+    mlp = MLP(c.positive("intermediate_size"), gated=True)
+    layers = []
+    for i in range(n):
+        theta = local_theta if (windows[i] and local_theta) else None
+        attn = _attention(c, hidden, qkv_bias=bool(c.get("attention_bias", False)), qk_norm=qk_norm,
+                          window=windows[i], theta=theta)
+        layers.append(Layer(attn, mlp, norm_params=4 * hidden))  # input, post-attn, pre-ffn, post-ffn
+    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", True)), final_norm=hidden,
+                    hidden=hidden, extra=extra, notes=notes)
+
+
+def parse_gemma2(c: Config, name: str) -> ModelSpec:
+    return _gemma(c, name, qk_norm=False, sliding_rule=lambda i: i % 2 == 0)
+
+
+def parse_gemma3_text(c: Config, name: str) -> ModelSpec:
+    pattern = c.get("sliding_window_pattern", 6)
+    return _gemma(c, name, qk_norm=True, sliding_rule=lambda i: (i + 1) % pattern != 0,
+                  local_theta=float(c.get("rope_local_base_freq", 10_000.0)))
+
+
+def parse_gemma3(c: Config, name: str) -> ModelSpec:
+    """Multimodal Gemma 3: the language model is text_config (over Gemma3TextConfig defaults)."""
+    text = dict(GEMMA3_TEXT_DEFAULTS)
+    text.update({k: v for k, v in c.req("text_config").items() if v is not None})
+    text.setdefault("torch_dtype", _dtype(c))
+    vision = c.get("vision_config")
+    extra, notes = 0, []
+    if vision:
+        extra = siglip_params(Config(vision, c.where + " vision_config"), text["hidden_size"])
+        notes.append(f"includes the SigLIP vision tower and projector ({extra:,} parameters)")
+    spec = parse_gemma3_text(Config(text, c.where + " text_config"), name)
+    return replace(spec, model_type="gemma3", extra_params=extra, notes=spec.notes + tuple(notes))
+
+
+def siglip_params(v: Config, text_hidden: int) -> int:
+    """SigLIP vision encoder + Gemma 3's multimodal projector (parameter count only)."""
+    d = v.positive("hidden_size")
+    ff = v.positive("intermediate_size")
+    patch = v.positive("patch_size")
+    image = v.positive("image_size")
+    channels = v.get("num_channels", 3)
+    embed = channels * patch * patch * d + d + (image // patch) ** 2 * d
+    layer = 4 * (d * d + d) + 2 * (d * ff) + ff + d + 2 * 2 * d  # attention, MLP, two LayerNorms
+    post_norm = 2 * d
+    projector = d * text_hidden + d  # mm_input_projection_weight + mm_soft_emb_norm
+    return embed + v.positive("num_hidden_layers") * layer + post_norm + projector
+
+
+def parse_deepseek(c: Config, name: str) -> ModelSpec:
+    hidden = c.positive("hidden_size")
+    n = c.positive("num_hidden_layers")
+    mla = LatentAttention(
+        n_heads=c.positive("num_attention_heads"), kv_lora_rank=c.positive("kv_lora_rank"),
+        q_lora_rank=c.get("q_lora_rank"), qk_nope_head_dim=c.positive("qk_nope_head_dim"),
+        qk_rope_head_dim=c.positive("qk_rope_head_dim"), v_head_dim=c.positive("v_head_dim"),
+    )
+    dense = MLP(c.positive("intermediate_size"))
+    moe = None
+    if c.get("n_routed_experts"):
+        width = c.positive("moe_intermediate_size")
+        moe = MoE(c.positive("n_routed_experts"), c.positive("num_experts_per_tok"), width,
+                  n_shared=c.get("n_shared_experts", 0))
+    first_dense = c.get("first_k_dense_replace", 0)
+    freq = c.get("moe_layer_freq", 1)
+    layers = [Layer(mla, moe if (moe and i >= first_dense and i % freq == 0) else dense, norm_params=2 * hidden)
+              for i in range(n)]
+    notes = []
+    if c.get("num_nextn_predict_layers"):
+        notes.append(f"{c.get('num_nextn_predict_layers')} multi-token-prediction layer(s) not counted "
+                     "(transformers does not load them)")
+    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden,
+                    hidden=hidden, notes=notes)
+
+
+def parse_mamba(c: Config, name: str) -> ModelSpec:
+    hidden = c.positive("hidden_size")
+    dt_rank = c.get("time_step_rank", "auto")
+    mixer = Mamba(
+        d_inner=c.get("intermediate_size") or c.get("expand", 2) * hidden, d_state=c.positive("state_size"),
+        d_conv=c.positive("conv_kernel"), dt_rank=dt_rank_auto(hidden) if dt_rank == "auto" else int(dt_rank),
+        conv_bias=bool(c.get("use_conv_bias", True)), proj_bias=bool(c.get("use_bias", False)),
+    )
+    layers = [Layer(mixer, None, norm_params=hidden)] * c.positive("num_hidden_layers", "n_layer")
+    notes = ["falcon_mamba: RMS norms on B, C, dt have no weights"] if c.req("model_type") == "falcon_mamba" else []
+    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", True)), final_norm=hidden,
+                    hidden=hidden, notes=notes)
+
+
+def parse_mamba2(c: Config, name: str) -> ModelSpec:
+    hidden = c.positive("hidden_size")
+    mixer = Mamba2(
+        n_heads=c.positive("num_heads"), head_dim=c.positive("head_dim"), d_state=c.positive("state_size"),
+        n_groups=c.get("n_groups", 1), d_conv=c.positive("conv_kernel"),
+        conv_bias=bool(c.get("use_conv_bias", True)), proj_bias=bool(c.get("use_bias", False)),
+    )
+    expand = c.get("expand", 2)
+    if mixer.d_inner != int(expand * hidden):
+        raise KvwallError(f"{c.where}: num_heads x head_dim = {mixer.d_inner} but expand x hidden_size = "
+                          f"{int(expand * hidden)}; fix one of them")
+    layers = [Layer(mixer, None, norm_params=hidden)] * c.positive("num_hidden_layers")
+    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden)
+
+
+def parse_mamba_ssm(c: Config, name: str) -> ModelSpec:
+    """state-spaces `mamba_ssm` format (d_model, n_layer, ssm_cfg): Mamba or Mamba-2, optional attention."""
+    d = c.positive("d_model")
+    ssm = c.get("ssm_cfg", {})
+    expand = ssm.get("expand", 2)
+    if ssm.get("layer", "Mamba1") == "Mamba2":
+        d_inner = expand * d
+        head_dim = ssm.get("headdim", 64)
+        mixer: Any = Mamba2(d_inner // head_dim, head_dim, ssm.get("d_state", 128), ssm.get("ngroups", 1),
+                            ssm.get("d_conv", 4), ssm.get("conv_bias", True), ssm.get("bias", False))
+    else:
+        dt = ssm.get("dt_rank", "auto")
+        mixer = Mamba(expand * d, ssm.get("d_state", 16), ssm.get("d_conv", 4),
+                      dt_rank_auto(d) if dt == "auto" else int(dt), ssm.get("conv_bias", True), ssm.get("bias", False))
+    attn_idx = set(c.get("attn_layer_idx", []))
+    attn_cfg = c.get("attn_cfg", {})
+    d_ff = c.get("d_intermediate", 0)
+    layers = []
+    for i in range(c.positive("n_layer")):
+        norms = d * (2 if d_ff else 1)
+        if i in attn_idx:
+            n_q = attn_cfg.get("num_heads", 1)
+            hd = attn_cfg.get("head_dim") or d // n_q
+            m: Any = Attention(n_q, attn_cfg.get("num_heads_kv") or n_q, hd, hd,
+                               qkv_bias=attn_cfg.get("qkv_proj_bias", True), o_bias=attn_cfg.get("out_proj_bias", True))
+        else:
+            m = mixer
+        layers.append(Layer(m, MLP(d_ff) if d_ff else None, norm_params=norms))
+    vocab = c.positive("vocab_size")
+    multiple = c.get("pad_vocab_size_multiple", 1)
+    padded = -(-vocab // multiple) * multiple
+    data = dict(c.data, model_type="mamba_ssm")
+    return _decoder(Config(data, c.where), name, layers, tied=bool(c.get("tie_embeddings", True)), final_norm=d,
+                    hidden=d, vocab=padded, notes=[f"vocab {vocab} padded to {padded} (multiple of {multiple})"])
+
+
+def parse_jamba(c: Config, name: str) -> ModelSpec:
+    hidden = c.positive("hidden_size")
+    n = c.positive("num_hidden_layers")
+    dt = c.get("mamba_dt_rank", "auto")
+    mamba = Mamba(c.get("mamba_expand", 2) * hidden, c.get("mamba_d_state", 16), c.get("mamba_d_conv", 4),
+                  dt_rank_auto(hidden) if dt == "auto" else int(dt), bool(c.get("mamba_conv_bias", True)),
+                  bool(c.get("mamba_proj_bias", False)), inner_norms=True)
+    dense = MLP(c.positive("intermediate_size"))
+    n_exp = c.get("num_experts", 1)
+    moe = MoE(n_exp, c.positive("num_experts_per_tok"), c.positive("intermediate_size")) if n_exp > 1 else dense
+    a_period, a_offset = c.get("attn_layer_period", 8), c.get("attn_layer_offset", 4)
+    e_period, e_offset = c.get("expert_layer_period", 2), c.get("expert_layer_offset", 1)
+    windows = _windows(c, n, lambda i: True)
+    layers = []
+    for i in range(n):
+        mixer = _attention(c, hidden, window=windows[i]) if i % a_period == a_offset else mamba
+        layers.append(Layer(mixer, moe if i % e_period == e_offset else dense, norm_params=2 * hidden))
+    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden)
+
+
+def parse_nemotron_h(c: Config, name: str) -> ModelSpec:
+    """Nemotron-H: hybrid_override_pattern, one char per block: M Mamba-2, * attention, - MLP, E MoE."""
+    hidden = c.positive("hidden_size")
+    pattern = c.req("hybrid_override_pattern")
+    n = c.positive("num_hidden_layers")
+    if len(pattern) != n:
+        raise KvwallError(f"{c.where}: hybrid_override_pattern has {len(pattern)} blocks but num_hidden_layers is {n}")
+    mamba = Mamba2(c.positive("mamba_num_heads"), c.positive("mamba_head_dim"), c.positive("ssm_state_size"),
+                   c.get("n_groups", 1), c.get("conv_kernel", 4), bool(c.get("use_conv_bias", True)),
+                   bool(c.get("use_bias", False)))
+    n_q = c.positive("num_attention_heads")
+    hd = c.get("attention_head_dim") or c.get("head_dim") or hidden // n_q
+    bias = bool(c.get("attention_bias", False))
+    attn = Attention(n_q, c.get("num_key_value_heads") or n_q, hd, hd, None, bias, bias)
+    layers = []
+    for ch in pattern:
+        if ch == "M":
+            layers.append(Layer(mamba, None, norm_params=hidden))
+        elif ch == "*":
+            layers.append(Layer(attn, None, norm_params=hidden))
+        elif ch == "-":
+            layers.append(Layer(None, MLP(c.positive("intermediate_size"), gated=False, bias=bool(c.get("mlp_bias"))),
+                                norm_params=hidden))
+        elif ch == "E":
+            moe = MoE(c.positive("n_routed_experts"), c.positive("num_experts_per_tok"),
+                      c.positive("moe_intermediate_size"), n_shared=c.get("n_shared_experts", 0),
+                      d_shared=c.get("moe_shared_expert_intermediate_size", 0), gated=False)
+            layers.append(Layer(None, moe, norm_params=hidden))
+        else:
+            raise KvwallError(f"{c.where}: hybrid_override_pattern has block {ch!r}; known blocks are M, *, -, E")
+    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden)
+
+
+PARSERS: dict[str, Callable[[Config, str], ModelSpec]] = {
+    "gpt2": parse_gpt2,
+    "llama": parse_llama,
+    "mistral": parse_llama,
+    "mixtral": parse_mixtral,
+    "qwen2": parse_qwen2,
+    "qwen3": parse_qwen3,
+    "qwen2_moe": parse_qwen_moe,
+    "qwen3_moe": parse_qwen_moe,
+    "phi3": parse_phi3,
+    "gemma2": parse_gemma2,
+    "gemma3_text": parse_gemma3_text,
+    "gemma3": parse_gemma3,
+    "deepseek_v2": parse_deepseek,
+    "deepseek_v3": parse_deepseek,
+    "mamba": parse_mamba,
+    "falcon_mamba": parse_mamba,
+    "mamba2": parse_mamba2,
+    "jamba": parse_jamba,
+    "nemotron_h": parse_nemotron_h,
+}
+
+
+def spec_from_config(data: Any, name: str = "model", where: str = "config.json") -> ModelSpec:
+    """Parse a config.json dict into a ModelSpec (raises KvwallError with a one-line reason)."""
+    if not isinstance(data, dict):
+        raise KvwallError(f"{where} is not a JSON object; a Hugging Face config.json is")
+    c = Config(data, where)
+    model_type = data.get("model_type")
+    if model_type is None and "d_model" in data and "n_layer" in data:
+        return parse_mamba_ssm(c, name)
+    if model_type is None:
+        raise KvwallError(f"{where} has no 'model_type'; supported: {', '.join(sorted(PARSERS))}")
+    parser = PARSERS.get(model_type)
+    if parser is None:
+        raise KvwallError(f"model_type {model_type!r} in {where} is not supported; supported: "
+                          f"{', '.join(sorted(PARSERS))}")
+    try:
+        return parser(c, name)
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a field of the wrong type
+        raise KvwallError(f"{where}: a field has an unexpected type or value ({exc}); check the config") from None

@@ -1,0 +1,353 @@
+"""The model spec: one description of a model that predict, engine and measure all read.
+
+A model is an embedding, a stack of layers and an LM head. Each layer has a
+*sequence mixer* (what mixes information across tokens, and so what has to be
+remembered at decode time) and a *channel mixer* (per-token MLP or MoE). Either
+may be absent: a Mamba block has no channel mixer, a Nemotron-H "-" block has
+no sequence mixer.
+
+Everything here is plain frozen data. Parameter counts are methods because
+they follow from the shapes; memory and time live in ``kvwall.predict``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Union
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Softmax attention with n_q query heads sharing n_kv key/value heads (MHA/GQA/MQA)."""
+
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int  # query/key head dimension
+    v_head_dim: int
+    window: int | None = None  # sliding window: attend to (and keep) the last `window` tokens
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    rope_theta: float | None = None  # None: learned or no rotary positions
+
+    kind = "attention"
+
+    def params(self, hidden: int) -> int:
+        q = hidden * self.n_q_heads * self.head_dim
+        k = hidden * self.n_kv_heads * self.head_dim
+        v = hidden * self.n_kv_heads * self.v_head_dim
+        o = self.n_q_heads * self.v_head_dim * hidden
+        bias = 0
+        if self.qkv_bias:
+            bias += (self.n_q_heads + self.n_kv_heads) * self.head_dim + self.n_kv_heads * self.v_head_dim
+        if self.o_bias:
+            bias += hidden
+        norms = 2 * self.head_dim if self.qk_norm else 0
+        return q + k + v + o + bias + norms
+
+    def cache_elems_per_token(self) -> int:
+        return self.n_kv_heads * (self.head_dim + self.v_head_dim)
+
+    def describe(self) -> str:
+        grp = "MHA" if self.n_kv_heads == self.n_q_heads else ("MQA" if self.n_kv_heads == 1 else "GQA")
+        s = f"{grp} {self.n_q_heads}q/{self.n_kv_heads}kv x {self.head_dim}"
+        if self.v_head_dim != self.head_dim:
+            s += f" (v {self.v_head_dim})"
+        if self.window:
+            s += f", window {self.window}"
+        return s
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2/V3): the cache holds one compressed
+    latent c_kv (kv_lora_rank) plus one shared rotary key (qk_rope_head_dim) per token."""
+
+    n_heads: int
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    kind = "latent"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def params(self, hidden: int) -> int:
+        h, qd = self.n_heads, self.qk_head_dim
+        if self.q_lora_rank:
+            q = hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qd  # q_a, norm, q_b
+        else:
+            q = hidden * h * qd
+        kv_a = hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank  # + kv_a norm
+        kv_b = self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+        o = h * self.v_head_dim * hidden
+        return q + kv_a + kv_b + o
+
+    def cache_elems_per_token(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def describe(self) -> str:
+        return f"MLA {self.n_heads} heads, latent {self.kv_lora_rank} + rope {self.qk_rope_head_dim}"
+
+
+@dataclass(frozen=True)
+class Mamba:
+    """Mamba (S6) selective SSM block: in_proj -> causal depthwise conv -> selective scan -> out_proj."""
+
+    d_inner: int
+    d_state: int
+    d_conv: int
+    dt_rank: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    inner_norms: bool = False  # Jamba: RMSNorm (with weights) on dt, B and C
+
+    kind = "mamba"
+
+    def params(self, hidden: int) -> int:
+        d, n, r = self.d_inner, self.d_state, self.dt_rank
+        in_proj = hidden * 2 * d + (2 * d if self.proj_bias else 0)
+        conv = d * self.d_conv + (d if self.conv_bias else 0)
+        x_proj = d * (r + 2 * n)
+        dt_proj = r * d + d
+        a_d = d * n + d
+        out = d * hidden + (hidden if self.proj_bias else 0)
+        norms = (r + 2 * n) if self.inner_norms else 0
+        return in_proj + conv + x_proj + dt_proj + a_d + out + norms
+
+    def state_elems(self) -> int:
+        """conv state (d_inner x d_conv) + SSM state (d_inner x d_state), per sequence."""
+        return self.d_inner * self.d_conv + self.d_inner * self.d_state
+
+    def describe(self) -> str:
+        return f"Mamba d_inner {self.d_inner}, d_state {self.d_state}, d_conv {self.d_conv}"
+
+
+@dataclass(frozen=True)
+class Mamba2:
+    """Mamba-2 (SSD) block: scalar decay per head, n_groups shared B/C, gated RMSNorm before out_proj."""
+
+    n_heads: int
+    head_dim: int
+    d_state: int
+    n_groups: int
+    d_conv: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+
+    kind = "mamba2"
+
+    @property
+    def d_inner(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    def params(self, hidden: int) -> int:
+        proj_out = 2 * self.d_inner + 2 * self.n_groups * self.d_state + self.n_heads  # z, x, B, C, dt
+        in_proj = hidden * proj_out + (proj_out if self.proj_bias else 0)
+        conv = self.conv_dim * self.d_conv + (self.conv_dim if self.conv_bias else 0)
+        heads = 3 * self.n_heads  # dt_bias, A_log, D
+        norm = self.d_inner
+        out = self.d_inner * hidden + (hidden if self.proj_bias else 0)
+        return in_proj + conv + heads + norm + out
+
+    def state_elems(self) -> int:
+        """conv state (conv_dim x d_conv) + SSM state (n_heads x head_dim x d_state), per sequence."""
+        return self.conv_dim * self.d_conv + self.n_heads * self.head_dim * self.d_state
+
+    def describe(self) -> str:
+        return f"Mamba-2 {self.n_heads} heads x {self.head_dim}, d_state {self.d_state}, groups {self.n_groups}"
+
+
+@dataclass(frozen=True)
+class MLP:
+    """Dense feed-forward: gated (SwiGLU/GeGLU: gate, up, down) or plain (up, down)."""
+
+    d_ff: int
+    gated: bool = True
+    bias: bool = False
+
+    kind = "mlp"
+
+    def params(self, hidden: int) -> int:
+        mats = 3 if self.gated else 2
+        bias = ((2 if self.gated else 1) * self.d_ff + hidden) if self.bias else 0
+        return mats * hidden * self.d_ff + bias
+
+    def describe(self) -> str:
+        return f"MLP {self.d_ff}{' gated' if self.gated else ''}"
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Mixture of experts: a router picks top_k of n_experts per token; shared experts always run."""
+
+    n_experts: int
+    top_k: int
+    d_expert: int
+    n_shared: int = 0
+    d_shared: int = 0  # width of each shared expert (0: same as d_expert)
+    gated: bool = True
+    shared_gate: bool = False  # Qwen2-MoE style sigmoid gate on the shared expert
+
+    kind = "moe"
+
+    def expert_params(self, hidden: int) -> int:
+        return MLP(self.d_expert, self.gated).params(hidden)
+
+    def shared_params(self, hidden: int) -> int:
+        width = self.d_shared or self.d_expert
+        return self.n_shared * MLP(width, self.gated).params(hidden) + (hidden if self.shared_gate else 0)
+
+    def params(self, hidden: int) -> int:
+        router = hidden * self.n_experts
+        return router + self.n_experts * self.expert_params(hidden) + self.shared_params(hidden)
+
+    def active_params(self, hidden: int) -> int:
+        return self.params(hidden) - (self.n_experts - self.top_k) * self.expert_params(hidden)
+
+    def describe(self) -> str:
+        s = f"MoE {self.n_experts} experts top-{self.top_k} x {self.d_expert}"
+        if self.n_shared:
+            s += f" + {self.n_shared} shared"
+        return s
+
+
+SequenceMixer = Union[Attention, LatentAttention, Mamba, Mamba2]
+ChannelMixer = Union[MLP, MoE]
+
+
+@dataclass(frozen=True)
+class Layer:
+    mixer: SequenceMixer | None
+    ffn: ChannelMixer | None
+    norm_params: int = 0  # parameters of the block's own norms (not the mixers' inner norms)
+
+    def params(self, hidden: int) -> int:
+        p = self.norm_params
+        if self.mixer is not None:
+            p += self.mixer.params(hidden)
+        if self.ffn is not None:
+            p += self.ffn.params(hidden)
+        return p
+
+    def active_params(self, hidden: int) -> int:
+        if isinstance(self.ffn, MoE):
+            return self.params(hidden) - self.ffn.params(hidden) + self.ffn.active_params(hidden)
+        return self.params(hidden)
+
+    def describe(self) -> str:
+        parts = [m.describe() for m in (self.mixer, self.ffn) if m is not None]
+        return " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    model_type: str
+    hidden: int
+    vocab: int
+    layers: tuple[Layer, ...]
+    tied_embeddings: bool = False
+    position_embeddings: int = 0  # learned absolute positions (GPT-2); 0 for rotary / none
+    final_norm_params: int = 0
+    max_context: int | None = None
+    dtype: str | None = None  # the checkpoint's torch_dtype
+    extra_params: int = 0  # parameters outside the decoder stack that a deployment loads (e.g. a vision tower)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    # -- parameter counts -------------------------------------------------
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + self.position_embeddings * self.hidden
+
+    def lm_head_params(self) -> int:
+        return 0 if self.tied_embeddings else self.vocab * self.hidden
+
+    def params(self) -> int:
+        return (
+            self.embedding_params()
+            + self.lm_head_params()
+            + sum(layer.params(self.hidden) for layer in self.layers)
+            + self.final_norm_params
+            + self.extra_params
+        )
+
+    def active_params(self) -> int:
+        """Parameters one token's forward pass uses (MoE: routed top_k + shared experts only)."""
+        inactive = sum(layer.params(self.hidden) - layer.active_params(self.hidden) for layer in self.layers)
+        return self.params() - inactive
+
+    # -- structure ---------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def has(self, kind: str) -> bool:
+        return any(
+            (layer.mixer is not None and layer.mixer.kind == kind) or (layer.ffn is not None and layer.ffn.kind == kind)
+            for layer in self.layers
+        )
+
+    def family(self) -> str:
+        """A short label of the model's memory kind: attention, MLA, SSM or hybrid."""
+        kinds = {layer.mixer.kind for layer in self.layers if layer.mixer is not None}
+        ssm = kinds & {"mamba", "mamba2"}
+        if ssm and kinds - ssm:
+            return "hybrid"
+        if ssm:
+            return "ssm"
+        if kinds == {"latent"}:
+            return "mla"
+        windows = {layer.mixer.window for layer in self.layers if isinstance(layer.mixer, Attention)}
+        if None not in windows:
+            return "sliding"
+        if len(windows) > 1:
+            return "local/global"
+        return "attention"
+
+    def layer_groups(self) -> list[tuple[str, list[int]]]:
+        """Consecutive-or-not groups of identical layers: [(description, [indices])] in first-seen order."""
+        groups: dict[str, list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            groups.setdefault(layer.describe() or "(identity)", []).append(i)
+        return list(groups.items())
+
+    # -- what-if reshaping -------------------------------------------------
+    def with_kv_heads(self, n_kv: int) -> "ModelSpec":
+        """Every attention layer re-shaped to n_kv key/value heads (n_q stays)."""
+        layers = []
+        for layer in self.layers:
+            m = layer.mixer
+            if isinstance(m, Attention):
+                m = replace(m, n_kv_heads=n_kv)
+            layers.append(replace(layer, mixer=m))
+        return replace(self, layers=tuple(layers))
+
+    def with_window(self, window: int | None) -> "ModelSpec":
+        """Every attention layer given the same sliding window (None: full attention everywhere)."""
+        layers = []
+        for layer in self.layers:
+            m = layer.mixer
+            if isinstance(m, Attention):
+                m = replace(m, window=window)
+            layers.append(replace(layer, mixer=m))
+        return replace(self, layers=tuple(layers))
+
+    def attention_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer.mixer, (Attention, LatentAttention))]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dt_rank_auto(hidden: int) -> int:
+    return math.ceil(hidden / 16)

@@ -1,0 +1,92 @@
+"""Human units in and out.
+
+Token counts use binary multipliers, as context lengths are quoted: 4k = 4,096,
+128k = 131,072, 1M = 1,048,576. Memory sizes follow their suffix: GB is 10^9
+(vendors' capacities), GiB is 2^30. Bytes are printed in IEC units (KiB ... TiB).
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvwall.errors import KvwallError
+
+_TOKEN_MULT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_BYTE_MULT = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+
+
+def parse_tokens(text: str | int, what: str = "token count") -> int:
+    """'128k' -> 131072; '4096' -> 4096. Must be a positive whole number of tokens."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text))
+        if not m:
+            raise KvwallError(f"bad {what} {text!r}: write a whole number such as 4096, 32k or 1M")
+        value = float(m.group(1)) * _TOKEN_MULT[m.group(2).lower()]
+        if value != int(value):
+            raise KvwallError(f"bad {what} {text!r}: it is not a whole number of tokens")
+        value = int(value)
+    if value <= 0:
+        raise KvwallError(f"bad {what} {text!r}: it must be at least 1")
+    return value
+
+
+def parse_token_list(text: str, what: str = "token count") -> list[int]:
+    return [parse_tokens(part, what) for part in str(text).split(",") if part.strip()] or [parse_tokens(text, what)]
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) <= 0:
+            raise KvwallError(f"bad {what} {text!r}: give positive whole numbers separated by commas, e.g. 1,8,64")
+        out.append(int(part))
+    return out
+
+
+def parse_bytes(text: str, what: str = "memory size") -> int:
+    """'80GB' -> 80e9; '24GiB' -> 24*2^30; a bare number is bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _BYTE_MULT:
+        raise KvwallError(f"bad {what} {text!r}: write e.g. 80GB, 24GiB or 512MB")
+    value = int(float(m.group(1)) * _BYTE_MULT[m.group(2).lower()])
+    if value <= 0:
+        raise KvwallError(f"bad {what} {text!r}: it must be more than 0")
+    return value
+
+
+def fmt_bytes(n: float, digits: int = 1) -> str:
+    """IEC units: 131072 -> '128 KiB', 70272 -> '68.6 KiB'."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            if unit == "B":
+                return f"{int(n)} B"
+            text = f"{n:.{digits}f}".rstrip("0").rstrip(".")
+            return f"{text} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_tokens(n: int) -> str:
+    """131072 -> '128k', 1048576 -> '1M', 5000 -> '5000'."""
+    for suffix, mult in (("M", 1 << 20), ("k", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{suffix}"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.2f}M"
+    return str(n)
+
+
+def fmt_count(n: float) -> str:
+    """Parameter counts: 8030261248 -> '8.03B'."""
+    for suffix, mult in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= mult:
+            return f"{n / mult:.3g}{suffix}" if n / mult < 100 else f"{n / mult:.0f}{suffix}"
+    return str(int(n))
