@@ -1,0 +1,36 @@
+"""Byte layouts of storage formats, by hand."""
+
+import pytest
+
+from kvwall.errors import KvwallError
+from kvwall.predict.formats import get_format
+
+
+@pytest.mark.parametrize("name, n, expected", [
+    ("fp32", 128, 512),
+    ("bf16", 128, 256),
+    ("fp16", 128, 256),
+    ("fp8", 128, 128),
+    ("int8", 128, 128 + 1 * (2 + 2)),        # one group of 128: fp16 scale + fp16 zero
+    ("int8:g64", 128, 128 + 2 * 4),
+    ("int8:g64:sym", 128, 128 + 2 * 2),      # symmetric: no zero point
+    ("int4", 128, 64 + 4 * (2 + 2)),         # KIVI-4: groups of 32
+    ("int4:g128", 128, 64 + 1 * 4),          # GPTQ/AWQ-style weights
+    ("int2", 128, 32 + 4 * 4),
+    ("nvfp4", 128, 64 + 8 * 1),              # blocks of 16, one e4m3 scale each
+    ("mxfp4", 128, 64 + 4 * 1),              # blocks of 32, one e8m0 scale each
+    ("int4", 5, 3 + 1 * 4),                  # 5 nibbles pack into 3 bytes; one partial group
+])
+def test_vector_bytes(name, n, expected):
+    assert get_format(name).vector_bytes(n) == expected
+
+
+def test_bytes_per_element_of_nvfp4_is_4_5_bits():
+    assert get_format("nvfp4").bytes_per_element() * 8 == pytest.approx(4.5)
+    assert get_format("mxfp4").bytes_per_element() * 8 == pytest.approx(4.25)
+
+
+@pytest.mark.parametrize("bad", ["fp7", "int4:x", "nvfp4:g32", "int8:g0", ""])
+def test_bad_formats(bad):
+    with pytest.raises(KvwallError):
+        get_format(bad)
