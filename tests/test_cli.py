@@ -49,7 +49,7 @@ def test_show_and_models_and_devices(capsys):
     models = run_json(capsys, "models")
     assert len(models) >= 20
     devices = run_json(capsys, "devices")
-    h100 = next(d for d in devices if d["name"] == "h100-sxm")
+    h100 = next(d for d in devices["devices"] if d["name"] == "h100-sxm")
     assert h100["balance_bf16"] == pytest.approx(989e12 / 3.35e12)  # ~295 FLOP/byte
 
 

@@ -10,7 +10,7 @@ from kvwall.errors import KvwallError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvwall.commands import memory_cmds
+    from kvwall.commands import memory_cmds, speed_cmds
 
     p = argparse.ArgumentParser(
         prog="kvwall",
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvwall {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     memory_cmds.register(sub)
+    speed_cmds.register(sub)
     return p
 
 

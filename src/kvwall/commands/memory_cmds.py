@@ -96,8 +96,8 @@ def cmd_models(args) -> int:
 def cmd_devices(args) -> int:
     devs = [dev.get_device(n) for n in dev.device_names()]
     if args.json:
-        print_json([d.as_dict() | {"balance_bf16": _balance(d, "bf16"), "balance_fp8": _balance(d, "fp8")}
-                    for d in devs])
+        print_json({"devices": [d.as_dict() | {"balance_bf16": _balance(d, "bf16"), "balance_fp8": _balance(d, "fp8")}
+                                for d in devs], "balance_trend": balance_trend()})
         return 0
     rows = []
     for d in devs:
@@ -108,8 +108,31 @@ def cmd_devices(args) -> int:
     t = table("Accelerators (dense peaks; balance = FLOP per byte at which compute and memory take equal time)",
               ["device", "year", "memory", "bandwidth", "bf16 TFLOP/s", "fp8", "fp4", "balance bf16", "fp8",
                "link (bidir)"], rows, caption="Sources and unconfirmed figures: `kvwall devices --json`.")
-    console().print(t)
+    c = console()
+    c.print(t)
+    trend = balance_trend()
+    c.print(table("Compute outgrows bandwidth: dense 16-bit peak vs memory bandwidth across generations",
+                  ["device", "year", "TFLOP/s", "x V100", "GB/s", "x V100", "balance FLOP/B"],
+                  [[r["device"], r["year"], f"{r['flops'] / 1e12:,.0f}", f"{r['flops_growth']:.1f}x",
+                    f"{r['bandwidth'] / 1e9:,.0f}", f"{r['bandwidth_growth']:.1f}x", f"{r['balance']:,.0f}"]
+                   for r in trend]))
     return 0
+
+
+TREND = ["v100-sxm", "a100-80gb", "h100-sxm", "h200", "b200"]
+
+
+def balance_trend() -> list[dict]:
+    """V100 -> B200: 16-bit tensor peak (bf16, or fp16 on V100) vs bandwidth, relative to the first."""
+    rows = []
+    for name in TREND:
+        d = dev.get_device(name)
+        rows.append({"device": name, "year": d.year, "flops": d.flops("bf16"), "bandwidth": d.bandwidth,
+                     "balance": d.balance("bf16")})
+    for r in rows:
+        r["flops_growth"] = r["flops"] / rows[0]["flops"]
+        r["bandwidth_growth"] = r["bandwidth"] / rows[0]["bandwidth"]
+    return rows
 
 
 def _peak(d: dev.Device, dtype: str) -> float | None:

@@ -1,0 +1,298 @@
+"""`kvwall roofline | speed | speculate`: the time predictor on the command line."""
+
+from __future__ import annotations
+
+import argparse
+from collections import OrderedDict
+
+from kvwall import catalog
+from kvwall.commands import common
+from kvwall.errors import KvwallError
+from kvwall.predict import devices as dev
+from kvwall.predict.fit import fit
+from kvwall.predict.roofline import (Roof, compute_bound_batch, decode, energy_estimate, prefill, speculative)
+from kvwall.report.tables import console, print_json, table
+from kvwall.spec.model import LatentAttention
+from kvwall.units import fmt_bytes, fmt_tokens, parse_int_list, parse_token_list, parse_tokens
+
+
+def add_roof_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("device and roofline assumptions")
+    g.add_argument("--device", default="h100-sxm", help="catalog device or `local` (default h100-sxm)")
+    g.add_argument("--compute-dtype", default="bf16", help="dtype of the math (bf16, fp16, fp8, fp32; default bf16)")
+    g.add_argument("--compute-eff", type=float, default=1.0, help="fraction of peak FLOP/s reached (default 1.0)")
+    g.add_argument("--mem-eff", type=float, default=1.0, help="fraction of bandwidth reached (default 1.0)")
+    g.add_argument("--link-latency", type=float, default=5.0, help="microseconds per collective (default 5)")
+
+
+def roof_from(args) -> Roof:
+    for name in ("compute_eff", "mem_eff"):
+        v = getattr(args, name)
+        if not 0 < v <= 1:
+            raise KvwallError(f"--{name.replace('_', '-')} {v}: must be in (0, 1]")
+    if args.link_latency < 0:
+        raise KvwallError("--link-latency must not be negative")
+    roof = Roof(dev.get_device(args.device), args.compute_dtype, args.compute_eff, args.mem_eff,
+                args.link_latency * 1e-6)
+    if roof.bandwidth != roof.bandwidth:
+        raise KvwallError(f"device {args.device!r} has no bandwidth figure")
+    roof.peak  # raises a clear error if the dtype has no peak on this device
+    return roof
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("roofline", help="FLOPs, bytes, intensity and time per op and per phase")
+    p.add_argument("model")
+    p.add_argument("--batch", default="1", help="batch sizes, e.g. 1,8,64 (default 1)")
+    p.add_argument("--context", default="4k", help="tokens in the cache at the decode step (default 4k)")
+    p.add_argument("--prompt", default="2k", help="prompt tokens for prefill / TTFT (default 2k)")
+    p.add_argument("--mla", choices=["absorbed", "naive"], help="MLA decode form (default absorbed)")
+    p.add_argument("--ops", action="store_true", help="print every op of every layer, not one row per op kind")
+    p.add_argument("--plot", metavar="PNG", help="write a roofline chart (ops as points under the roof)")
+    common.add_model_knobs(p)
+    common.add_parallel(p)
+    add_roof_args(p)
+    common.add_json(p)
+    p.set_defaults(func=cmd_roofline)
+
+    p = sub.add_parser("speed", help="TTFT and decode speed vs context, model against model")
+    p.add_argument("models", nargs="+")
+    p.add_argument("--context", default="1k,4k,16k,64k,128k,512k", help="contexts (default 1k..512k)")
+    p.add_argument("--prompt", default="2k", help="prompt tokens for TTFT (default 2k)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--plot", metavar="PNG", help="decode time per token vs context, one line per model")
+    common.add_model_knobs(p)
+    common.add_parallel(p)
+    add_roof_args(p)
+    common.add_json(p)
+    p.set_defaults(func=cmd_speed)
+
+    p = sub.add_parser("speculate", help="speculative decoding: expected tokens per target pass and speed-up")
+    p.add_argument("model", help="target model")
+    p.add_argument("--draft", required=True, help="draft model")
+    p.add_argument("--acceptance", type=float, default=0.7, help="per-token acceptance rate (default 0.7)")
+    p.add_argument("--k", default="1,2,3,4,5,6,8,10,12,16", help="drafted tokens per pass to try")
+    p.add_argument("--context", default="4k")
+    p.add_argument("--batch", type=int, default=1)
+    common.add_model_knobs(p)
+    add_roof_args(p)
+    common.add_json(p)
+    p.set_defaults(func=cmd_speculate)
+
+
+# -- roofline ----------------------------------------------------------------------
+
+def _group_ops(per_op: list[dict]) -> list[dict]:
+    """Sum ops of the same name across layers."""
+    groups: "OrderedDict[str, dict]" = OrderedDict()
+    for op in per_op:
+        key = op["name"].split(" (")[0] if op["name"].startswith("experts") else op["name"]
+        g = groups.setdefault(key, {"name": key, "count": 0, "flops": 0.0, "bytes": 0.0, "time_s": 0.0,
+                                    "bounds": set()})
+        g["count"] += 1
+        g["flops"] += op["flops"]
+        g["bytes"] += op["bytes"]
+        g["time_s"] += op["time_s"]
+        g["bounds"].add(op["bound"])
+    out = []
+    for g in groups.values():
+        g["intensity"] = g["flops"] / g["bytes"] if g["bytes"] else None
+        g["bound"] = "/".join(sorted(g.pop("bounds")))
+        out.append(g)
+    return out
+
+
+def cmd_roofline(args) -> int:
+    spec, fm, notes = common.model_and_formats(args.model, args)
+    roof = roof_from(args)
+    par = common.parallel(args)
+    batches = parse_int_list(args.batch, "batch")
+    ctx, prompt = parse_tokens(args.context, "context"), parse_tokens(args.prompt, "prompt")
+    absorbed = None if args.mla is None else args.mla == "absorbed"
+    energy = catalog.energy_table()
+    phases = []
+    for b in batches:
+        pf = prefill(spec, prompt, b, fm, roof, par)
+        dc = decode(spec, ctx, b, fm, roof, par, absorbed)
+        phases.append({"batch": b, "prefill": pf, "decode": dc,
+                       "ttft_s": pf.time_s, "tpot_s": dc.time_s, "tokens_per_s_per_seq": 1 / dc.time_s,
+                       "tokens_per_s_total": b / dc.time_s,
+                       "energy_per_token": _per_token(energy_estimate(dc, roof, energy), b)})
+    mem = fit(spec, roof.device.memory_bytes, context=ctx, formats=fm, parallel=par)
+    ceiling = None
+    if mem.weights_fit and mem.max_batch:
+        top = decode(spec, ctx, mem.max_batch, fm, roof, par, absorbed)
+        ceiling = {"batch": mem.max_batch, "tokens_per_s_total": mem.max_batch / top.time_s, "tpot_s": top.time_s}
+    data = {
+        "model": spec.name, "formats": fm.as_dict(), "tp": par.tp, "pp": par.pp, "context": ctx, "prompt": prompt,
+        "assumptions": roof.assumptions() | {"mla_decode": _mla_mode(spec, absorbed)},
+        "phases": [{**{k: v for k, v in p.items() if k not in ("prefill", "decode")},
+                    "prefill": p["prefill"].as_dict(), "decode": p["decode"].as_dict()} for p in phases],
+        "compute_bound_batch_weights": compute_bound_batch(spec, ctx, fm, roof, par, scope="weights"),
+        "compute_bound_batch_step": compute_bound_batch(spec, ctx, fm, roof, par, scope="step"),
+        "throughput_ceiling": ceiling, "weights_fit": mem.weights_fit,
+        "notes": list(spec.notes) + notes + _fit_note(mem.weights_fit, spec.name, roof.device.name),
+    }
+    if args.plot:
+        _roofline_plot(spec.name, phases[0], roof, args.plot)
+        data["plot"] = args.plot
+    if args.json:
+        print_json(data)
+        return 0
+    _print_roofline(data, phases, roof, args)
+    return 0
+
+
+def _fit_note(fits: bool, model: str, device: str) -> list[str]:
+    return [] if fits else [f"{model}'s weights do not fit one {device} at this tp/pp: times are what-ifs "
+                            "(add --tp/--pp or a smaller --weight-format)"]
+
+
+def _mla_mode(spec, absorbed) -> str | None:
+    if not any(isinstance(l.mixer, LatentAttention) for l in spec.layers):
+        return None
+    return "naive" if absorbed is False else "absorbed"
+
+
+def _per_token(e: dict, batch: int) -> dict:
+    return {k: (v / batch if isinstance(v, float) and k.endswith("joules") else v) for k, v in e.items()}
+
+
+def _print_roofline(data, phases, roof: Roof, args) -> None:
+    c = console()
+    a = data["assumptions"]
+    par = f", tp={data['tp']} pp={data['pp']}" if data["tp"] * data["pp"] > 1 else ""
+    c.print(f"[bold]{data['model']}[/bold] on {roof.device.name}{par}: weights {data['formats']['weights']}, "
+            f"KV {data['formats']['kv']}; prompt {fmt_tokens(data['prompt'])}, decode at context "
+            f"{fmt_tokens(data['context'])}")
+    c.print(f"roof: {a['peak_flops'] / 1e12:,.0f} TFLOP/s {a['compute_dtype']} x{a['compute_eff']:g}, "
+            f"{a['bandwidth_Bps'] / 1e9:,.0f} GB/s x{a['mem_eff']:g} -> balance {a['machine_balance']:,.0f} FLOP/B"
+            + (f"; MLA decode {a['mla_decode']}" if a["mla_decode"] else ""))
+    rows = []
+    for p in phases:
+        for ph in (p["prefill"], p["decode"]):
+            rows.append([ph.name, p["batch"], _ms(ph.time_s), f"{ph.flops / 1e9:,.1f}", fmt_bytes(ph.bytes),
+                         f"{ph.intensity:,.1f}", ph.bound])
+    c.print(table("per phase", ["phase", "batch", "time", "GFLOP", "bytes", "FLOP/B", "bound"], rows))
+    rows = []
+    for p in phases:
+        e = p["energy_per_token"]["joules"]
+        rows.append([p["batch"], _ms(p["ttft_s"]), _ms(p["tpot_s"]), f"{p['tokens_per_s_per_seq']:,.1f}",
+                     f"{p['tokens_per_s_total']:,.0f}", f"{e * 1e3:,.2f} mJ" if e else "-"])
+    c.print(table("serving", ["batch", "TTFT", "time/token", "tok/s per seq", "tok/s total", "energy/token*"], rows,
+                  caption="* estimate: DRAM bytes x pJ/byte of the memory type + FLOPs x TDP/peak, capped at TDP x time "
+                          "(sources: kvwall/catalog/energy.json)"))
+    ops = _group_ops(phases[0]["decode"].per_op) if not args.ops else phases[0]["decode"].per_op
+    c.print(table(f"decode ops, batch {phases[0]['batch']} (summed over layers)" if not args.ops else "decode ops",
+                  ["op", "n", "GFLOP", "bytes", "FLOP/B", "time", "bound"],
+                  [[o["name"] if not args.ops else f"{o['layer']}: {o['name']}", o.get("count", 1),
+                    f"{o['flops'] / 1e9:,.2f}", fmt_bytes(o["bytes"]),
+                    f"{o['intensity']:,.1f}" if o["intensity"] not in (None, float("inf")) else "-",
+                    _ms(o["time_s"]), o["bound"]] for o in ops]))
+    wb, sb = data["compute_bound_batch_weights"], data["compute_bound_batch_step"]
+    c.print(f"decode turns compute-bound: weight matmuls at batch {wb if wb else 'above 65536'}; the whole step "
+            + (f"at batch {sb}" if sb else "never (attention over the cache stays memory-bound at any batch)"))
+    ceil = data["throughput_ceiling"]
+    if ceil:
+        c.print(f"throughput ceiling at {fmt_tokens(data['context'])} (cache fills the memory, 10% reserve): "
+                f"batch {ceil['batch']:,} -> {ceil['tokens_per_s_total']:,.0f} tok/s, {_ms(ceil['tpot_s'])}/token")
+    else:
+        c.print("throughput ceiling: weights (or one sequence's cache) do not fit one GPU's memory")
+    if args.plot:
+        c.print(f"roofline chart written to {args.plot}")
+    for note in data["notes"]:
+        c.print(f"note: {note}")
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.3f} ms" if s < 1 else f"{s:,.2f} s"
+
+
+def _roofline_plot(name: str, phase: dict, roof: Roof, path: str) -> None:
+    from kvwall.report import plots
+
+    points = []
+    for ph in (phase["prefill"], phase["decode"]):
+        for g in _group_ops(ph.per_op):
+            if g["flops"] and g["bytes"] and g["time_s"]:
+                points.append({"label": g["name"], "intensity": g["intensity"], "flops_per_s": g["flops"] / g["time_s"],
+                               "phase": ph.name})
+    plots.roofline(points, roof.peak, roof.bandwidth,
+                   f"{name} on {roof.device.name}, batch {phase['batch']}: ops under the roof", path)
+
+
+# -- speed -------------------------------------------------------------------------
+
+def cmd_speed(args) -> int:
+    roof = roof_from(args)
+    par = common.parallel(args)
+    contexts = parse_token_list(args.context, "context")
+    prompt = parse_tokens(args.prompt, "prompt")
+    if args.batch <= 0:
+        raise KvwallError(f"--batch must be at least 1 (got {args.batch})")
+    out = []
+    for name in args.models:
+        spec, fm, notes = common.model_and_formats(name, args)
+        ttft = prefill(spec, prompt, args.batch, fm, roof, par).time_s
+        per_ctx = [{"context": c, "tpot_s": decode(spec, c, args.batch, fm, roof, par).time_s} for c in contexts]
+        for r in per_ctx:
+            r["tokens_per_s"] = 1 / r["tpot_s"]
+        fits = fit(spec, roof.device.memory_bytes, batch=args.batch, formats=fm, parallel=par).weights_fit
+        out.append({"model": spec.name, "family": spec.family(), "formats": fm.as_dict(), "ttft_s": ttft,
+                    "decode": per_ctx, "weights_fit": fits,
+                    "notes": notes + _fit_note(fits, spec.name, roof.device.name)})
+    data = {"device": roof.device.name, "batch": args.batch, "prompt": prompt, "assumptions": roof.assumptions(),
+            "models": out}
+    if args.plot:
+        from kvwall.report import plots
+
+        plots.lines({m["model"]: [(r["context"], r["tpot_s"] * 1e3) for r in m["decode"]] for m in out},
+                    "context (tokens)", "decode time per token (ms)",
+                    f"The memory wall on {roof.device.name}: decode time vs context (batch {args.batch})", args.plot)
+        data["plot"] = args.plot
+    if args.json:
+        print_json(data)
+        return 0
+    rows = [[m["model"] + ("" if m["weights_fit"] else " (!)"), m["family"], _ms(m["ttft_s"]),
+             *[f"{r['tokens_per_s']:,.1f}" for r in m["decode"]]] for m in out]
+    console().print(table(
+        f"decode tok/s per sequence on {roof.device.name} (batch {args.batch}; TTFT for a {fmt_tokens(prompt)} prompt)",
+        ["model", "family", "TTFT", *[f"@{fmt_tokens(c)}" for c in contexts]], rows,
+        caption=f"ideal roofline: compute x{roof.compute_eff:g}, bandwidth x{roof.mem_eff:g}; contexts past a model's "
+                "trained maximum are what-ifs; (!) weights do not fit one device at this tp/pp"))
+    if args.plot:
+        console().print(f"plot written to {args.plot}")
+    return 0
+
+
+# -- speculate ---------------------------------------------------------------------
+
+def cmd_speculate(args) -> int:
+    if not 0 <= args.acceptance <= 1:
+        raise KvwallError(f"--acceptance {args.acceptance}: must be between 0 and 1")
+    roof = roof_from(args)
+    target, fm_t, notes = common.model_and_formats(args.model, args)
+    draft, fm_d, _ = common.model_and_formats(args.draft, args)
+    ctx = parse_tokens(args.context, "context")
+    ks = parse_int_list(args.k, "k")
+    rows = speculative(target, draft, ctx, ks, args.acceptance, fm_t, fm_d, roof, args.batch)
+    best = max(rows, key=lambda r: r["speedup"])
+    data = {"target": target.name, "draft": draft.name, "acceptance": args.acceptance, "context": ctx,
+            "batch": args.batch, "device": roof.device.name, "rows": rows, "best_k": best["k"],
+            "formula": "E[tokens] = (1 - a^(k+1)) / (1 - a); speed-up = E x t_target / (k t_draft + t_verify(k+1))",
+            "assumptions": roof.assumptions()}
+    if args.json:
+        print_json(data)
+        return 0
+    c = console()
+    c.print(f"[bold]{target.name}[/bold] drafted by [bold]{draft.name}[/bold] on {roof.device.name}, acceptance "
+            f"{args.acceptance:g}, context {fmt_tokens(ctx)}, batch {args.batch}")
+    c.print(table("speculative decoding", ["k", "E[tokens]/pass", "draft", "verify", "time/token", "speed-up"],
+                  [[r["k"], f"{r['expected_tokens']:.2f}", _ms(r["draft_s"]), _ms(r["verify_s"]),
+                    _ms(r["time_per_token_s"]), f"{r['speedup']:.2f}x"] for r in rows],
+                  caption=data["formula"] + " (Leviathan et al. 2023)"))
+    losing = [r["k"] for r in rows if r["speedup"] < 1]
+    c.print(f"best k = {best['k']} ({best['speedup']:.2f}x); "
+            + (f"stops paying (speed-up < 1) at k = {losing[0]}" if losing else
+               f"every k tried pays; past k = {best['k']} extra drafts cost more than they add"))
+    return 0

@@ -1,0 +1,201 @@
+"""Roofline time: each op takes max(FLOPs / peak, bytes / bandwidth); a step is the sum of its ops.
+
+Assumptions, stated in every output:
+
+* peak = the device's dense peak for the compute dtype x ``compute_eff``;
+  bandwidth = its memory bandwidth x ``mem_eff`` (defaults 1.0: an ideal
+  roofline, a lower bound on time; the ``local`` profile's bandwidth is
+  already a measured, achievable figure);
+* ops do not overlap each other (no fusion across ops), and each op overlaps
+  its own compute with its own memory traffic;
+* tensor parallel adds one ring all-reduce per block: 2 (tp-1)/tp x bytes over
+  the interconnect plus a fixed latency; pipeline parallel runs stages one
+  after another for one batch (no micro-batch overlap) and adds one
+  point-to-point transfer of the activations between stages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvwall.predict.devices import Device
+from kvwall.predict.memory import Formats, Parallel, pipeline_stages
+from kvwall.predict.ops import ACT_BYTES, Op, Step, step_ops
+from kvwall.spec.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class Roof:
+    device: Device
+    dtype: str = "bf16"
+    compute_eff: float = 1.0
+    mem_eff: float = 1.0
+    link_latency_s: float = 5e-6  # per collective; NCCL small-message latency is a few microseconds
+
+    @property
+    def peak(self) -> float:
+        return self.device.flops(self.dtype) * self.compute_eff
+
+    @property
+    def bandwidth(self) -> float:
+        return self.device.bandwidth * self.mem_eff
+
+    @property
+    def balance(self) -> float:
+        return self.peak / self.bandwidth
+
+    def op_time(self, op: Op) -> float:
+        t = max(op.flops / self.peak, op.bytes / self.bandwidth)
+        if op.link_bytes:
+            link = self.device.interconnect_bw
+            t += self.link_latency_s + (op.link_bytes / link if link else math.inf)
+        return t
+
+    def bound(self, op: Op) -> str:
+        if op.link_bytes and not op.flops and not op.bytes:
+            return "link"
+        return "compute" if op.flops / self.peak >= op.bytes / self.bandwidth else "memory"
+
+    def assumptions(self) -> dict:
+        return {"device": self.device.name, "compute_dtype": self.dtype, "peak_flops": self.peak,
+                "bandwidth_Bps": self.bandwidth, "compute_eff": self.compute_eff, "mem_eff": self.mem_eff,
+                "link_latency_s": self.link_latency_s, "machine_balance": self.balance,
+                "counted": "weights, KV cache, SSM state, 16-bit activations; not norms, residuals, rotary, softmax",
+                "overlap": "none across ops; compute/memory overlap within an op"}
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    step: Step
+    ops: list[Op]
+    time_s: float
+    flops: float
+    bytes: float
+    compute_s: float  # sum of FLOPs / peak
+    memory_s: float  # sum of bytes / bandwidth
+    link_s: float = 0.0
+    per_op: list[dict] = field(default_factory=list)
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else math.inf
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+    def as_dict(self) -> dict:
+        return {"phase": self.name, "batch": self.step.batch, "past_tokens": self.step.past,
+                "new_tokens": self.step.new, "time_s": self.time_s, "flops": self.flops, "bytes": self.bytes,
+                "intensity": self.intensity, "compute_s": self.compute_s, "memory_s": self.memory_s,
+                "link_s": self.link_s, "bound": self.bound, "ops": self.per_op}
+
+
+def run_step(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Parallel | None = None,
+             name: str = "step", mla_absorbed: bool | None = None) -> PhaseResult:
+    """Time one step on the roofline; with pipeline parallel, stages run one after another."""
+    par = par or Parallel()
+    ops = step_ops(spec, step, fm, par.tp, mla_absorbed)
+    if par.pp > 1:
+        pipeline_stages(spec.n_layers, par.pp)  # validates pp against the layer count
+        ops.append(Op("pipeline send", None, link_bytes=(par.pp - 1) * step.tokens * spec.hidden * ACT_BYTES))
+    per_op, total = [], 0.0
+    for op in ops:
+        t = roof.op_time(op)
+        total += t
+        per_op.append({**op.as_dict(), "time_s": t, "bound": roof.bound(op)})
+    flops = sum(o.flops for o in ops)
+    nbytes = sum(o.bytes for o in ops)
+    link = sum(roof.op_time(o) for o in ops if o.link_bytes)
+    return PhaseResult(name, step, ops, total, flops, nbytes, flops / roof.peak, nbytes / roof.bandwidth, link, per_op)
+
+
+def prefill(spec, prompt: int, batch: int, fm: Formats, roof: Roof, par: Parallel | None = None) -> PhaseResult:
+    return run_step(spec, Step(batch, 0, prompt), fm, roof, par, name="prefill")
+
+
+def decode(spec, context: int, batch: int, fm: Formats, roof: Roof, par: Parallel | None = None,
+           mla_absorbed: bool | None = None) -> PhaseResult:
+    """One decode step whose cache holds `context` tokens once this token is written."""
+    return run_step(spec, Step(batch, context - 1, 1), fm, roof, par, name="decode", mla_absorbed=mla_absorbed)
+
+
+CACHE_OPS = ("attention", "latent attention", "kv_b_proj (up-project cache)")
+
+
+def compute_bound_batch(spec, context: int, fm: Formats, roof: Roof, par: Parallel | None = None,
+                        scope: str = "step", limit: int = 1 << 16) -> int | None:
+    """Smallest decode batch at which FLOP time reaches memory time, or None if not by `limit`.
+
+    scope "step": the whole step; "weights": only the ops that read weights (projections, MLP,
+    experts, LM head), which turn compute-bound near the machine balance while attention over the
+    cache, whose intensity does not grow with batch, may never do.
+    """
+    def compute_bound(b: int) -> bool:
+        r = decode(spec, context, b, fm, roof, par)
+        ops = r.ops if scope == "step" else [o for o in r.ops if o.name not in CACHE_OPS]
+        return sum(o.flops for o in ops) / roof.peak >= sum(o.bytes for o in ops) / roof.bandwidth
+
+    if not compute_bound(limit):
+        return None
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if compute_bound(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+# -- speculative decoding ---------------------------------------------------------
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Expected tokens per target pass with k drafted tokens, each accepted with probability a
+    (independently): (1 - a^(k+1)) / (1 - a)  [Leviathan et al. 2023, eq. 1]."""
+    if not 0 <= acceptance <= 1:
+        raise ValueError("acceptance must be in [0, 1]")
+    if acceptance == 1:
+        return k + 1.0
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def speculative(target: ModelSpec, draft: ModelSpec, context: int, k_values: list[int], acceptance: float,
+                fm_target: Formats, fm_draft: Formats, roof: Roof, batch: int = 1) -> list[dict]:
+    """Speed-up over plain decoding: E[tokens] x t_target(1) / (k x t_draft(1) + t_target(k+1 tokens))."""
+    base = decode(target, context, batch, fm_target, roof).time_s
+    draft_step = decode(draft, context, batch, fm_draft, roof).time_s
+    rows = []
+    for k in k_values:
+        verify = run_step(target, Step(batch, context - 1, k + 1), fm_target, roof, name="verify").time_s
+        e = expected_tokens(acceptance, k)
+        t_iter = k * draft_step + verify
+        rows.append({"k": k, "expected_tokens": e, "iteration_s": t_iter, "verify_s": verify,
+                     "draft_s": k * draft_step, "time_per_token_s": t_iter / e, "speedup": e * base / t_iter})
+    return rows
+
+
+# -- energy (estimate) --------------------------------------------------------------
+
+def energy_estimate(phase: PhaseResult, roof: Roof, energy_table: dict) -> dict:
+    """Energy of a step: DRAM bytes x pJ/byte of the memory technology + FLOPs x (TDP / peak) pJ/FLOP.
+
+    The per-FLOP figure is an upper bound (board power charged to math at full rate); the DRAM figure is
+    the device-level access energy. Both are estimates with their sources in catalog/energy.json.
+    """
+    dev = roof.device
+    dram = energy_table.get("dram", {}).get(dev.memory_tech or "", {})
+    pj_byte = dram.get("pJ_per_byte")
+    pj_flop = (dev.tdp_w / dev.flops(roof.dtype) * 1e12) if dev.tdp_w else None
+    mem_j = phase.bytes * pj_byte * 1e-12 if pj_byte else None
+    flop_j = phase.flops * pj_flop * 1e-12 if pj_flop else None
+    board_j = dev.tdp_w * phase.time_s if dev.tdp_w else None
+    parts = [x for x in (mem_j, flop_j) if x is not None]
+    est = sum(parts) if parts else None
+    if est is not None and board_j is not None:
+        est = min(est, board_j)
+    return {"estimate": True, "joules": est, "dram_joules": mem_j, "compute_joules_upper": flop_j,
+            "board_power_bound_joules": board_j, "dram_pJ_per_byte": pj_byte, "memory_tech": dev.memory_tech,
+            "pJ_per_flop_upper": pj_flop, "dram_source": dram.get("source"), "dram_confidence": dram.get("confidence")}

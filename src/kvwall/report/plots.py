@@ -1,0 +1,101 @@
+"""Figures (matplotlib, imported only when a figure is asked for)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvwall.errors import KvwallError
+
+
+def _plt():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise KvwallError("plots need matplotlib: pip install 'kvwall[plot]'") from None
+    return plt
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        raise KvwallError(f"cannot write {path}: the folder {path.parent} does not exist")
+    tmp = path.with_name(path.name + ".part")
+    fig.savefig(tmp, dpi=120, bbox_inches="tight", format=path.suffix.lstrip(".") or "png")
+    tmp.replace(path)
+    _plt().close(fig)
+    return path
+
+
+def roofline(points: list[dict], peak: float, bandwidth: float, title: str, path: str | Path) -> Path:
+    """Ops as points (intensity, achieved FLOP/s) under the roof min(peak, intensity x bandwidth).
+
+    points: [{"label", "intensity", "flops_per_s", "phase"}]."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    xs = [p["intensity"] for p in points if p["intensity"] > 0] or [1.0]
+    lo, hi = min(min(xs) / 4, 0.1), max(max(xs) * 4, 4 * peak / bandwidth)
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    ax.plot(grid, [min(peak, x * bandwidth) for x in grid], color="black", lw=2, label="roof")
+    ax.axvline(peak / bandwidth, color="gray", ls=":", lw=1)
+    ax.text(peak / bandwidth, peak * 1.15, f"balance {peak / bandwidth:.0f} FLOP/B", ha="center", fontsize=8)
+    markers = {"prefill": "s", "decode": "o"}
+    for phase in sorted({p["phase"] for p in points}):
+        sel = [p for p in points if p["phase"] == phase and p["intensity"] > 0]
+        ax.scatter([p["intensity"] for p in sel], [p["flops_per_s"] for p in sel], marker=markers.get(phase, "^"),
+                   s=40, label=phase, alpha=0.8)
+        for p in sel:
+            ax.annotate(p["label"], (p["intensity"], p["flops_per_s"]), fontsize=7, xytext=(4, -3),
+                        textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("attainable FLOP/s")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(True, which="both", alpha=0.2)
+    return _save(fig, path)
+
+
+def lines(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, title: str, path: str | Path,
+          logx: bool = True, logy: bool = False, hline: tuple[float, str] | None = None,
+          dashed: set[str] | None = None) -> Path:
+    """One line per series: {label: [(x, y), ...]}."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, pts in series.items():
+        pts = [(x, y) for x, y in pts if y is not None]
+        if not pts:
+            continue
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3,
+                ls="--" if dashed and label in dashed else "-", label=label)
+    if hline:
+        ax.axhline(hline[0], color="red", ls=":", lw=1)
+        ax.text(ax.get_xlim()[0], hline[0], " " + hline[1], color="red", va="bottom", fontsize=8)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.2)
+    return _save(fig, path)
+
+
+def bars(labels: list[str], values: list[float], ylabel: str, title: str, path: str | Path,
+         logy: bool = False) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.bar(labels, values, color="#4a7ab5")
+    for i, v in enumerate(values):
+        ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.tick_params(axis="x", rotation=30)
+    return _save(fig, path)

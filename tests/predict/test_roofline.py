@@ -1,0 +1,140 @@
+"""Roofline FLOPs, bytes and time: hand counts on a tiny spec, and the source documents' closed forms."""
+
+import pytest
+
+from kvwall.predict.devices import Device, get_device
+from kvwall.predict.formats import get_format
+from kvwall.predict.memory import Formats, Parallel, memory
+from kvwall.predict.ops import Step, expected_experts, step_ops
+from kvwall.predict.roofline import Roof, compute_bound_batch, decode, expected_tokens, prefill, speculative
+from kvwall.spec.model import MLP, Attention, Layer, ModelSpec
+from kvwall.spec.resolve import load_spec
+
+FP16 = get_format("fp16")
+F16 = Formats(FP16, FP16, FP16)
+TINY = ModelSpec("tiny", "test", hidden=64, vocab=100,
+                 layers=(Layer(Attention(4, 2, 16, 16), MLP(128), 128),))
+
+
+def test_tiny_decode_by_hand():
+    ops = {o.name: o for o in step_ops(TINY, Step(batch=1, past=9, new=1), F16)}
+    assert ops["qkv_proj"].flops == 2 * 64 * (4 * 16 + 2 * 32)          # 16,384
+    assert ops["qkv_proj"].weight_bytes == 64 * 128 * 2
+    # one query over 10 keys, 4 heads, QK (16) + AV (16) multiply-adds
+    assert ops["attention"].flops == 2 * 4 * 32 * 10
+    assert ops["attention"].cache_read == 10 * 2 * 32 * 2               # 10 tokens x 2 KV heads x (K+V) x 2 B
+    assert ops["attention"].cache_write == 2 * 32 * 2
+    assert ops["mlp"].flops == 3 * 2 * 64 * 128
+    assert ops["lm_head"].flops == 2 * 64 * 100
+    assert sum(o.flops for o in ops.values()) == 16384 + 2560 + 8192 + 49152 + 12800
+
+
+def test_causal_pairs_with_window():
+    assert Step(1, 0, 4).pairs(None) == 1 + 2 + 3 + 4
+    assert Step(1, 0, 4).pairs(2) == 1 + 2 + 2 + 2
+    assert Step(1, 9, 1).pairs(4) == 4
+    assert Step(1, 2, 3).pairs(None) == 3 + 4 + 5
+
+
+def test_h100_machine_balance():
+    roof = Roof(get_device("h100-sxm"))
+    assert roof.balance == pytest.approx(989e12 / 3.35e12)
+    assert round(roof.balance) == 295
+
+
+def test_decode_attention_intensity_is_about_one_in_fp16():
+    spec = load_spec("gpt2-xl")  # MHA: every query head has its own K/V
+    r = decode(spec, 4096, 1, F16, Roof(get_device("h100-sxm")))
+    att = [o for o in r.ops if o.name == "attention"]
+    flops, nbytes = sum(o.flops for o in att), sum(o.bytes for o in att)
+    assert flops / nbytes == pytest.approx(1.0, rel=0.01)
+
+
+def test_decode_at_least_bytes_over_bandwidth():
+    roof = Roof(get_device("h100-sxm"))
+    for name in ("llama-3-8b", "gemma-3-27b", "mamba-2.8b", "jamba-v0.1"):
+        spec = load_spec(name)
+        fm = Formats.for_spec(spec)
+        rep = memory(spec, batch=1, context=8192, formats=fm)
+        # weights one token reads: the active parameters (MoE: top-k experts), less an untied input embedding
+        # table of which only one row is gathered; 2 bytes each in bf16
+        read = spec.active_params() - spec.extra_params - (0 if spec.tied_embeddings else spec.vocab * spec.hidden)
+        floor = (2 * read + rep.cache_bytes) / roof.bandwidth
+        t = decode(spec, 8192, 1, fm, roof).time_s
+        assert t >= floor
+        assert t < 1.1 * floor  # batch 1 decode is bandwidth-bound: little beyond the floor
+
+
+def test_mamba_decode_flat_and_sliding_bends():
+    roof = Roof(get_device("h100-sxm"))
+    mamba, mistral = load_spec("mamba-2.8b"), load_spec("mistral-7b-v0.1")
+    t = lambda s, c: decode(s, c, 1, Formats.for_spec(s), roof).time_s
+    assert t(mamba, 1024) == t(mamba, 1 << 20)
+    assert t(mistral, 4096) < t(mistral, 8192) + 1e-12 and t(mistral, 8192) == t(mistral, 1 << 20)
+
+
+def test_weights_turn_compute_bound_near_balance():
+    spec = load_spec("llama-3-8b")
+    roof = Roof(get_device("h100-sxm"))
+    b = compute_bound_batch(spec, 4096, Formats.for_spec(spec), roof, scope="weights")
+    # bf16 weights: 2 FLOP per 2 bytes per token of batch -> intensity ~ batch; balance 295
+    assert 250 < b < 400
+    assert compute_bound_batch(spec, 4096, Formats.for_spec(spec), roof, scope="step") is None
+
+
+def test_mla_absorbed_same_bytes_fewer_flops():
+    spec = load_spec("deepseek-v3")
+    roof = Roof(get_device("h100-sxm"))
+    fm = Formats.for_spec(spec)
+    a = decode(spec, 8192, 1, fm, roof, mla_absorbed=True)
+    n = decode(spec, 8192, 1, fm, roof, mla_absorbed=False)
+    cache = lambda r: sum(o.cache_read for o in r.ops)
+    assert cache(a) == cache(n) == 61 * 8192 * 576 * 2
+    assert a.flops * 10 < n.flops
+
+
+def test_expected_experts():
+    assert expected_experts(8, 2, 1) == pytest.approx(2)
+    assert expected_experts(8, 2, 2) == pytest.approx(8 * (1 - 0.75 ** 2))
+    assert expected_experts(256, 8, 10_000) == pytest.approx(256)
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.0, 4) == 1
+    assert expected_tokens(1.0, 4) == 5
+
+
+def test_speculation_stops_paying_with_a_slow_draft():
+    spec = load_spec("llama-3-8b")
+    fm = Formats.for_spec(spec)
+    roof = Roof(get_device("h100-sxm"))
+    rows = speculative(spec, spec, 4096, [1, 4], 0.5, fm, fm, roof)  # the draft is as slow as the target
+    assert all(r["speedup"] < 1 for r in rows)
+
+
+def test_tensor_parallel_halves_weights_and_adds_allreduce():
+    spec = load_spec("llama-3-8b")
+    fm = Formats.for_spec(spec)
+    roof = Roof(get_device("h100-sxm"))
+    one = decode(spec, 4096, 1, fm, roof)
+    two = decode(spec, 4096, 1, fm, roof, Parallel(tp=2))
+    w = lambda r: sum(o.weight_bytes for o in r.ops)
+    assert w(two) == pytest.approx(w(one) / 2, rel=0.01)
+    assert sum(1 for o in two.ops if o.name == "all-reduce") == 32
+    assert two.link_s > 0
+
+
+def test_gpt_fast_bytes_per_token():
+    """gpt-fast (README, A100-80GB, batch 1): Llama-2-7B bf16 104.9 tok/s at 1397.31 GB/s, i.e. 13.32 GB read
+    per token. kvwall's bytes per decode step at a short context must agree."""
+    spec = load_spec("llama-2-7b")
+    fm = Formats.for_spec(spec, weights="bf16", kv="bf16")
+    r = decode(spec, 128, 1, fm, Roof(get_device("a100-80gb")))
+    assert r.bytes == pytest.approx(1397.31e9 / 104.9, rel=0.02)
+
+
+def test_prefill_compute_bound_on_long_prompt():
+    spec = load_spec("llama-3-8b")
+    r = prefill(spec, 4096, 1, Formats.for_spec(spec), Roof(get_device("h100-sxm")))
+    assert r.bound == "compute"
