@@ -342,7 +342,7 @@ def cmd_fit(args) -> int:
     c = console()
     gpus = f" x {par.gpus} GPUs (tp={par.tp}, pp={par.pp})" if par.gpus > 1 else ""
     c.print(f"[bold]{spec.name}[/bold] on {where}{gpus}; weights {fm.weights.label}, KV {fm.kv.label}")
-    c.print(f"per GPU: {fmt_bytes(mem_bytes)} memory - {fmt_bytes(res.reserve_bytes)} reserve - "
+    c.print(f"per GPU: {mem_bytes / 1e9:g} GB = {fmt_bytes(mem_bytes)} memory - {fmt_bytes(res.reserve_bytes)} reserve - "
             f"{fmt_bytes(res.weight_bytes)} weights = {fmt_bytes(max(res.available_bytes, 0))} for the cache")
     if not res.weights_fit:
         c.print("[red]weights do not fit[/red]: use more GPUs (--tp/--pp), a smaller --weight-format, or a bigger device")
@@ -356,8 +356,9 @@ def cmd_fit(args) -> int:
         else:
             over = (f" (beyond the model's trained maximum of {fmt_tokens(spec.max_context)})"
                     if spec.max_context and res.max_context > spec.max_context else "")
-            c.print(f"batch {b}: longest context [bold]{res.max_context:,}[/bold] tokens "
-                    f"({fmt_tokens(res.max_context)}){over}")
+            short = fmt_tokens(res.max_context)
+            short = f" ({short})" if short != str(res.max_context) else ""
+            c.print(f"batch {b}: longest context [bold]{res.max_context:,}[/bold] tokens{short}{over}")
     else:
         c.print(f"context {fmt_tokens(ctx)}: largest batch [bold]{res.max_batch:,}[/bold] sequences")
     for note in data["notes"]:

@@ -40,23 +40,36 @@ def roofline(points: list[dict], peak: float, bandwidth: float, title: str, path
     grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     ax.plot(grid, [min(peak, x * bandwidth) for x in grid], color="black", lw=2, label="roof")
     ax.axvline(peak / bandwidth, color="gray", ls=":", lw=1)
-    ax.text(peak / bandwidth, peak * 1.15, f"balance {peak / bandwidth:.0f} FLOP/B", ha="center", fontsize=8)
+    ax.text(peak / bandwidth, peak * 0.5, f"balance {peak / bandwidth:.0f} FLOP/B", ha="right", fontsize=8)
     markers = {"prefill": "s", "decode": "o"}
     for phase in sorted({p["phase"] for p in points}):
         sel = [p for p in points if p["phase"] == phase and p["intensity"] > 0]
         ax.scatter([p["intensity"] for p in sel], [p["flops_per_s"] for p in sel], marker=markers.get(phase, "^"),
                    s=40, label=phase, alpha=0.8)
-        for p in sel:
-            ax.annotate(p["label"], (p["intensity"], p["flops_per_s"]), fontsize=7, xytext=(4, -3),
-                        textcoords="offset points")
+        for (x, y), names in _merge_close(sel).items():
+            ax.annotate(", ".join(names), (x, y), fontsize=7, xytext=(5, -10 if phase == "decode" else 6),
+                        textcoords="offset points", rotation=0 if phase == "decode" else 40)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_ylim(top=peak * 8)
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("attainable FLOP/s")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, which="both", alpha=0.2)
     return _save(fig, path)
+
+
+def _merge_close(points: list[dict]) -> dict:
+    """Points that sit on top of each other (within ~10 % in x and y) share one label."""
+    import math
+
+    merged: dict[tuple[float, float], list[str]] = {}
+    for p in points:
+        x, y = p["intensity"], p["flops_per_s"]
+        key = next((k for k in merged if abs(math.log(k[0] / x)) < 0.25 and abs(math.log(k[1] / y)) < 0.25), (x, y))
+        merged.setdefault(key, []).append(p["label"])
+    return merged
 
 
 def lines(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, title: str, path: str | Path,
