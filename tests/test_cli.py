@@ -82,3 +82,22 @@ def test_predictor_does_not_import_torch():
             "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'heavy import'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_unknown_hub_id_offline_is_one_line(monkeypatch):
+    env = {"HF_ENDPOINT": "https://no-such-host.invalid", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "kvwall", "show", "someorg/somemodel"], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert proc.returncode == 2
+    assert "not in the catalog" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_checkpoint_directory_and_config_path(write_config, capsys):
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 1, "intermediate_size": 128, "vocab_size": 100, "torch_dtype": "float16"}
+    d = write_config(cfg, "tiny-llama")
+    by_dir = run_json(capsys, "show", str(d))
+    by_file = run_json(capsys, "show", str(d / "config.json"))
+    # 2 layers x 1 KV head x (16 + 16) x 2 B (fp16 from torch_dtype)
+    assert by_dir["cache_bytes_per_token"] == by_file["cache_bytes_per_token"] == 2 * 1 * 32 * 2
+    assert by_dir["name"] == "tiny-llama"

@@ -54,9 +54,31 @@ def _hub_config(repo_id: str) -> dict:
     except ImportError:
         raise KvwallError(f"{repo_id!r} is not in the catalog; install huggingface_hub to fetch its config.json, "
                           "or pass a path to the file") from None
+    import logging
+
+    _check_reachable(repo_id)
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.CRITICAL)  # its retry warnings would break the one-line error
     try:
         path = hf_hub_download(repo_id, "config.json")
     except Exception as exc:  # network, auth, missing repo: all one message for the user
-        raise KvwallError(f"could not fetch config.json of {repo_id!r} from the hub ({type(exc).__name__}); "
-                          "download it and pass its path") from None
+        raise KvwallError(f"{repo_id!r} is not in the catalog and its config.json could not be fetched from the hub "
+                          f"({type(exc).__name__}); download it and pass its path") from None
+    finally:
+        hub_log.setLevel(level)
     return read_config_file(Path(path))
+
+
+def _check_reachable(repo_id: str) -> None:
+    """Fail in a moment, not after the hub client's retries, when the hub's host does not resolve."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        raise KvwallError(f"{repo_id!r} is not in the catalog and the hub ({host}) cannot be reached; "
+                          "download its config.json and pass its path") from None
