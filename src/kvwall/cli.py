@@ -10,7 +10,7 @@ from kvwall.errors import KvwallError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvwall.commands import memory_cmds, speed_cmds
+    from kvwall.commands import memory_cmds, report_cmd, speed_cmds
 
     p = argparse.ArgumentParser(
         prog="kvwall",
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     memory_cmds.register(sub)
     speed_cmds.register(sub)
+    report_cmd.register(sub)
     return p
 
 

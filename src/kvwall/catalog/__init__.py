@@ -16,6 +16,9 @@ MODELS_DIR = HERE / "models"
 DEVICES_FILE = HERE / "devices.json"
 ENERGY_FILE = HERE / "energy.json"
 
+# The source documents' lineup, one model per idea: MHA, GQA, GQA at scale, MLA, local/global, SSM, hybrid.
+LINEUP = ["gpt2-xl", "llama-3-8b", "llama-3-70b", "deepseek-v3", "gemma-3-27b", "mamba-2.8b", "jamba-v0.1"]
+
 
 def model_names() -> list[str]:
     return sorted(p.stem for p in MODELS_DIR.glob("*.json"))

@@ -14,7 +14,7 @@ from kvwall.report.tables import console, print_json, table
 from kvwall.spec.resolve import load_spec
 from kvwall.units import fmt_bytes, fmt_count, fmt_tokens, parse_bytes, parse_token_list, parse_tokens
 
-LINEUP = ["gpt2-xl", "llama-3-8b", "llama-3-70b", "deepseek-v3", "gemma-3-27b", "mamba-2.8b", "jamba-v0.1"]
+LINEUP = catalog.LINEUP
 COMPARE_CONTEXTS = "4k,32k,128k,1M"
 
 

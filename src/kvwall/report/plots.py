@@ -112,3 +112,21 @@ def bars(labels: list[str], values: list[float], ylabel: str, title: str, path: 
     ax.set_title(title, fontsize=10)
     ax.tick_params(axis="x", rotation=30)
     return _save(fig, path)
+
+
+def grouped_bars(labels: list[str], groups: dict[str, list[float]], ylabel: str, title: str,
+                 path: str | Path) -> Path:
+    """Side-by-side bars per label, one colour per group."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(groups)
+    for g, (name, values) in enumerate(groups.items()):
+        xs = [i + (g - (len(groups) - 1) / 2) * width for i in range(len(labels))]
+        ax.bar(xs, values, width, label=name)
+        for x, v in zip(xs, values):
+            ax.text(x, v, f"{v:.1f}x", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

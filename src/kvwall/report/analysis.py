@@ -1,0 +1,122 @@
+"""The report's catalog analysis: every number comes from the predictor, in this run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvwall import catalog
+from kvwall.predict.devices import get_device
+from kvwall.predict.fit import fit
+from kvwall.predict.memory import Formats, cache_bytes_per_token, growth_bytes_per_token, memory, state_bytes
+from kvwall.predict.roofline import Roof, decode, prefill
+from kvwall.report import plots
+from kvwall.report.document import Figure, Section, Table
+from kvwall.spec.resolve import load_spec
+from kvwall.units import fmt_bytes, fmt_tokens
+
+DEVICES = ["h100-sxm", "h200", "b200"]
+CONTEXTS = [1 << k for k in range(10, 21)]  # 1k .. 1M
+TREND = ["v100-sxm", "a100-80gb", "h100-sxm", "h200", "b200"]
+
+
+def _specs():
+    return [(name, load_spec(name)) for name in catalog.LINEUP]
+
+
+def memory_section(out: Path) -> Section:
+    specs = _specs()
+    rows = []
+    for name, spec in specs:
+        fm = Formats.for_spec(spec)
+        longest = []
+        for d in DEVICES:
+            f = fit(spec, get_device(d).memory_bytes, batch=1, formats=fm)
+            longest.append("weights do not fit" if not f.weights_fit else "any" if f.unbounded
+                           else f"{f.max_context:,}")
+        rows.append([spec.name, spec.family(), fmt_bytes(cache_bytes_per_token(spec, fm.kv)),
+                     fmt_bytes(growth_bytes_per_token(spec, fm.kv)), fmt_bytes(state_bytes(spec, fm.state)),
+                     fmt_bytes(memory(spec, context=131072, formats=fm).cache_bytes), *longest])
+    avg = {spec.name: memory(spec, context=131072).cache_bytes / 131072 for _, spec in specs}
+    fig1 = plots.bars(list(avg), list(avg.values()), "cache bytes per token (average over 128k tokens)",
+                      "What one token of context costs, GPT-2 XL to Mamba (batch 1, 16-bit cache)",
+                      out / "cache-per-token.png", logy=True)
+    series = {spec.name: [(c, memory(spec, context=c).cache_bytes / 2**30) for c in CONTEXTS] for _, spec in specs}
+    fig2 = plots.lines(series, "context (tokens)", "cache for one sequence (GiB)",
+                       "Cache memory vs context (batch 1, 16-bit); the dotted line is one 80 GB GPU",
+                       out / "cache-vs-context.png", logy=True, hline=(80e9 / 2**30, "80 GB"))
+    return Section(
+        "Memory: what remembering the context costs",
+        paragraphs=["Per-token cache bytes, fixed state and the longest context that fits next to the weights "
+                    "on one GPU, for the lineup of the source documents."],
+        tables=[Table(["model", "family", "cache/token", "past windows", "fixed state", "cache @128k",
+                       *[f"longest ctx on {d}" for d in DEVICES]], rows,
+                      "cache/token: while every layer keeps the token; past windows: once sliding layers are full")],
+        figures=[Figure(fig1, "Average cache bytes per token at 128k context (log scale)", "cache-per-token"),
+                 Figure(fig2, "Cache memory vs context, log-log, against one 80 GB GPU", "cache-vs-context")],
+        assumptions=["KV cache and SSM state in each model's 16-bit type; weights in 16-bit",
+                     "10 % of each GPU's memory kept in reserve for activations and runtime",
+                     "contexts past a model's trained maximum are what-ifs of its architecture"],
+    )
+
+
+def speed_section(out: Path) -> Section:
+    specs = _specs()
+    roof = Roof(get_device("h100-sxm"))
+    series, rows = {}, []
+    for name, spec in specs:
+        fm = Formats.for_spec(spec)
+        series[spec.name] = [(c, decode(spec, c, 1, fm, roof).time_s * 1e3) for c in CONTEXTS]
+        cells = []
+        for d in DEVICES:
+            r = Roof(get_device(d))
+            cells += [f"{1 / decode(spec, c, 1, fm, r).time_s:,.1f}" for c in (4096, 131072)]
+        rows.append([spec.name, f"{prefill(spec, 2048, 1, fm, roof).time_s * 1e3:,.1f}", *cells])
+    fig = plots.lines(series, "context (tokens)", "decode time per token (ms)",
+                      "The memory wall on H100: predicted decode time vs context (batch 1)",
+                      out / "decode-vs-context.png", logy=True)
+    llama = load_spec("llama-3-8b")
+    pts = []
+    for ph in (prefill(llama, 2048, 8, Formats.for_spec(llama), roof),
+               decode(llama, 4096, 8, Formats.for_spec(llama), roof)):
+        for op in ph.per_op:
+            if op["flops"] and op["bytes"] and op["time_s"] and op["layer"] in (0, None):
+                pts.append({"label": op["name"], "intensity": op["intensity"], "flops_per_s": op["flops"] / op["time_s"],
+                            "phase": ph.name})
+    fig2 = plots.roofline(pts, roof.peak, roof.bandwidth, "Llama-3-8B on H100, batch 8: each op under the roof",
+                          out / "roofline.png")
+    cols = ["model", "TTFT 2k on H100 (ms)"] + [f"{d} tok/s @{fmt_tokens(c)}" for d in DEVICES for c in (4096, 131072)]
+    return Section(
+        "Speed: decode is bandwidth-bound",
+        paragraphs=["Ideal roofline predictions (each op takes max(FLOPs / peak, bytes / bandwidth)). Attention "
+                    "lines rise with context, Mamba stays flat, local/global and hybrid models rise slowly."],
+        tables=[Table(cols, rows, "tokens/s per sequence at batch 1")],
+        figures=[Figure(fig, "Predicted decode time per token vs context on H100", "decode-vs-context"),
+                 Figure(fig2, "Roofline: Llama-3-8B's ops (first layer, embeddings, LM head) at batch 8",
+                        "roofline")],
+        assumptions=["compute and bandwidth efficiency 1.0 (datasheet peaks): a lower bound on time",
+                     "bf16 math; ops do not overlap; MLA decode in absorbed form; MoE reads the experts a step "
+                     "touches", "weights that do not fit one GPU are still timed as if they did (what-if)"],
+    )
+
+
+def balance_section(out: Path) -> Section:
+    rows, flops, bw = [], [], []
+    base = get_device(TREND[0])
+    for name in TREND:
+        d = get_device(name)
+        rows.append([name, d.year, f"{d.flops('bf16') / 1e12:,.0f}", f"{d.bandwidth / 1e9:,.0f}",
+                     f"{d.balance('bf16'):,.0f}"])
+        flops.append(d.flops("bf16") / base.flops("bf16"))
+        bw.append(d.bandwidth / base.bandwidth)
+    labels = [f"{n}\nbalance {get_device(n).balance('bf16'):.0f}" for n in TREND]
+    fig = plots.grouped_bars(labels, {"16-bit peak FLOP/s": flops, "memory bandwidth": bw}, "growth since V100",
+                             "Compute grows faster than bandwidth (machine balance in FLOP/B under each name)",
+                             out / "balance.png")
+    return Section(
+        "Hardware: compute outgrows bandwidth",
+        paragraphs=["Machine balance (FLOP per byte at which a kernel is neither compute- nor memory-bound) "
+                    "across NVIDIA generations; decode runs at about 1 FLOP per byte."],
+        tables=[Table(["device", "year", "16-bit TFLOP/s", "GB/s", "balance FLOP/B"], rows,
+                      "dense peaks from the device catalog (V100: fp16 tensor; others bf16)")],
+        figures=[Figure(fig, "Growth of 16-bit compute and memory bandwidth since V100", "balance")],
+    )
