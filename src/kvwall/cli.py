@@ -10,7 +10,7 @@ from kvwall.errors import KvwallError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvwall.commands import memory_cmds, report_cmd, speed_cmds
+    from kvwall.commands import calibrate_cmd, memory_cmds, report_cmd, speed_cmds
 
     p = argparse.ArgumentParser(
         prog="kvwall",
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory_cmds.register(sub)
     speed_cmds.register(sub)
     report_cmd.register(sub)
+    calibrate_cmd.register(sub)
     return p
 
 

@@ -1,0 +1,96 @@
+"""`kvwall calibrate`: measure this machine's bandwidth and matmul throughput; save it for `--device local`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvwall.commands import common
+from kvwall.predict.devices import profile_path
+from kvwall.report.tables import console, print_json, table
+
+
+CAPTION = ("read: bytes read once; copy: read + write; GEMV: matrix bytes / time. others: share of the CPUs "
+           "other processes used meanwhile (busy steps are measured again, the quietest kept).")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine (bandwidth, GEMV, GEMM) and save it as --device local")
+    p.add_argument("--quick", action="store_true", help="a few seconds, smaller buffers and fewer runs (rougher)")
+    p.add_argument("--out", metavar="PATH", help=f"where to save the profile (default {profile_path()})")
+    common.add_json(p)
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args) -> int:
+    from kvwall.measure.calibrate import calibrate, check_target, save_profile
+
+    path = check_target(Path(args.out) if args.out else profile_path())
+    with _progress() as report:
+        cal = calibrate(quick=args.quick, progress=report)
+    profile = cal.profile()
+    save_profile(profile, path)
+    if args.json:
+        print_json(profile | {"profile_path": str(path)})
+        return 0
+    c = console()
+    info = cal.info
+    llc = f"{info['llc_bytes'] / 2**20:,.0f} MiB" if info.get("llc_bytes") else "unknown"
+    c.print(f"[bold]this machine[/bold]: {info['cpu_model']}, {info['cpus']} CPUs, "
+            f"{info['memory_bytes'] / 1e9:.1f} GB memory, last-level cache {llc}")
+    rows = [[m.kind, m.method, m.dtype, m.size, _ms(m.median_s), _spread(m),
+             f"{m.bandwidth / 1e9:,.1f}" if m.bandwidth else "-", f"{m.flops / 1e9:,.1f}" if m.flops else "-",
+             f"{m.others_cpu:.0%}" + (f" ({m.attempts} tries)" if m.attempts > 1 else "")]
+            for m in cal.measurements]
+    c.print(table(f"measured (median of {cal.settings.runs} runs; GEMM {cal.settings.gemm_runs})",
+                  ["kind", "method", "dtype", "size", "median", "runs min-max", "GB/s", "GFLOP/s", "others"],
+                  rows, caption=CAPTION))
+    flops = ", ".join(f"{d} {v / 1e9:,.0f}" for d, v in profile["peak_flops"].items())
+    c.print(f"profile: bandwidth {profile['memory_bandwidth_Bps'] / 1e9:.1f} GB/s "
+            f"({profile['measured']['read_method']}); GEMM GFLOP/s: {flops}")
+    for note in profile["notes"][2:]:  # the first two are in the line above
+        warn = note.startswith("other processes")
+        c.print(f"[yellow]warning[/yellow]: {note}" if warn else f"note: {note}")
+    c.print(f"took {cal.elapsed_s:.1f} s; saved to {path}; use it with [bold]--device local[/bold]")
+    return 0
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms"
+
+
+def _spread(m) -> str:
+    return f"{min(m.runs_s) * 1e3:,.1f}-{max(m.runs_s) * 1e3:,.1f} ms"
+
+
+@contextmanager
+def _progress():
+    """A rich progress bar on a terminal's stderr; otherwise one line per finished step."""
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        columns = (TextColumn("calibrating: {task.description}"), BarColumn(),
+                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+        with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("starting", total=None)
+
+            def report(done, total, label, result):
+                bar.update(task, completed=done, total=total, description=label)
+
+            yield report
+        return
+
+    def report(done, total, label, result):
+        if result is not None:
+            rates = []
+            if result.bandwidth:
+                rates.append(f"{result.bandwidth / 1e9:.1f} GB/s")
+            if result.flops:
+                rates.append(f"{result.flops / 1e9:.1f} GFLOP/s")
+            rate = ", ".join(rates)
+            print(f"kvwall calibrate [{done}/{total}] {label}: {rate}", file=sys.stderr, flush=True)
+
+    yield report

@@ -1,0 +1,1 @@
+"""Measure: calibrate this machine (calibrate.py), time the engine and hold predictions against it."""

@@ -1,0 +1,254 @@
+"""`kvwall calibrate`: measure this machine and save it as a device profile (`--device local`).
+
+What is measured (median of several runs each; every run is kept in the profile):
+  read  — streaming read of a buffer well past the last-level cache: numpy on one core, numpy on every
+          core (one slice per thread), torch; the profile's bandwidth is the best median of these.
+  copy  — the same buffer copied into a second one (counted as read + write).
+  gemv  — y = A x with A as large as the read buffer (decode's shape): FLOP/s and achieved bandwidth.
+  gemm  — C = A B, n x n, per dtype (numpy fp32/fp64; torch fp32/bf16/fp16): the profile's peak_flops.
+The profile uses the catalog's entry format (catalog/devices.json) plus a "measured" section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from kvwall.errors import KvwallError
+from kvwall.measure import machine
+
+GiB = 2**30
+MiB = 2**20
+# Pause between steps: OpenBLAS's worker threads keep spinning for a while after a call, and on a
+# 2-core machine that halves the next torch kernel (measured here: torch GEMV 16 GB/s right after a
+# numpy GEMV, 31 GB/s after a 0.05 s pause).
+SETTLE_S, SETTLE_QUICK_S = 0.2, 0.1
+BUSY_WARN = 0.10  # redo, then warn, when other processes took more than this share of the CPUs during a step
+RETRY_BUDGET_S, RETRY_BUDGET_QUICK_S = 45.0, 8.0  # no redo starts after this long (keeps the run under a minute)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    quick: bool
+    buffer_bytes: int  # streaming buffer (read, copy, GEMV matrix)
+    runs: int  # timed runs per bandwidth measurement
+    gemm_n: int
+    gemm_runs: int
+    threads: int
+    settle_s: float  # pause before each step
+
+    @staticmethod
+    def choose(quick: bool) -> "Settings":
+        llc = machine.llc_bytes() or 0
+        want = 256 * MiB if quick else max(GiB, 2 * llc)  # default: at least twice the last-level cache
+        # buffer + copy destination + a bf16 copy of it must fit comfortably in what is free
+        room = machine.available_bytes() // 6
+        size = max(64 * MiB, min(want, room)) // MiB * MiB
+        return Settings(quick=quick, buffer_bytes=size, runs=3 if quick else 9, gemm_n=1024 if quick else 2048,
+                        gemm_runs=3 if quick else 7, threads=machine.cpu_count(),
+                        settle_s=SETTLE_QUICK_S if quick else SETTLE_S)
+
+
+@dataclasses.dataclass
+class Calibration:
+    settings: Settings
+    measurements: list = dataclasses.field(default_factory=list)  # [kernels.Measurement]
+    info: dict = dataclasses.field(default_factory=dict)  # machine facts
+    started: str = ""
+    elapsed_s: float = 0.0
+
+    def best(self, kind: str, key: str = "bandwidth"):
+        """The measurement of a kind with the highest median bandwidth (or FLOP/s); None if none ran."""
+        ms = [m for m in self.measurements if m.kind == kind and getattr(m, key)]
+        return max(ms, key=lambda m: getattr(m, key)) if ms else None
+
+    def peak_flops(self) -> dict[str, float]:
+        """Best measured GEMM FLOP/s per dtype."""
+        out: dict[str, float] = {}
+        for m in self.measurements:
+            if m.kind == "gemm":
+                out[m.dtype] = max(out.get(m.dtype, 0.0), m.flops)
+        return out
+
+    def others_cpu(self) -> float:
+        """The largest share of the CPUs other processes took during any one measurement."""
+        return max((m.others_cpu for m in self.measurements), default=0.0)
+
+    def notes(self) -> list[str]:
+        s, llc = self.settings, self.info.get("llc_bytes")
+        read, gemv = self.best("read"), self.best("gemv")
+        out = [f"memory_bandwidth_Bps: best median sustained streaming read, by {read.method} over a "
+               f"{read.size} buffer",
+               "peak_flops: measured dense GEMM rates (n = %d), not datasheet peaks; fp32 is the best of numpy and "
+               "torch" % s.gemm_n,
+               f"best GEMV ({gemv.method}, {gemv.dtype}) reached {gemv.bandwidth / 1e9:.1f} GB/s, "
+               f"{gemv.bandwidth / read.bandwidth:.0%} of the streaming read"]
+        if llc and s.buffer_bytes < 2 * llc:
+            out.append(f"the read buffer ({s.buffer_bytes / MiB:.0f} MiB) is not well past the last-level cache the "
+                       f"OS reports ({llc / MiB:.0f} MiB): cache hits may inflate it; run without --quick")
+        busy = self.others_cpu()
+        if busy > BUSY_WARN:
+            out.append(f"other processes used up to {busy:.0%} of the CPUs during a measurement: the numbers may be "
+                       "low; run `kvwall calibrate` again on an idle machine")
+        env = self.info.get("blas", {}).get("env")
+        if env:
+            out.append("BLAS environment variables were set and change the GEMM/GEMV numbers: "
+                       + ", ".join(f"{k}={v}" for k, v in env.items()))
+        return out
+
+    def profile(self) -> dict:
+        """This machine as a catalog entry (what kvwall.predict.devices reads), plus every raw number."""
+        read, copy, gemv = self.best("read"), self.best("copy"), self.best("gemv")
+        info = self.info
+        return {
+            "vendor": info.get("vendor", ""), "arch": info["cpu_model"], "year": None, "kind": "cpu",
+            "memory_bytes": info["memory_bytes"], "memory_tech": None,
+            "memory_bandwidth_Bps": read.bandwidth,
+            "peak_flops": self.peak_flops(),
+            "onchip_cache_bytes": info.get("llc_bytes"),
+            "interconnect": {"name": "none (this machine alone)", "bandwidth_Bps": None, "per_direction_Bps": None},
+            "tdp_W": None,
+            "source": f"measured by `kvwall calibrate` on {info['hostname']} at {self.started}",
+            "unconfirmed": [], "notes": self.notes(),
+            "measured": {
+                "date": self.started, "seconds": round(self.elapsed_s, 2), "quick": self.settings.quick,
+                "settings": dataclasses.asdict(self.settings), **info,
+                "read_bandwidth_Bps": read.bandwidth, "read_method": read.method,
+                "copy_bandwidth_Bps": copy.bandwidth if copy else None, "copy_method": copy.method if copy else None,
+                "gemv_bandwidth_Bps": gemv.bandwidth, "gemv_flops": gemv.flops,
+                "gemv_method": f"{gemv.method}, {gemv.dtype}", "others_cpu_share_max": round(self.others_cpu(), 3),
+                "results": [m.as_dict() for m in self.measurements],
+            },
+        }
+
+
+Progress = Callable[[int, int, str, object], None]  # (steps done, steps in all, label, Measurement or None)
+
+
+def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibration:
+    """Run every measurement; ``progress`` is told before and after each step."""
+    try:
+        import numpy as np
+    except ImportError:
+        raise KvwallError("`kvwall calibrate` needs numpy: pip install numpy (torch too, for its kernels)") from None
+    s = Settings.choose(quick)
+    cal = Calibration(settings=s, started=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
+    t0 = time.perf_counter()
+    cal.info = _machine_info(s)
+    has_torch = cal.info["versions"]["torch"] is not None
+
+    buf = np.ones(s.buffer_bytes // 4, dtype=np.float32)  # touched now, so page faults are not timed
+    dst = np.empty_like(buf)
+    steps = _steps(s, buf, dst, has_torch)
+    deadline = t0 + (RETRY_BUDGET_QUICK_S if quick else RETRY_BUDGET_S)
+    for i, (label, run) in enumerate(steps):
+        if progress:
+            progress(i, len(steps), label, None)
+        cal.measurements.append(_measure_quietly(run, s, deadline))
+        if progress:
+            progress(i + 1, len(steps), label, cal.measurements[-1])
+    del buf, dst
+    cal.elapsed_s = time.perf_counter() - t0
+    return cal
+
+
+def _steps(s: Settings, buf, dst, has_torch: bool) -> list[tuple[str, Callable]]:
+    """(label, measurement) for every kernel, in order: read, copy, GEMV, GEMM."""
+    from kvwall.measure import kernels as k
+
+    mat = buf.reshape(-1, 4096)  # (rows, 4096) fp32, the same bytes as the read buffer
+    n, runs, threads = s.gemm_n, s.runs, s.threads
+    steps = [("read: numpy, 1 thread", lambda: k.read_numpy(buf, runs))]
+    if threads > 1:
+        steps.append((f"read: numpy, {threads} threads", lambda: k.read_numpy_threads(buf, threads, runs)))
+    if has_torch:
+        steps.append(("read: torch", lambda: k.read_torch(buf, threads, runs)))
+    steps.append(("copy: numpy, 1 thread", lambda: k.copy_numpy(buf, dst, runs)))
+    if threads > 1:
+        steps.append((f"copy: numpy, {threads} threads", lambda: k.copy_numpy_threads(buf, dst, threads, runs)))
+    if has_torch:
+        steps.append(("copy: torch", lambda: k.copy_torch(buf, dst, threads, runs)))
+    steps.append(("gemv: numpy fp32", lambda: k.gemv_numpy(mat, runs)))
+    if has_torch:
+        steps += [(f"gemv: torch {d}", lambda d=d: k.gemv_torch(mat, d, threads, runs)) for d in ("fp32", "bf16")]
+    steps += [(f"gemm: numpy {d}", lambda d=d: k.gemm_numpy(n, d, s.gemm_runs)) for d in ("fp32", "fp64")]
+    if has_torch:
+        steps += [(f"gemm: torch {d}", lambda d=d: k.gemm_torch(n, d, threads, s.gemm_runs))
+                  for d in ("fp32", "bf16", "fp16")]
+    return steps
+
+
+def _measure_quietly(run, s: Settings, deadline: float):
+    """Measure; if other processes took part of the machine, wait and measure again (twice at most, and only
+    before the deadline); keep the quietest attempt."""
+    m, attempts = _watched(run, s), 1
+    while m.others_cpu > BUSY_WARN and attempts < 3 and time.perf_counter() < deadline:
+        time.sleep(1.0)
+        m, attempts = min(m, _watched(run, s), key=lambda x: x.others_cpu), attempts + 1
+    m.attempts = attempts
+    return m
+
+
+def _watched(run, s: Settings):
+    """Run one measurement (after a short settle) and note how much of the machine other processes took meanwhile."""
+    time.sleep(s.settle_s)
+    busy0, own0, t0 = *machine.cpu_seconds(), time.perf_counter()
+    m = run()
+    busy1, own1, t1 = *machine.cpu_seconds(), time.perf_counter()
+    others = (busy1 - busy0) - (own1 - own0) - 2 * machine.clock_tick()  # less the readings' resolution
+    m.others_cpu = min(1.0, max(0.0, others / ((t1 - t0) * s.threads)))
+    return m
+
+
+def _machine_info(s: Settings) -> dict:
+    return {
+        "hostname": machine.hostname(), "cpu_model": machine.cpu_model(), "vendor": machine.cpu_vendor(),
+        "cpus": s.threads, "memory_bytes": machine.memory_bytes(), "llc_bytes": machine.llc_bytes(),
+        "versions": machine.versions(), "blas": machine.blas_info(),
+    }
+
+
+def check_target(path: Path) -> Path:
+    """Fail early (before a minute of measuring) if the profile could not be written to ``path``."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise KvwallError(f"--out {path} is a directory; give a file path such as {path / 'local-device.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
+    if not os.access(path.parent, os.W_OK):
+        raise KvwallError(f"cannot write the profile to {path} (folder not writable); pass a writable --out PATH")
+    return path
+
+
+def save_profile(profile: dict, path: Path) -> Path:
+    """Write the profile as JSON atomically: a temp file in the same folder, then rename over the target."""
+    path = check_target(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".local-device-", suffix=".json.tmp")
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(profile, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise _unwritable(path, exc) from None
+        raise
+    return path
+
+
+def _unwritable(path: Path, exc: OSError) -> KvwallError:
+    return KvwallError(f"cannot write the profile to {path} ({exc.strerror}); pass a writable --out PATH")
