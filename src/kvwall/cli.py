@@ -10,7 +10,7 @@ from kvwall.errors import KvwallError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvwall.commands import calibrate_cmd, memory_cmds, report_cmd, speed_cmds
+    from kvwall.commands import calibrate_cmd, engine_cmds, memory_cmds, report_cmd, speed_cmds
 
     p = argparse.ArgumentParser(
         prog="kvwall",
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvwall {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     memory_cmds.register(sub)
+    engine_cmds.register(sub)
     speed_cmds.register(sub)
     report_cmd.register(sub)
     calibrate_cmd.register(sub)

@@ -297,3 +297,38 @@ def growth_bytes_per_token(spec: ModelSpec, kv: Format) -> int:
 def state_bytes(spec: ModelSpec, state: Format) -> int:
     """Fixed per-sequence state bytes (SSM layers)."""
     return sum(fixed_bytes(layer, state) for layer in spec.layers)
+
+
+# -- KIVI-style quantized cache ------------------------------------------------
+
+def kivi_quantized_tokens(held: int, group: int, residual: int) -> int:
+    """Tokens a KIVI-style cache holds quantized: whole key chunks of `group` tokens, leaving the newest
+    `residual` .. `residual + group - 1` tokens in full precision (all of them below `residual`)."""
+    assert group > 0 and residual >= 0, (group, residual)
+    return max(0, (held - residual) // group) * group
+
+
+def kivi_cache_bytes(spec: ModelSpec, *, batch: int, context: int, kv: Format, residual: int,
+                     residual_format: Format) -> int:
+    """Bytes of a KIVI-style quantized KV cache (the engine's QuantizedCache) for `batch` sequences of `context`.
+
+    Per attention layer and sequence, with g = kv.group and q = kivi_quantized_tokens(held, g, residual):
+    keys are quantized per channel in chunks of g tokens (one g-element vector per channel per chunk:
+    ``kv.vector_bytes(g)``), values per token along v_head_dim (``kv.vector_bytes(v_head_dim)``), and the
+    held - q newest tokens stay in residual_format. Unlike ``token_bytes`` the key groups run along the
+    token axis, so this differs from memory() with kv=int* by the residual and by the key grouping.
+    """
+    assert kv.group is not None and not kv.is_float(), kv
+    total = 0
+    for layer in spec.layers:
+        m = layer.mixer
+        if not isinstance(m, Attention):
+            continue
+        held = tokens_held(layer, context)
+        q = kivi_quantized_tokens(held, kv.group, residual)
+        keys = m.n_kv_heads * m.head_dim * (q // kv.group) * kv.vector_bytes(kv.group)
+        values = m.n_kv_heads * q * kv.vector_bytes(m.v_head_dim)
+        fp = m.n_kv_heads * (held - q) * (residual_format.vector_bytes(m.head_dim)
+                                          + residual_format.vector_bytes(m.v_head_dim))
+        total += keys + values + fp
+    return batch * total

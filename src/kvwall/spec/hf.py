@@ -19,6 +19,7 @@ from kvwall.spec.model import (
     Mamba2,
     ModelSpec,
     MoE,
+    Rope,
     dt_rank_auto,
 )
 
@@ -78,14 +79,56 @@ def _windows(c: Config, n_layers: int, default_sliding: Callable[[int], bool] | 
     return [int(window) if default_sliding(i) else None for i in range(n_layers)]
 
 
-def _attention(c: Config, hidden: int, *, qkv_bias=False, o_bias=False, qk_norm=False, window=None, theta=None):
+def _attention(c: Config, hidden: int, *, qkv_bias=False, o_bias=False, qk_norm=False, window=None, theta=None,
+               rope: Rope | None = None):
     n_q = c.positive("num_attention_heads")
     n_kv = c.get("num_key_value_heads") or n_q
     head_dim = c.get("head_dim") or hidden // n_q
     if n_q % n_kv:
         raise KvwallError(f"{c.where}: num_attention_heads {n_q} is not a multiple of num_key_value_heads {n_kv}")
-    return Attention(n_q, n_kv, head_dim, head_dim, window, qkv_bias, o_bias, qk_norm,
-                     theta if theta is not None else float(c.get("rope_theta", 10000.0)))
+    rope = rope or _rope(c)
+    if theta is not None:
+        rope = replace(rope, theta=float(theta))
+    return Attention(n_q, n_kv, head_dim, head_dim, window, qkv_bias, o_bias, qk_norm, rope.theta, rope=rope)
+
+
+# -- engine details: rotary scaling, norms, activations, special tokens -----
+
+def _rope(c: Config, layer_type: str | None = None) -> Rope:
+    """Rotary parameters from transformers v5 ``rope_parameters`` (optionally keyed by layer type)
+    or from the v4 fields ``rope_theta`` + ``rope_scaling``."""
+    params = c.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        params = params.get(layer_type or "full_attention") or params.get("full_attention")
+    if not isinstance(params, dict) or not params:
+        params = dict(c.get("rope_scaling") or {})
+        params.setdefault("rope_theta", c.get("rope_theta", 10000.0))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    return Rope(
+        theta=float(params.get("rope_theta") or c.get("rope_theta", 10000.0)), kind=str(kind),
+        factor=float(params.get("factor") or 1.0), low_freq_factor=float(params.get("low_freq_factor") or 1.0),
+        high_freq_factor=float(params.get("high_freq_factor") or 4.0),
+        original_max_position=params.get("original_max_position_embeddings"),
+        partial=float(params.get("partial_rotary_factor") or c.get("partial_rotary_factor", 1.0)),
+    )
+
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+                "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "relu": "relu"}
+
+
+def _activation(c: Config, *keys: str, default: str = "silu") -> str:
+    """The MLP activation, canonical name (an unknown name is kept: the engine says it cannot run it)."""
+    for key in keys:
+        if c.get(key):
+            return _ACTIVATIONS.get(c.get(key), c.get(key))
+    return default
+
+
+def _tokens(c: Config) -> dict:
+    eos = c.get("eos_token_id")
+    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return {"bos_token_id": c.get("bos_token_id"), "eos_token_ids": eos_ids, "pad_token_id": c.get("pad_token_id")}
 
 
 def _decoder(c: Config, name: str, layers: list[Layer], *, tied: bool, final_norm: int, hidden: int,
@@ -94,6 +137,7 @@ def _decoder(c: Config, name: str, layers: list[Layer], *, tied: bool, final_nor
         name=name, model_type=c.req("model_type"), hidden=hidden, vocab=vocab or c.positive("vocab_size"),
         layers=tuple(layers), tied_embeddings=tied, position_embeddings=pos, final_norm_params=final_norm,
         max_context=c.get("max_position_embeddings"), dtype=_dtype(c), extra_params=extra, notes=tuple(notes),
+        **_tokens(c),
     )
 
 
@@ -105,11 +149,12 @@ def parse_gpt2(c: Config, name: str) -> ModelSpec:
     n_head = c.positive("n_head", "num_attention_heads")
     d_ff = c.get("n_inner") or 4 * d
     attn = Attention(n_head, n_head, d // n_head, d // n_head, None, qkv_bias=True, o_bias=True)
-    layer = Layer(attn, MLP(d_ff, gated=False, bias=True), norm_params=4 * d)  # two LayerNorms, weight + bias
+    mlp = MLP(d_ff, gated=False, bias=True, activation=_activation(c, "activation_function", default="gelu_tanh"))
+    layer = Layer(attn, mlp, norm_params=4 * d)  # two LayerNorms, weight + bias
     n_pos = c.positive("n_positions", "max_position_embeddings")
     spec = _decoder(c, name, [layer] * n_layer, tied=c.get("tie_word_embeddings", True), final_norm=2 * d,
                     hidden=d, pos=n_pos, notes=["learned absolute positions (wpe)"])
-    return replace(spec, max_context=n_pos)
+    return replace(spec, max_context=n_pos, norm="layer", norm_eps=float(c.get("layer_norm_epsilon", 1e-5)))
 
 
 def _llama_family(c: Config, name: str, *, qkv_bias: bool, qk_norm: bool = False,
@@ -119,12 +164,14 @@ def _llama_family(c: Config, name: str, *, qkv_bias: bool, qk_norm: bool = False
     n = c.positive("num_hidden_layers")
     bias = bool(c.get("attention_bias", False))
     windows = _windows(c, n, sliding_rule)
-    dense = MLP(c.positive("intermediate_size"), gated=True, bias=bool(c.get("mlp_bias", False))) if ffn is None else None
+    dense = MLP(c.positive("intermediate_size"), gated=True, bias=bool(c.get("mlp_bias", False)),
+                activation=_activation(c, "hidden_act")) if ffn is None else None
     layers = []
     for i in range(n):
         attn = _attention(c, hidden, qkv_bias=qkv_bias or bias, o_bias=bias, qk_norm=qk_norm, window=windows[i])
         layers.append(Layer(attn, dense if ffn is None else ffn(i), norm_params=2 * hidden))
-    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden)
+    spec = _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden)
+    return replace(spec, norm_eps=float(c.get("rms_norm_eps", 1e-6)))
 
 
 def parse_llama(c: Config, name: str) -> ModelSpec:
@@ -190,15 +237,24 @@ def _gemma(c: Config, name: str, *, qk_norm: bool, sliding_rule, local_theta=Non
     hidden = c.positive("hidden_size")
     n = c.positive("num_hidden_layers")
     windows = _windows(c, n, sliding_rule)
-    mlp = MLP(c.positive("intermediate_size"), gated=True)
+    mlp = MLP(c.positive("intermediate_size"), gated=True,
+              activation=_activation(c, "hidden_activation", "hidden_act", default="gelu_tanh"))
+    scalar = c.get("query_pre_attn_scalar")
     layers = []
     for i in range(n):
-        theta = local_theta if (windows[i] and local_theta) else None
+        local = bool(windows[i] and local_theta)
+        # v5 configs key rope_parameters by layer type; v4 configs give the local base as rope_local_base_freq
+        rope = _rope(c, "sliding_attention" if local else "full_attention")
+        if local and not isinstance(c.get("rope_parameters"), dict):
+            rope = Rope(theta=local_theta)
         attn = _attention(c, hidden, qkv_bias=bool(c.get("attention_bias", False)), qk_norm=qk_norm,
-                          window=windows[i], theta=theta)
+                          window=windows[i], rope=rope)
+        attn = replace(attn, scale=float(scalar) ** -0.5 if scalar else None, softcap=c.get("attn_logit_softcapping"))
         layers.append(Layer(attn, mlp, norm_params=4 * hidden))  # input, post-attn, pre-ffn, post-ffn
-    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", True)), final_norm=hidden,
+    spec = _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", True)), final_norm=hidden,
                     hidden=hidden, extra=extra, notes=notes)
+    return replace(spec, norm="rms1p", norm_eps=float(c.get("rms_norm_eps", 1e-6)), sandwich_norms=True,
+                   embed_scale=hidden ** 0.5, final_softcap=c.get("final_logit_softcapping"))
 
 
 def parse_gemma2(c: Config, name: str) -> ModelSpec:

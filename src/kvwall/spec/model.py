@@ -18,6 +18,24 @@ from typing import Union
 
 
 @dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding: base frequency and scaling (what the engine needs to rotate q and k).
+
+    kind: "default" (no scaling), "linear" (positions divided by factor), or "llama3"
+    (low frequencies divided by factor, high ones kept, a smooth ramp between).
+    partial: fraction of head_dim that is rotated (Phi-3 style partial rotary).
+    """
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int | None = None
+    partial: float = 1.0
+
+
+@dataclass(frozen=True)
 class Attention:
     """Softmax attention with n_q query heads sharing n_kv key/value heads (MHA/GQA/MQA)."""
 
@@ -30,6 +48,10 @@ class Attention:
     o_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
     rope_theta: float | None = None  # None: learned or no rotary positions
+    # engine-only details (do not change bytes or parameter counts)
+    rope: Rope | None = None  # full rotary description; None: learned or no rotary positions
+    scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    softcap: float | None = None  # attention logit soft-capping (Gemma 2): cap * tanh(s / cap)
 
     kind = "attention"
 
@@ -174,6 +196,7 @@ class MLP:
     d_ff: int
     gated: bool = True
     bias: bool = False
+    activation: str = "silu"  # silu, gelu (exact), gelu_tanh, relu; on the gate when gated
 
     kind = "mlp"
 
@@ -263,6 +286,15 @@ class ModelSpec:
     dtype: str | None = None  # the checkpoint's torch_dtype
     extra_params: int = 0  # parameters outside the decoder stack that a deployment loads (e.g. a vision tower)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # engine-only details (do not change bytes or parameter counts)
+    norm: str = "rms"  # rms (x * w), rms1p (Gemma: x * (1 + w)), layer (LayerNorm with bias)
+    norm_eps: float = 1e-6
+    sandwich_norms: bool = False  # Gemma 2/3: extra norms on the attention and MLP outputs
+    embed_scale: float = 1.0  # Gemma: embeddings multiplied by sqrt(hidden)
+    final_softcap: float | None = None  # final logit soft-capping: cap * tanh(logits / cap)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
 
     # -- parameter counts -------------------------------------------------
     def embedding_params(self) -> int:

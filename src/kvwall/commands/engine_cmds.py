@@ -1,0 +1,142 @@
+"""`kvwall verify | generate`: run a checkpoint with kvwall's engine (torch is imported only here, lazily)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from kvwall.commands import common
+from kvwall.errors import KvwallError
+from kvwall.units import fmt_bytes
+
+CACHES = ("contiguous", "sliding", "int8", "int4", "int2", "paged")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="load a checkpoint with kvwall and transformers; compare their logits")
+    p.add_argument("checkpoint", help="directory with config.json and safetensors weights")
+    p.add_argument("--prompt-ids", metavar="IDS", help="comma-separated token ids (default: 32 seeded random ids)")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="largest logit difference that passes (default 1e-4)")
+    common.add_json(p)
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("generate", help="generate text (or ids) with kvwall's engine; report tok/s and cache bytes")
+    p.add_argument("checkpoint", help="directory with config.json and safetensors weights")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text (needs the checkpoint's tokenizer.json)")
+    src.add_argument("--prompt-ids", metavar="IDS", help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="default 32")
+    p.add_argument("--cache", default="contiguous", help=f"KV cache: {', '.join(CACHES)} (default contiguous)")
+    p.add_argument("--block-size", type=int, default=16, help="paged cache block size (default 16)")
+    p.add_argument("--residual", type=int, default=32, help="quantized caches: newest tokens kept in full precision")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    common.add_json(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise KvwallError(f"--prompt-ids {text!r}: give comma-separated integers, e.g. 1,2,3") from None
+    if not ids:
+        raise KvwallError("--prompt-ids is empty; give at least one token id")
+    return ids
+
+
+def _checkpoint(arg: str) -> Path:
+    path = Path(arg).expanduser()
+    if not (path / "config.json").is_file():
+        raise KvwallError(f"{arg} is not a checkpoint directory (no config.json); point at a saved model")
+    return path
+
+
+def _need_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise KvwallError("the engine needs torch: pip install 'kvwall[engine]'") from None
+
+
+# -- verify --------------------------------------------------------------------
+
+def cmd_verify(args) -> int:
+    _need_torch()
+    import torch
+
+    from kvwall.engine.load import load_model
+
+    path = _checkpoint(args.checkpoint)
+    model = load_model(path)
+    try:
+        import transformers
+    except ImportError:
+        raise KvwallError("verify compares against transformers: pip install transformers") from None
+    if args.prompt_ids:
+        ids = parse_ids(args.prompt_ids)
+    else:
+        ids = torch.randint(0, model.spec.vocab, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    if max(ids) >= model.spec.vocab or min(ids) < 0:
+        raise KvwallError(f"a prompt id is outside the vocabulary [0, {model.spec.vocab})")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        diff = (model(x) - ref(x).logits.float()).abs().max().item()
+    ok = diff <= args.tolerance
+    result = {"checkpoint": str(path), "model_type": model.spec.model_type, "tokens": len(ids),
+              "max_abs_logit_diff": diff, "tolerance": args.tolerance, "pass": ok,
+              "transformers": transformers.__version__}
+    if args.json:
+        from kvwall.report.tables import print_json
+
+        print_json(result)
+    else:
+        print(f"{path.name} ({model.spec.model_type}), {len(ids)} tokens: max |logit diff| {diff:.3g} "
+              f"vs transformers {transformers.__version__} -> {'PASS' if ok else 'FAIL'} (tolerance {args.tolerance:g})")
+    return 0 if ok else 1
+
+
+# -- generate ------------------------------------------------------------------
+
+def cmd_generate(args) -> int:
+    if args.cache.split(":")[0] not in CACHES:
+        raise KvwallError(f"unknown cache {args.cache!r}; caches: {', '.join(CACHES)}")
+    path = _checkpoint(args.checkpoint)
+    _need_torch()
+    from kvwall.engine.generate import Sampling, generate
+    from kvwall.engine.load import load_model
+    from kvwall.engine.tokenizer import load_tokenizer
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling.check()
+    tok = load_tokenizer(path)
+    if args.prompt is not None and tok is None:
+        raise KvwallError(f"{path} has no tokenizer.json (or `tokenizers` is not installed); use --prompt-ids")
+    ids = tok.encode(args.prompt) if args.prompt is not None else parse_ids(args.prompt_ids)
+    model = load_model(path, args.dtype)
+    opts = {"block_size": args.block_size} if args.cache == "paged" else {}
+    if args.cache.startswith("int"):
+        opts = {"residual": args.residual}
+    t0 = time.perf_counter()
+    out = generate(model, [ids], args.max_new_tokens, args.cache, sampling, **opts)
+    wall = time.perf_counter() - t0
+    new = out.tokens[0]
+    text = tok.decode(new) if tok is not None else None
+    result = {"checkpoint": str(path), "cache": args.cache, "prompt_ids": ids, "ids": new, "text": text,
+              "prefill_s": out.prefill_s, "decode_s": out.decode_s, "decode_steps": out.decode_steps,
+              "decode_tokens_per_s": out.decode_tok_s, "total_s": wall, "cache_bytes": out.cache_bytes}
+    if args.json:
+        from kvwall.report.tables import print_json
+
+        print_json(result)
+        return 0
+    sys.stdout.write((text if text is not None else ",".join(map(str, new))) + "\n")
+    print(f"[{len(new)} tokens, prefill {out.prefill_s * 1e3:.1f} ms, decode {out.decode_tok_s:.1f} tok/s, "
+          f"{args.cache} cache {fmt_bytes(out.cache_bytes)}]", file=sys.stderr)
+    return 0

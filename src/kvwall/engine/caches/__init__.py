@@ -1,0 +1,41 @@
+"""KV caches: one contract (base.KVCache), one class per strategy.
+
+    contiguous   preallocated to max_len for every layer
+    sliding      ring buffer of `window` slots on local layers, contiguous on global ones
+    int8/int4/int2  KIVI-style quantized (keys per channel, values per token, fp residual)
+    paged        blocks from a pool, per-row block tables, freed when a sequence finishes
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvwall.engine.caches.base import KVCache, NoCache
+from kvwall.engine.caches.contiguous import ContiguousCache
+from kvwall.engine.caches.paged import PagedCache
+from kvwall.engine.caches.quantized import QuantizedCache
+from kvwall.engine.caches.sliding import SlidingCache
+from kvwall.errors import KvwallError
+from kvwall.predict.formats import get_format
+from kvwall.spec.model import ModelSpec
+
+CACHE_NAMES = ("contiguous", "sliding", "int8", "int4", "int2", "paged")
+
+
+def make_cache(name: str, spec: ModelSpec, batch: int, max_len: int, dtype=torch.float32, device="cpu",
+               block_size: int = 16, residual: int = 32) -> KVCache:
+    """A cache by name; quantized names take format options (``int8:g32``)."""
+    base = name.split(":")[0]
+    if base == "contiguous":
+        return ContiguousCache(spec, batch, max_len, dtype, device)
+    if base == "sliding":
+        return SlidingCache(spec, batch, max_len, dtype, device)
+    if base in ("int8", "int4", "int2"):
+        return QuantizedCache(spec, batch, max_len, get_format(name), residual, dtype, device)
+    if base == "paged":
+        return PagedCache(spec, batch, block_size, None, max_len, dtype, device)
+    raise KvwallError(f"unknown cache {name!r}; caches: {', '.join(CACHE_NAMES)}")
+
+
+__all__ = ["CACHE_NAMES", "KVCache", "NoCache", "make_cache", "ContiguousCache", "SlidingCache",
+           "QuantizedCache", "PagedCache"]

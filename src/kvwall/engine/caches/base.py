@@ -1,0 +1,73 @@
+"""The one contract every KV cache keeps, and the no-cache used for a plain full forward.
+
+    step(pos)                         once per forward pass, before the layers: check bounds, allocate
+    update(layer, k, v, pos)          write the new tokens' K/V, return what attention reads:
+        k, v:  (B, Hkv, T, D)         the new tokens' keys and values
+        pos:   (B, T)                 their positions in each sequence, -1 for padding; a row's valid
+                                      tokens come first and are consecutive (right padding)
+        -> k_all, v_all: (B, Hkv, S, D)  keys/values of S slots
+           k_pos: (B|1, S)               position each slot holds, -1 for an empty slot
+    nbytes()                          bytes of K/V storage held (scales/zero points included, position
+                                      bookkeeping excluded): equal to kvwall.predict's figure
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvwall.errors import KvwallError
+from kvwall.spec.model import Attention, ModelSpec
+
+
+class KVCache:
+    name = "base"
+
+    def step(self, pos: torch.Tensor) -> None:
+        pass
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    def release(self, row: int) -> None:
+        """A sequence finished: caches that can reuse its memory (paged) do so."""
+
+
+class NoCache(KVCache):
+    """Attention over the new tokens only: a full forward pass without remembering anything."""
+
+    name = "none"
+
+    def update(self, layer, k, v, pos):
+        return k, v, pos
+
+    def nbytes(self) -> int:
+        return 0
+
+
+def attention_specs(spec: ModelSpec) -> list[Attention | None]:
+    """Per layer: its Attention (the engine's caches hold K/V for these) or None."""
+    out = []
+    for i, layer in enumerate(spec.layers):
+        m = layer.mixer
+        if m is not None and not isinstance(m, Attention):
+            raise KvwallError(f"layer {i} is {m.kind}; these KV caches hold softmax-attention layers only")
+        out.append(m)
+    return out
+
+
+def valid_tokens(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, column, position) of every non-padding token in pos (B, T)."""
+    b, t = (pos >= 0).nonzero(as_tuple=True)  # (N,), (N,)
+    return b, t, pos[b, t]
+
+
+def check_length(pos: torch.Tensor, max_len: int, what: str) -> int:
+    """The longest sequence after this step; a one-line error past the cache's maximum."""
+    end = int(pos.max()) + 1
+    if end > max_len:
+        raise KvwallError(f"position {end - 1} is past the {what} cache's maximum of {max_len} tokens; "
+                          "make the cache longer (max length) or the request shorter")
+    return end

@@ -1,0 +1,54 @@
+"""Contiguous cache: every layer preallocates K and V for max_len tokens (static addresses, gpt-fast style).
+
+Slot j of a row holds position j. nbytes() is the whole preallocation:
+batch x max_len x n_kv x (head_dim + v_head_dim) x element size, summed over layers
+(= predict.memory(spec.with_window(None), batch, context=max_len).cache_bytes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvwall.engine.caches.base import KVCache, attention_specs, check_length, valid_tokens
+from kvwall.spec.model import Attention, ModelSpec
+
+
+class ContiguousLayer:
+    def __init__(self, attn: Attention, batch: int, max_len: int, dtype, device):
+        self.k = torch.zeros(batch, attn.n_kv_heads, max_len, attn.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(batch, attn.n_kv_heads, max_len, attn.v_head_dim, dtype=dtype, device=device)
+        self.slots = torch.arange(max_len, device=device)[None]  # (1, max_len): slot j holds position j
+
+    def update(self, k, v, pos, length: int):
+        if pos.shape[1] == 1 and bool((pos >= 0).all()):  # decode fast path: one token per row
+            rows = torch.arange(pos.shape[0], device=pos.device)
+            self.k[rows, :, pos[:, 0]] = k[:, :, 0]  # (B, Hkv, D)
+            self.v[rows, :, pos[:, 0]] = v[:, :, 0]
+        else:
+            b, t, p = valid_tokens(pos)
+            self.k[b, :, p] = k[b, :, t]  # (N, Hkv, D)
+            self.v[b, :, p] = v[b, :, t]
+        return self.k[:, :, :length], self.v[:, :, :length], self.slots[:, :length]
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class ContiguousCache(KVCache):
+    name = "contiguous"
+
+    def __init__(self, spec: ModelSpec, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
+        assert batch > 0 and max_len > 0, (batch, max_len)
+        self.max_len = max_len
+        self.length = 0  # longest row so far: attention reads slots [0, length)
+        self.layers = [ContiguousLayer(a, batch, max_len, dtype, device) if a else None
+                       for a in attention_specs(spec)]
+
+    def step(self, pos):
+        self.length = max(self.length, check_length(pos, self.max_len, self.name))
+
+    def update(self, layer, k, v, pos):
+        return self.layers[layer].update(k, v, pos, self.length)
+
+    def nbytes(self) -> int:
+        return sum(l.nbytes() for l in self.layers if l is not None)

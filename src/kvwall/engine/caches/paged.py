@@ -1,0 +1,123 @@
+"""Paged cache (vLLM's PagedAttention, nano-vllm's BlockManager): K/V live in fixed-size blocks from a pool.
+
+Each row (sequence) has a block table: logical block i of the row -> physical block in the
+pool. A row grows one block at a time; when a sequence finishes, release() returns its blocks
+to the free list, and the row can start a new sequence. One table serves every layer.
+
+Bytes: nbytes() is the blocks allocated to live rows, ceil(len / block_size) per row, times
+the bytes of one block in all layers = predict.memory(spec.with_window(None), batch=1,
+context=len, block_size=...).cache_bytes summed over rows. Internal waste (allocated minus
+used) is below one block per row. pool_bytes() is the whole preallocated pool.
+Sliding windows only mask here; every layer keeps every token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from kvwall.engine.caches.base import KVCache, attention_specs, valid_tokens
+from kvwall.errors import KvwallError
+from kvwall.spec.model import ModelSpec
+
+
+class BlockManager:
+    """Free list + per-row block tables."""
+
+    def __init__(self, n_blocks: int, block_size: int, rows: int):
+        assert n_blocks > 0 and block_size > 0 and rows > 0, (n_blocks, block_size, rows)
+        self.block_size = block_size
+        self.free: deque[int] = deque(range(n_blocks))
+        self.tables: list[list[int]] = [[] for _ in range(rows)]
+        self.lengths = [0] * rows  # tokens held per row
+
+    def grow(self, row: int, length: int) -> None:
+        """Row `row` now holds `length` tokens: allocate the blocks that needs."""
+        assert length >= self.lengths[row], "a row only grows until it is released"
+        need = -(-length // self.block_size) - len(self.tables[row])
+        if need > len(self.free):
+            raise KvwallError(f"the paged cache is out of blocks ({need} more needed, {len(self.free)} free); "
+                              "give it more blocks or fewer/shorter sequences")
+        self.tables[row].extend(self.free.popleft() for _ in range(max(need, 0)))
+        self.lengths[row] = length
+
+    def release(self, row: int) -> None:
+        self.free.extend(self.tables[row])
+        self.tables[row] = []
+        self.lengths[row] = 0
+
+    def allocated_blocks(self) -> int:
+        return sum(len(t) for t in self.tables)
+
+    def used_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def check(self) -> None:
+        """Invariants: no block both free and allocated, none in two tables, none lost."""
+        held = [b for t in self.tables for b in t]
+        assert len(held) == len(set(held)), "a block is shared by two rows"
+        assert not set(held) & set(self.free), "a block is both free and allocated"
+        assert len(held) + len(self.free) == len(set(held) | set(self.free)), "duplicate free block"
+
+
+class PagedCache(KVCache):
+    name = "paged"
+
+    def __init__(self, spec: ModelSpec, batch: int, block_size: int = 16, n_blocks: int | None = None,
+                 max_len: int = 2048, dtype=torch.float32, device="cpu"):
+        n_blocks = n_blocks or batch * -(-max_len // block_size)
+        self.blocks = BlockManager(n_blocks, block_size, batch)
+        self.block_size = block_size
+        self.pools = []
+        for a in attention_specs(spec):
+            if a is None:
+                self.pools.append(None)
+                continue
+            k = torch.zeros(n_blocks, a.n_kv_heads, block_size, a.head_dim, dtype=dtype, device=device)
+            v = torch.zeros(n_blocks, a.n_kv_heads, block_size, a.v_head_dim, dtype=dtype, device=device)
+            self.pools.append((k, v))
+        self.device = device
+        self.table = self.k_pos = None
+
+    def step(self, pos):
+        """Allocate blocks for the new tokens; rebuild the (B, blocks) table and the slot positions."""
+        for row in range(pos.shape[0]):
+            end = int(pos[row].max()) + 1
+            if end > 0:
+                self.blocks.grow(row, max(end, self.blocks.lengths[row]))
+        width = max(1, max(len(t) for t in self.blocks.tables))
+        table = [t + [0] * (width - len(t)) for t in self.blocks.tables]
+        self.table = torch.tensor(table, dtype=torch.long, device=self.device)  # (B, nb)
+        slots = torch.arange(width * self.block_size, device=self.device)[None]  # (1, nb * bs)
+        lengths = torch.tensor(self.blocks.lengths, device=self.device)[:, None]  # (B, 1)
+        self.k_pos = torch.where(slots < lengths, slots, -1)  # (B, nb * bs): slot j holds position j
+
+    def update(self, layer, k, v, pos):
+        kp, vp = self.pools[layer]
+        b, t, p = valid_tokens(pos)
+        block = self.table[b, p // self.block_size]  # (N,) physical blocks
+        kp[block, :, p % self.block_size] = k[b, :, t]  # (N, Hkv, D)
+        vp[block, :, p % self.block_size] = v[b, :, t]
+        return self._gather(kp), self._gather(vp), self.k_pos
+
+    def _gather(self, pool: torch.Tensor) -> torch.Tensor:
+        B, nb = self.table.shape
+        x = pool[self.table]  # (B, nb, H, bs, D)
+        return x.transpose(1, 2).reshape(B, pool.shape[1], nb * self.block_size, pool.shape[3])  # (B, H, S, D)
+
+    def release(self, row: int) -> None:
+        self.blocks.release(row)
+
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers (K and V)."""
+        return sum(k[0].nbytes + v[0].nbytes for k, v in filter(None, self.pools))
+
+    def nbytes(self) -> int:
+        return self.blocks.allocated_blocks() * self.block_bytes()
+
+    def used_bytes(self) -> int:
+        return self.blocks.used_tokens() * self.block_bytes() // self.block_size
+
+    def pool_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in filter(None, self.pools))

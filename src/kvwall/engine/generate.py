@@ -1,0 +1,135 @@
+"""Prefill, then a decode loop: greedy or sampled, stop tokens, a batch of prompts, a streaming callback.
+
+Batching: prompts of different lengths are right-padded into one (B, T) prefill; each row
+keeps its own positions (padding is -1, never written to a cache nor attended to), and
+each decode step feeds one token per row at that row's next position. A row that hits a
+stop token or its budget stops: its position becomes -1 (no cache writes) and the cache
+may release its memory (paged).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvwall.engine.caches import KVCache, make_cache
+from kvwall.errors import KvwallError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy; top_k / top_p filter before sampling; seed makes it repeatable."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def check(self) -> None:
+        if self.temperature < 0:
+            raise KvwallError(f"temperature must be >= 0 (got {self.temperature})")
+        if self.top_k is not None and self.top_k < 1:
+            raise KvwallError(f"top-k must be >= 1 (got {self.top_k})")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise KvwallError(f"top-p must be in (0, 1] (got {self.top_p})")
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens per prompt (stop token included when hit)
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    cache_bytes: int  # the most the cache held at any step (before finished rows were released)
+    cache: KVCache = field(repr=False)
+
+    @property
+    def decode_tok_s(self) -> float:
+        n = sum(max(len(t) - 1, 0) for t in self.tokens)  # the first token comes from the prefill
+        return n / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
+    """logits (B, V) -> next token (B,)."""
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / s.temperature
+    if s.top_k is not None and s.top_k < logits.shape[-1]:
+        kth = logits.topk(s.top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p is not None and s.top_p < 1:
+        srt, idx = logits.sort(-1, descending=True)  # (B, V)
+        before = srt.softmax(-1).cumsum(-1) - srt.softmax(-1)  # probability mass ranked above each token
+        drop = before >= s.top_p  # keep the smallest prefix reaching top_p (at least one token)
+        logits = logits.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
+
+
+def right_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts -> tokens (B, T), pos (B, T) with -1 on padding."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise KvwallError("every prompt needs at least one token")
+    T = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), T), pad, dtype=torch.long)
+    pos = torch.full((len(prompts), T), -1, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        pos[b, :len(p)] = torch.arange(len(p))
+    return tokens, pos
+
+
+@torch.inference_mode()
+def generate(model, prompts: list[list[int]], max_new_tokens: int = 32, cache: str | KVCache = "contiguous",
+             sampling: Sampling = Sampling(), stop: tuple[int, ...] | None = None,
+             on_token: Callable[[int, int], None] | None = None, **cache_opts) -> Generation:
+    """Generate up to max_new_tokens per prompt. on_token(row, token) streams each new token."""
+    sampling.check()
+    if max_new_tokens < 1:
+        raise KvwallError(f"max new tokens must be at least 1 (got {max_new_tokens})")
+    vocab = model.spec.vocab
+    if any(not 0 <= t < vocab for p in prompts for t in p):
+        raise KvwallError(f"a prompt token id is outside the vocabulary [0, {vocab})")
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    model.check_context(max_len)
+    device = next(model.parameters()).device
+    if isinstance(cache, str):
+        dtype = next(model.parameters()).dtype
+        cache = make_cache(cache, model.spec, len(prompts), max_len, dtype, device, **cache_opts)
+    stop = tuple(model.spec.eos_token_ids) if stop is None else tuple(stop)
+    gen = torch.Generator(device=device).manual_seed(sampling.seed) if sampling.seed is not None else None
+    return _loop(model, prompts, max_new_tokens, cache, sampling, stop, on_token, gen, device)
+
+
+def _loop(model, prompts, max_new, cache, sampling, stop, on_token, gen, device) -> Generation:
+    tokens, pos = right_pad(prompts)
+    t0 = time.perf_counter()
+    logits = model(tokens.to(device), pos.to(device), cache, last_only=True)[:, 0]  # (B, V)
+    nxt = pick(logits, sampling, gen)  # (B,)
+    t1 = time.perf_counter()
+    out: list[list[int]] = [[] for _ in prompts]
+    length = [len(p) for p in prompts]
+    live = [True] * len(prompts)
+    steps, held = 0, cache.nbytes()
+    while True:
+        for b, t in enumerate(nxt.tolist()):
+            if live[b]:
+                out[b].append(t)
+                if on_token:
+                    on_token(b, t)
+                live[b] = t not in stop and len(out[b]) < max_new
+        held = max(held, cache.nbytes())
+        for b in range(len(prompts)):
+            if not live[b] and length[b] >= 0:
+                cache.release(b)
+                length[b] = -1
+        if not any(live):
+            break
+        step_pos = torch.tensor([[length[b]] if live[b] else [-1] for b in range(len(prompts))], device=device)
+        logits = model(nxt[:, None], step_pos, cache)[:, -1]  # (B, V)
+        nxt = pick(logits, sampling, gen)
+        steps += 1
+        length = [n + 1 if n >= 0 else n for n in length]
+    return Generation(out, t1 - t0, time.perf_counter() - t1, steps, held, cache)

@@ -1,0 +1,1 @@
+"""Building blocks of the engine's models: norms, rotary embeddings, attention, MLP."""

@@ -1,0 +1,93 @@
+"""Softmax attention (MHA / GQA / MQA, optional sliding window) over whatever the KV cache returns.
+
+Symbols: B batch, T new tokens, S key slots returned by the cache, Hq query heads,
+Hkv key/value heads (Hq = rep * Hkv), D head dim.
+
+Positions drive everything: ``pos`` (B, T) holds each new token's position in its
+sequence (-1 for padding) and the cache returns ``k_pos`` (B|1, S), the position held
+in each key slot (-1 for empty). A query at position p sees a key at position j when
+0 <= j <= p and, for a sliding layer, p - j < window. This one rule serves contiguous,
+ring-buffer, quantized and paged caches alike, and batches of different lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvwall.engine.layers.norm import RMSNorm
+from kvwall.engine.layers.rope import apply_rope
+from kvwall.spec.model import Attention as AttentionSpec
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(B, T) query positions x (B|1, S) key positions -> (B, 1, T, S) bool mask."""
+    qp = q_pos[:, :, None]  # (B, T, 1)
+    kp = k_pos[:, None, :]  # (B|1, 1, S)
+    mask = (kp >= 0) & (kp <= qp)  # (B, T, S)
+    if window:
+        mask &= (qp - kp) < window
+    mask |= qp < 0  # padding queries see every slot: finite (unused) output instead of NaN
+    return mask[:, None]
+
+
+def attend_reference(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """Plain softmax(q k^T * scale) v, in fp32: the slow, obviously-correct path."""
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)  # (B, Hq, S, D)
+    v = v.repeat_interleave(rep, dim=1)  # (B, Hq, S, Dv)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, Hq, T, S)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)  # (B, Hq, T, Dv)
+
+
+def attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """Fast path: torch SDPA (grouped heads without copying K/V); soft-capping falls back to the reference."""
+    if softcap:
+        return attend_reference(q, k, v, mask, scale, softcap)
+    B, Hq, T, D = q.shape
+    rep = Hq // k.shape[1]
+    if T == 1 and rep > 1:  # decode: the rep query heads of a group become rep "tokens" against one K/V head
+        qg = q.view(B, k.shape[1], rep, D)  # (B, Hkv, rep, D)
+        y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (B, Hkv, rep, Dv)
+        return y.reshape(B, Hq, 1, v.shape[-1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=rep > 1)
+
+
+class Attention(nn.Module):
+    """wqkv holds [q; k; v] fused (one matmul); wo projects heads back to hidden."""
+
+    def __init__(self, spec: AttentionSpec, hidden: int, index: int, norm_eps: float, gemma_norm: bool):
+        super().__init__()
+        self.index = index  # which layer of the cache this attention reads and writes
+        self.n_q, self.n_kv, self.d, self.dv = spec.n_q_heads, spec.n_kv_heads, spec.head_dim, spec.v_head_dim
+        self.window = spec.window
+        self.softcap = spec.softcap
+        self.scale = spec.scale if spec.scale is not None else spec.head_dim ** -0.5
+        self.sizes = [self.n_q * self.d, self.n_kv * self.d, self.n_kv * self.dv]
+        self.wqkv = nn.Linear(hidden, sum(self.sizes), bias=spec.qkv_bias)
+        self.wo = nn.Linear(self.n_q * self.dv, hidden, bias=spec.o_bias)
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            offset = 1.0 if gemma_norm else 0.0
+            self.q_norm = RMSNorm(self.d, norm_eps, offset)
+            self.k_norm = RMSNorm(self.d, norm_eps, offset)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: tuple | None, cache) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split(self.sizes, dim=-1)
+        q = q.view(B, T, self.n_q, self.d)  # (B, T, Hq, D)
+        k = k.view(B, T, self.n_kv, self.d)  # (B, T, Hkv, D)
+        v = v.view(B, T, self.n_kv, self.dv)  # (B, T, Hkv, Dv)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        k_all, v_all, k_pos = cache.update(self.index, k, v, pos)  # (B, Hkv, S, D) x2, (B|1, S)
+        mask = visible(pos, k_pos, self.window)  # (B, 1, T, S)
+        y = attend(q, k_all.to(q.dtype), v_all.to(q.dtype), mask, self.scale, self.softcap)  # (B, Hq, T, Dv)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_q * self.dv))  # (B, T, hidden)

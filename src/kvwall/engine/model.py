@@ -1,0 +1,109 @@
+"""A decoder-only transformer built from a ModelSpec (gpt-fast style: the whole model in one sitting).
+
+    tokens (B, T), pos (B, T) -> embed (* embed_scale) (+ learned positions)
+      -> for each layer: x += [post_norm](attn(norm(x)));  x += [post_norm](mlp(norm(x)))
+      -> final norm -> lm_head (tied to the embedding or not) -> [softcap] -> logits (B, T, V)
+
+``pos`` holds each token's position in its own sequence (-1 for padding): batches of
+prompts of different lengths are right-padded and every row keeps its true positions, so
+rotary and learned positions are exactly those of an unpadded run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvwall.engine.caches.base import NoCache
+from kvwall.engine.layers.attention import Attention
+from kvwall.engine.layers.mlp import make_mlp
+from kvwall.engine.layers.norm import make_norm
+from kvwall.engine.layers.rope import Rotary
+from kvwall.errors import KvwallError
+from kvwall.spec.model import MLP, Attention as AttentionSpec, ModelSpec
+
+ENGINE_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gemma2", "phi3")
+
+
+def check_supported(spec: ModelSpec) -> None:
+    """One line naming what the engine runs when a spec has something it does not."""
+    if spec.model_type not in ENGINE_FAMILIES:
+        raise KvwallError(f"the engine does not run model_type {spec.model_type!r} yet; it runs "
+                          f"{', '.join(ENGINE_FAMILIES)}")
+    for i, layer in enumerate(spec.layers):
+        if not isinstance(layer.mixer, AttentionSpec) or not isinstance(layer.ffn, MLP):
+            raise KvwallError(f"layer {i} of {spec.name} is {layer.describe()}; the engine runs attention + MLP "
+                              f"layers ({', '.join(ENGINE_FAMILIES)})")
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, index: int):
+        super().__init__()
+        layer = spec.layers[index]
+        norm = lambda: make_norm(spec.norm, spec.hidden, spec.norm_eps)  # noqa: E731
+        self.attn_norm, self.ffn_norm = norm(), norm()
+        self.attn = Attention(layer.mixer, spec.hidden, index, spec.norm_eps, gemma_norm=spec.norm == "rms1p")
+        self.mlp = make_mlp(layer.ffn, spec.hidden)
+        self.post_attn_norm = norm() if spec.sandwich_norms else None
+        self.post_ffn_norm = norm() if spec.sandwich_norms else None
+
+    def forward(self, x, pos, rope, cache):
+        h = self.attn(self.attn_norm(x), pos, rope, cache)  # (B, T, D)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.ffn_norm(x))  # (B, T, D)
+        if self.post_ffn_norm is not None:
+            h = self.post_ffn_norm(h)
+        return x + h
+
+
+class Transformer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        check_supported(spec)
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab, spec.hidden)
+        self.pos_embed = nn.Embedding(spec.position_embeddings, spec.hidden) if spec.position_embeddings else None
+        self.layers = nn.ModuleList(Block(spec, i) for i in range(spec.n_layers))
+        self.norm = make_norm(spec.norm, spec.hidden, spec.norm_eps)
+        self.lm_head = None if spec.tied_embeddings else nn.Linear(spec.hidden, spec.vocab, bias=False)
+        ropes = [(l.mixer.rope, l.mixer.head_dim) for l in spec.layers]
+        self.rope_keys = sorted({r for r in ropes if r[0] is not None}, key=str)  # distinct rotary tables
+        self.rotary = nn.ModuleList(Rotary(r, d) for r, d in self.rope_keys)
+        self.rope_of_layer = [self.rope_keys.index(r) if r[0] is not None else None for r in ropes]
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor | None = None, cache=None,
+                last_only: bool = False) -> torch.Tensor:
+        """tokens (B, T), pos (B, T) (default 0..T-1) -> logits (B, T, V), or (B, 1, V) at each row's last token."""
+        B, T = tokens.shape
+        if pos is None:
+            pos = torch.arange(T, device=tokens.device).expand(B, T)
+        cache = cache if cache is not None else NoCache()
+        cache.step(pos)
+        x = self.embed(tokens)  # (B, T, D)
+        if self.spec.embed_scale != 1.0:
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        if self.pos_embed is not None:
+            self.check_context(int(pos.max()) + 1)
+            x = x + self.pos_embed(pos.clamp(min=0))
+        tables = [rot(pos, x.dtype) for rot in self.rotary]
+        for i, block in enumerate(self.layers):
+            r = self.rope_of_layer[i]
+            x = block(x, pos, tables[r] if r is not None else None, cache)  # (B, T, D)
+        if last_only:
+            last = ((pos >= 0).sum(1) - 1).clamp(min=0)  # (B,) index of each row's last real token
+            x = x[torch.arange(B, device=x.device), last][:, None]  # (B, 1, D)
+        return self.logits(self.norm(x))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        out = x @ w.T  # (B, T, V)
+        cap = self.spec.final_softcap
+        return cap * torch.tanh(out / cap) if cap else out
+
+    def check_context(self, length: int) -> None:
+        limit = self.spec.position_embeddings or self.spec.max_context
+        if limit and length > limit:
+            raise KvwallError(f"{length} tokens is past {self.spec.name}'s maximum context of {limit}; "
+                              "shorten the prompt or --max-new-tokens")

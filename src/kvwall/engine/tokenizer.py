@@ -1,0 +1,34 @@
+"""Text in and out through a checkpoint's tokenizer.json (the `tokenizers` package), when there is one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvwall.errors import KvwallError
+
+
+class Text:
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tok.encode(text).ids
+        if not ids:
+            raise KvwallError("the prompt encodes to no tokens; give a longer prompt")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+def load_tokenizer(checkpoint: str | Path) -> Text | None:
+    """The checkpoint's tokenizer, or None when it has no tokenizer.json or `tokenizers` is missing."""
+    path = Path(checkpoint) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        return Text(path)
+    except ImportError:
+        return None
