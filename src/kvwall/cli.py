@@ -10,7 +10,7 @@ from kvwall.errors import KvwallError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvwall.commands import calibrate_cmd, engine_cmds, memory_cmds, report_cmd, speed_cmds
+    from kvwall.commands import bench_cmd, calibrate_cmd, engine_cmds, memory_cmds, report_cmd, speed_cmds
 
     p = argparse.ArgumentParser(
         prog="kvwall",
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     speed_cmds.register(sub)
     report_cmd.register(sub)
     calibrate_cmd.register(sub)
+    bench_cmd.register(sub)
     return p
 
 

@@ -1,0 +1,82 @@
+"""The architectures `kvwall bench` compares: matched size (~120-140M parameters), random weights.
+
+Every one shares vocab 32,000, hidden 768 and 12 blocks of attention + gated MLP 2,048 (or the SSM
+equivalent), so that what differs between them is what they remember per token. Each is a Hugging
+Face-style config.json dict, parsed by the same spec parser as any real model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VOCAB, HIDDEN, LAYERS, FF = 32000, 768, 12, 2048
+MAX_POS = 1 << 17
+
+_LLAMA = dict(model_type="llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FF,
+              num_hidden_layers=LAYERS, num_attention_heads=12, head_dim=64, max_position_embeddings=MAX_POS,
+              rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32")
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    config: dict
+    cache: str  # the engine cache it decodes with
+    kv_format: str  # the predictor's KV format for the same cache
+    about: str
+    checkpoint: str | None = None  # a model directory: its own weights instead of random ones
+
+
+def _llama(**kw) -> dict:
+    return {**_LLAMA, **kw}
+
+
+def _local_global() -> dict:
+    # Gemma-3-style 5 local : 1 global, local window 1,024 tokens
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(LAYERS)]
+    return _llama(model_type="mistral", num_key_value_heads=4, sliding_window=1024, layer_types=types)
+
+
+ARCHS: dict[str, Arch] = {a.name: a for a in [
+    Arch("mha", _llama(num_key_value_heads=12), "contiguous", "fp32", "12 query heads, 12 KV heads"),
+    Arch("gqa", _llama(num_key_value_heads=4), "contiguous", "fp32", "12 query heads share 4 KV heads"),
+    Arch("mqa", _llama(num_key_value_heads=1), "contiguous", "fp32", "12 query heads share 1 KV head"),
+    Arch("sliding", _local_global(), "sliding", "fp32", "GQA-4, 5 local (window 1k) : 1 global layers"),
+    Arch("gqa-int8", _llama(num_key_value_heads=4), "int8", "int8", "GQA-4, KIVI int8 cache"),
+    Arch("gqa-int4", _llama(num_key_value_heads=4), "int4", "int4", "GQA-4, KIVI int4 cache"),
+    Arch("mla", dict(model_type="deepseek_v2", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FF,
+                     num_hidden_layers=LAYERS, num_attention_heads=12, num_key_value_heads=12,
+                     kv_lora_rank=256, q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                     n_routed_experts=None, first_k_dense_replace=LAYERS, max_position_embeddings=MAX_POS,
+                     rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32"),
+         "latent", "fp32", "latent attention: 256-d latent + 32-d rope key per token (absorbed decode)"),
+    Arch("mamba", dict(model_type="mamba", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2 * LAYERS,
+                       state_size=16, expand=2, conv_kernel=4, time_step_rank="auto", intermediate_size=2 * HIDDEN,
+                       tie_word_embeddings=False, torch_dtype="float32"),
+         "state", "fp32", "24 Mamba blocks, d_state 16"),
+    Arch("mamba2", dict(model_type="mamba2", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2 * LAYERS,
+                        num_heads=24, head_dim=64, state_size=64, n_groups=1, expand=2, conv_kernel=4,
+                        tie_word_embeddings=False, torch_dtype="float32"),
+         "state", "fp32", "24 Mamba-2 blocks, 24 heads x 64, d_state 64"),
+    Arch("hybrid", dict(model_type="jamba", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FF,
+                        num_hidden_layers=LAYERS, num_attention_heads=12, num_key_value_heads=4,
+                        attn_layer_period=4, attn_layer_offset=3, expert_layer_period=LAYERS + 1,
+                        expert_layer_offset=LAYERS, num_experts=1, num_experts_per_tok=1, mamba_d_state=16,
+                        mamba_expand=2, mamba_d_conv=4, max_position_embeddings=MAX_POS, tie_word_embeddings=False,
+                        torch_dtype="float32"),
+         "hybrid", "fp32", "Jamba-style: 1 attention (GQA-4) : 3 Mamba layers, dense MLPs"),
+]}
+
+DEFAULT = list(ARCHS)
+QUICK = ["gqa", "sliding", "gqa-int4", "mamba"]
+
+
+def checkpoint_arch(path: str) -> Arch:
+    """A model directory as a bench architecture: its config, its weights, the contiguous cache in fp32."""
+    from pathlib import Path
+
+    from kvwall.spec.resolve import read_config_file
+
+    d = Path(path)
+    cfg = read_config_file(d / "config.json")
+    return Arch(d.name, cfg, "contiguous", "fp32", f"checkpoint {d}", checkpoint=str(d))

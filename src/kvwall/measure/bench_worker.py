@@ -1,0 +1,117 @@
+"""One architecture's benchmark, run in its own process so its peak resident memory is its own.
+
+    python -m kvwall.measure.bench_worker '<json job>'   -> one JSON line per context on stdout
+
+For each context (ascending): build a cache holding `context` tokens, time decode steps (median
+after warm-up), time a real prefill when the context is at most `prefill_max`, and report the
+cache's own byte count and the process's peak RSS so far. Contexts above `prefill_max` are
+reached by writing random K/V through the cache's own update() (what a decode step reads does
+not depend on the values), so a 32k point costs seconds, not minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+from kvwall.errors import KvwallError
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def build(job: dict):
+    from kvwall.engine.model import Transformer
+    from kvwall.spec.hf import spec_from_config
+
+    if job.get("checkpoint"):
+        from kvwall.engine.load import load_model
+
+        return load_model(job["checkpoint"]).eval()
+    torch.manual_seed(0)
+    spec = spec_from_config(job["config"], name=job["name"], where=f"bench arch {job['name']}")
+    model = Transformer(spec).eval()
+    for p in model.parameters():  # a small, stable scale: random weights, finite activations
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def fill(model, cache, context: int, chunk: int = 1024) -> None:
+    """Write `context` tokens of random K/V into every attention layer's cache."""
+    from kvwall.spec.model import Attention
+
+    g = torch.Generator().manual_seed(1)
+    spec = model.spec
+    for start in range(0, context, chunk):
+        n = min(chunk, context - start)
+        pos = torch.arange(start, start + n)[None]  # (1, n)
+        cache.step(pos)
+        for i, layer in enumerate(spec.layers):
+            m = layer.mixer
+            if isinstance(m, Attention):
+                k = torch.randn(1, m.n_kv_heads, n, m.head_dim, generator=g)  # (1, Hkv, n, D)
+                v = torch.randn(1, m.n_kv_heads, n, m.v_head_dim, generator=g)  # (1, Hkv, n, Dv)
+                cache.update(i, k, v, pos)
+            elif m is not None and hasattr(cache, "fill_random"):
+                cache.fill_random(i, n, g)
+
+
+def timed(fn, steps: int, warmup: int) -> list[float]:
+    out = []
+    for i in range(steps + warmup):
+        t0 = time.perf_counter()
+        fn()
+        if i >= warmup:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+@torch.inference_mode()
+def run_point(model, job: dict, context: int) -> dict:
+    from kvwall.engine.caches import make_cache
+
+    steps, warmup = job["steps"], job["warmup"]
+    max_len = context + steps + warmup  # exactly what the run writes: preallocating caches hold no spare slot
+    prefill_s = None
+    cache = make_cache(job["cache"], model.spec, 1, max_len)
+    if context <= job["prefill_max"]:
+        tokens = torch.randint(0, model.spec.vocab, (1, context), generator=torch.Generator().manual_seed(2))
+        t0 = time.perf_counter()
+        model(tokens, torch.arange(context)[None], cache, last_only=True)
+        prefill_s = time.perf_counter() - t0
+    else:
+        fill(model, cache, context)
+    tok = torch.ones(1, 1, dtype=torch.long)
+    state = {"pos": context}
+
+    def step():
+        model(tok, torch.tensor([[state["pos"]]]), cache)
+        state["pos"] += 1
+
+    times = timed(step, steps, warmup)
+    return {"arch": job["name"], "context": context, "decode_s": statistics.median(times), "decode_runs_s": times,
+            "prefill_s": prefill_s, "cache_bytes": cache.nbytes(), "peak_rss_bytes": peak_rss_bytes(),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def main(argv: list[str]) -> int:
+    job = json.loads(argv[0])
+    torch.set_num_threads(job.get("threads") or torch.get_num_threads())
+    try:
+        model = build(job)
+        for context in job["contexts"]:
+            print(json.dumps(run_point(model, job, context)), flush=True)
+    except KvwallError as exc:
+        print(json.dumps({"arch": job["name"], "error": str(exc)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,44 @@
+"""kvwall bench: one small point end to end; the engine cache's bytes equal the predictor's."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from kvwall.cli import main  # noqa: E402
+
+PROFILE = {"memory_bytes": 8 * 2**30, "memory_bandwidth_Bps": 20e9, "peak_flops": {"fp32": 1e11},
+           "source": "test profile", "notes": []}
+
+
+@pytest.fixture
+def local_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
+    (tmp_path / "local-device.json").write_text(json.dumps(PROFILE))
+
+
+@pytest.mark.parametrize("arch", ["gqa", "gqa-int8"])
+def test_bench_point(arch, local_profile, capsys):
+    assert main(["bench", arch, "--context", "256", "--steps", "1", "--prefill-max", "256", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (r,) = data["results"]
+    assert r["arch"] == arch and r["context"] == 256
+    assert r["cache_bytes"] == r["cache_pred_bytes"]  # the engine's cache holds what the predictor says
+    assert r["decode_error"] == pytest.approx(r["decode_pred_s"] / r["decode_s"] - 1)
+    assert r["prefill_s"] > 0 and r["prefill_pred_s"] > 0
+    assert r["peak_rss_bytes"] > 4 * r["params"]  # fp32 weights are resident
+    assert data["machine"]["bandwidth_Bps"] == 20e9
+
+
+def test_bench_skips_what_does_not_fit(local_profile, capsys, monkeypatch):
+    from kvwall.measure import bench
+
+    monkeypatch.setattr(bench, "available_memory", lambda: 2**30)
+    assert main(["bench", "mha", "--context", "1k", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["results"] == [] and "GiB available" in data["skipped"][0]["reason"]
+
+
+def test_bench_unknown_arch(local_profile):
+    assert main(["bench", "no-such-arch"]) == 2
