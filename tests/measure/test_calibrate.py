@@ -110,3 +110,12 @@ def test_cache_sizes_parse():
     assert machine._parse_size("2 MiB") == 2 * 2**20
     assert machine._parse_size("48K") == 48 * 1024
     assert machine._parse_size("") == 0
+
+
+def test_engine_layer_overhead_measured(calibrated, monkeypatch):
+    pytest.importorskip("torch")
+    printed, home = calibrated
+    # a decode step of a tiny 12-layer model costs microseconds to milliseconds per layer, never zero
+    assert 1e-6 < printed["layer_overhead_s"] < 1e-2
+    monkeypatch.setenv("KVWALL_HOME", str(home))
+    assert get_device("local").layer_overhead_s == printed["layer_overhead_s"]

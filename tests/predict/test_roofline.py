@@ -138,3 +138,14 @@ def test_prefill_compute_bound_on_long_prompt():
     spec = load_spec("llama-3-8b")
     r = prefill(spec, 4096, 1, Formats.for_spec(spec), Roof(get_device("h100-sxm")))
     assert r.bound == "compute"
+
+
+def test_layer_overhead_added_once_per_layer_and_head():
+    from dataclasses import replace
+
+    roof = Roof(get_device("h100-sxm"))
+    slow = Roof(replace(get_device("h100-sxm"), layer_overhead_s=1e-3))
+    base = decode(TINY, 10, 1, F16, roof)
+    with_overhead = decode(TINY, 10, 1, F16, slow)
+    assert with_overhead.time_s == pytest.approx(base.time_s + 2e-3)  # 1 layer + embedding/head
+    assert with_overhead.overhead_s == pytest.approx(2e-3) and base.overhead_s == 0

@@ -113,7 +113,7 @@ class Calibration:
             "peak_flops": self.peak_flops(),
             "onchip_cache_bytes": info.get("llc_bytes"),
             "interconnect": {"name": "none (this machine alone)", "bandwidth_Bps": None, "per_direction_Bps": None},
-            "tdp_W": None,
+            "tdp_W": None, "layer_overhead_s": info.get("layer_overhead_s", 0.0),
             "source": f"measured by `kvwall calibrate` on {info['hostname']} at {self.started}",
             "unconfirmed": [], "notes": self.notes(),
             "measured": {
@@ -154,6 +154,12 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
         if progress:
             progress(i + 1, len(steps), label, cal.measurements[-1])
     del buf, dst
+    if has_torch:
+        from kvwall.measure.overhead import engine_layer_overhead
+
+        if progress:
+            progress(len(steps), len(steps), "engine dispatch overhead", None)
+        cal.info["layer_overhead_s"] = engine_layer_overhead(steps=20 if quick else 40)
     cal.elapsed_s = time.perf_counter() - t0
     return cal
 

@@ -29,6 +29,7 @@ class Device:
     source: str = ""
     unconfirmed: tuple = ()
     notes: tuple = ()
+    layer_overhead_s: float = 0.0  # fixed dispatch cost per layer per step (measured for `local`; 0 in the catalog)
 
     def flops(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s for a compute dtype, falling back to the nearest listed one."""
@@ -68,6 +69,7 @@ def _from_entry(name: str, e: dict) -> Device:
         interconnect_bw=per_dir, onchip_cache_bytes=e.get("onchip_cache_bytes"), tdp_w=e.get("tdp_W"),
         memory_tech=e.get("memory_tech"), year=e.get("year"), vendor=e.get("vendor", ""),
         source=e.get("source", ""), unconfirmed=tuple(e.get("unconfirmed", ())), notes=tuple(e.get("notes", ())),
+        layer_overhead_s=float(e.get("layer_overhead_s") or 0.0),
     )
 
 

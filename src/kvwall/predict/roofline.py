@@ -8,6 +8,9 @@ Assumptions, stated in every output:
   already a measured, achievable figure);
 * ops do not overlap each other (no fusion across ops), and each op overlaps
   its own compute with its own memory traffic;
+* a device may carry a fixed dispatch cost per layer per step (``layer_overhead_s``: measured by
+  ``kvwall calibrate`` for the ``local`` profile, 0 for catalog devices); a step adds it once per
+  layer and once for the embedding + LM head;
 * tensor parallel adds one ring all-reduce per block: 2 (tp-1)/tp x bytes over
   the interconnect plus a fixed latency; pipeline parallel runs stages one
   after another for one batch (no micro-batch overlap) and adds one
@@ -61,6 +64,7 @@ class Roof:
         return {"device": self.device.name, "compute_dtype": self.dtype, "peak_flops": self.peak,
                 "bandwidth_Bps": self.bandwidth, "compute_eff": self.compute_eff, "mem_eff": self.mem_eff,
                 "link_latency_s": self.link_latency_s, "machine_balance": self.balance,
+                "layer_overhead_s": self.device.layer_overhead_s,
                 "counted": "weights, KV cache, SSM state, 16-bit activations; not norms, residuals, rotary, softmax",
                 "overlap": "none across ops; compute/memory overlap within an op"}
 
@@ -77,6 +81,7 @@ class PhaseResult:
     memory_s: float  # sum of bytes / bandwidth
     link_s: float = 0.0
     per_op: list[dict] = field(default_factory=list)
+    overhead_s: float = 0.0  # fixed per-layer dispatch cost included in time_s
 
     @property
     def intensity(self) -> float:
@@ -90,7 +95,7 @@ class PhaseResult:
         return {"phase": self.name, "batch": self.step.batch, "past_tokens": self.step.past,
                 "new_tokens": self.step.new, "time_s": self.time_s, "flops": self.flops, "bytes": self.bytes,
                 "intensity": self.intensity, "compute_s": self.compute_s, "memory_s": self.memory_s,
-                "link_s": self.link_s, "bound": self.bound, "ops": self.per_op}
+                "link_s": self.link_s, "overhead_s": self.overhead_s, "bound": self.bound, "ops": self.per_op}
 
 
 def run_step(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Parallel | None = None,
@@ -101,7 +106,8 @@ def run_step(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Parallel
     if par.pp > 1:
         pipeline_stages(spec.n_layers, par.pp)  # validates pp against the layer count
         ops.append(Op("pipeline send", None, link_bytes=(par.pp - 1) * step.tokens * spec.hidden * ACT_BYTES))
-    per_op, total = [], 0.0
+    overhead = roof.device.layer_overhead_s * (spec.n_layers + 1)
+    per_op, total = [], overhead
     for op in ops:
         t = roof.op_time(op)
         total += t
@@ -109,7 +115,8 @@ def run_step(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Parallel
     flops = sum(o.flops for o in ops)
     nbytes = sum(o.bytes for o in ops)
     link = sum(roof.op_time(o) for o in ops if o.link_bytes)
-    return PhaseResult(name, step, ops, total, flops, nbytes, flops / roof.peak, nbytes / roof.bandwidth, link, per_op)
+    return PhaseResult(name, step, ops, total, flops, nbytes, flops / roof.peak, nbytes / roof.bandwidth, link, per_op,
+                       overhead)
 
 
 def prefill(spec, prompt: int, batch: int, fm: Formats, roof: Roof, par: Parallel | None = None) -> PhaseResult:
