@@ -28,3 +28,24 @@ def test_report_out_is_a_file(tmp_path):
     f = tmp_path / "x"
     f.write_text("")
     assert main(["report", "--no-measure", "--out", str(f)]) == 2
+
+
+def test_report_quick_measures(tmp_path, capsys, monkeypatch):
+    """With the engine installed, --quick adds the measured section and its figure (bench shrunk for the test)."""
+    import pytest
+
+    pytest.importorskip("torch")
+    from kvwall.report import measured
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "local-device.json").write_text(json.dumps({"memory_bytes": 8 * 2**30, "memory_bandwidth_Bps": 20e9,
+                                                        "peak_flops": {"fp32": 1e11}, "source": "test"}))
+    monkeypatch.setenv("KVWALL_HOME", str(home))
+    monkeypatch.setattr(measured, "QUICK", {"contexts": [128], "steps": 1, "prefill_max": 128})
+    monkeypatch.setattr("kvwall.measure.archs.QUICK", ["gqa"])
+    out = tmp_path / "rep"
+    assert main(["report", "--quick", "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["measured"] is True
+    html = (out / "report.html").read_text()
+    assert "<figure id='measured-vs-predicted'>" in html and "Measured on" in html
