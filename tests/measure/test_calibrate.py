@@ -115,7 +115,7 @@ def test_cache_sizes_parse():
 def test_engine_layer_overhead_measured(calibrated, monkeypatch):
     pytest.importorskip("torch")
     printed, home = calibrated
-    # a decode step of a tiny 12-layer model costs microseconds to milliseconds per layer, never zero
-    assert 1e-6 < printed["layer_overhead_s"] < 1e-2
+    # a decode step of a tiny 12-layer model costs microseconds to a few milliseconds per layer, never zero
+    assert 1e-6 < printed["layer_overhead_s"] < 5e-2
     monkeypatch.setenv("KVWALL_HOME", str(home))
     assert get_device("local").layer_overhead_s == printed["layer_overhead_s"]
