@@ -127,9 +127,8 @@ def test_mismatched_shape_is_named(tmp_path):
 
 
 def test_unsupported_family_lists_what_runs(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 64, "state_size": 16,
-                                                      "conv_kernel": 4, "num_hidden_layers": 2, "vocab_size": 100}))
-    with pytest.raises(KvwallError, match=r"does not run model_type 'mamba'.*llama.*gemma3_text"):
+    (tmp_path / "config.json").write_text(json.dumps({"d_model": 64, "n_layer": 2, "vocab_size": 100}))  # mamba_ssm
+    with pytest.raises(KvwallError, match=r"does not run model_type 'mamba_ssm'.*llama.*gemma3_text"):
         load_model(tmp_path)
 
 

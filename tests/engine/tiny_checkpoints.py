@@ -12,6 +12,12 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
               pad_token_id=None)
 WINDOW = 16  # sliding families: tests run contexts well past it
+# DeepSeek MLA + MoE: 8 experts in 4 groups, first layer dense; MLA expands K/V to every head
+MLA = dict(COMMON, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+           n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+           first_k_dense_replace=1, n_group=4, topk_group=2)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0}
 
 
 def _configs():
@@ -33,6 +39,12 @@ def _configs():
         "phi3": lambda: t.Phi3Config(**COMMON),
         "gemma2": lambda: t.Gemma2Config(**COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
                                          attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+        "mixtral": lambda: t.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, mlp_only_layers=[0], norm_topk_prob=True),
+        "deepseek_v2": lambda: t.DeepseekV2Config(**MLA, q_lora_rank=None, topk_method="group_limited_greedy",
+                                                  routed_scaling_factor=1.5, attention_bias=True),
+        "deepseek_v3": lambda: t.DeepseekV3Config(**MLA, q_lora_rank=24, rope_parameters=YARN),
     }
 
 
@@ -49,6 +61,9 @@ def randomize(model, seed: int = 0) -> None:
                         else 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.08 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: a persistent buffer that routing reads
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def make_checkpoint(family: str, path, seed: int = 0, **save_kw):

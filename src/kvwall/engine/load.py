@@ -17,7 +17,7 @@ import torch
 
 from kvwall.engine.model import ENGINE_FAMILIES, Transformer, check_supported
 from kvwall.errors import KvwallError
-from kvwall.spec.model import ModelSpec
+from kvwall.spec.model import LatentAttention, Mamba, Mamba2, ModelSpec, MoE
 from kvwall.spec.hf import spec_from_config
 from kvwall.spec.resolve import read_config_file
 
@@ -34,27 +34,12 @@ class Source:
 
 
 def _llama_layer(spec: ModelSpec, i: int) -> dict[str, Source]:
+    """One decoder layer: its sequence mixer's tensors, its channel mixer's, the block's norms."""
     hf, me = f"model.layers.{i}.", f"layers.{i}."
-    attn, mlp = spec.layers[i].mixer, spec.layers[i].ffn
-    out = {}
-    if spec.model_type == "phi3":  # already fused
-        out[me + "attn.wqkv.weight"] = Source((hf + "self_attn.qkv_proj.weight",))
-        out[me + "mlp.w13.weight"] = Source((hf + "mlp.gate_up_proj.weight",))
-    else:
-        out[me + "attn.wqkv.weight"] = Source(tuple(hf + f"self_attn.{x}_proj.weight" for x in "qkv"))
-        out[me + "mlp.w13.weight"] = Source((hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"))
-    if attn.qkv_bias:
-        out[me + "attn.wqkv.bias"] = Source(tuple(hf + f"self_attn.{x}_proj.bias" for x in "qkv"))
-    out[me + "attn.wo.weight"] = Source((hf + "self_attn.o_proj.weight",))
-    if attn.o_bias:
-        out[me + "attn.wo.bias"] = Source((hf + "self_attn.o_proj.bias",))
-    if attn.qk_norm:
-        out[me + "attn.q_norm.weight"] = Source((hf + "self_attn.q_norm.weight",))
-        out[me + "attn.k_norm.weight"] = Source((hf + "self_attn.k_norm.weight",))
-    out[me + "mlp.w2.weight"] = Source((hf + "mlp.down_proj.weight",))
-    if mlp.bias:
-        out[me + "mlp.w13.bias"] = Source((hf + "mlp.gate_proj.bias", hf + "mlp.up_proj.bias"))
-        out[me + "mlp.w2.bias"] = Source((hf + "mlp.down_proj.bias",))
+    layer = spec.layers[i]
+    mixer = _latent_names if isinstance(layer.mixer, LatentAttention) else _attention_names
+    ffn = _moe_names if isinstance(layer.ffn, MoE) else _mlp_names
+    out = {**mixer(spec, i, hf + "self_attn.", me + "attn."), **ffn(spec, i, hf, me + "mlp.")}
     out[me + "attn_norm.weight"] = Source((hf + "input_layernorm.weight",))
     if spec.sandwich_norms:  # Gemma: post_attention_layernorm is the attention output's norm
         out[me + "post_attn_norm.weight"] = Source((hf + "post_attention_layernorm.weight",))
@@ -62,6 +47,70 @@ def _llama_layer(spec: ModelSpec, i: int) -> dict[str, Source]:
         out[me + "post_ffn_norm.weight"] = Source((hf + "post_feedforward_layernorm.weight",))
     else:
         out[me + "ffn_norm.weight"] = Source((hf + "post_attention_layernorm.weight",))
+    return out
+
+
+def _attention_names(spec: ModelSpec, i: int, hf: str, me: str) -> dict[str, Source]:
+    attn = spec.layers[i].mixer
+    if spec.model_type == "phi3":  # already fused
+        out = {me + "wqkv.weight": Source((hf + "qkv_proj.weight",))}
+    else:
+        out = {me + "wqkv.weight": Source(tuple(hf + f"{x}_proj.weight" for x in "qkv"))}
+    if attn.qkv_bias:
+        out[me + "wqkv.bias"] = Source(tuple(hf + f"{x}_proj.bias" for x in "qkv"))
+    out[me + "wo.weight"] = Source((hf + "o_proj.weight",))
+    if attn.o_bias:
+        out[me + "wo.bias"] = Source((hf + "o_proj.bias",))
+    if attn.qk_norm:
+        out[me + "q_norm.weight"] = Source((hf + "q_norm.weight",))
+        out[me + "k_norm.weight"] = Source((hf + "k_norm.weight",))
+    return out
+
+
+def _mlp_names(spec: ModelSpec, i: int, hf: str, me: str) -> dict[str, Source]:
+    mlp, hf = spec.layers[i].ffn, hf + "mlp."
+    if spec.model_type == "phi3":  # already fused
+        out = {me + "w13.weight": Source((hf + "gate_up_proj.weight",))}
+    else:
+        out = {me + "w13.weight": Source((hf + "gate_proj.weight", hf + "up_proj.weight"))}
+    out[me + "w2.weight"] = Source((hf + "down_proj.weight",))
+    if mlp.bias:
+        out[me + "w13.bias"] = Source((hf + "gate_proj.bias", hf + "up_proj.bias"))
+        out[me + "w2.bias"] = Source((hf + "down_proj.bias",))
+    return out
+
+
+def _latent_names(spec: ModelSpec, i: int, hf: str, me: str) -> dict[str, Source]:
+    """MLA (DeepSeek-V2/V3 self_attn): q_proj or q_a_proj/q_a_layernorm/q_b_proj, kv_a, kv_a_layernorm, kv_b, o."""
+    m = spec.layers[i].mixer
+    q_lora = [("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b")]
+    pairs = (q_lora if m.q_lora_rank else [("q_proj", "wq")]) + [
+        ("kv_a_proj_with_mqa", "wkv_a"), ("kv_a_layernorm", "kv_norm"), ("kv_b_proj", "wkv_b"), ("o_proj", "wo")]
+    out = {f"{me}{mine}.weight": Source((f"{hf}{theirs}.weight",)) for theirs, mine in pairs}
+    if m.bias:
+        biased = [("kv_a_proj_with_mqa", "wkv_a"), ("o_proj", "wo")] + ([("q_a_proj", "wq_a")] if m.q_lora_rank else [])
+        out.update({f"{me}{mine}.bias": Source((f"{hf}{theirs}.bias",)) for theirs, mine in biased})
+    return out
+
+
+def _moe_names(spec: ModelSpec, i: int, hf: str, me: str) -> dict[str, Source]:
+    """Router (+ V3 correction bias), experts one by one ([gate; up] fused, down), DeepSeek's shared experts."""
+    f = spec.layers[i].ffn
+    if spec.model_type == "mixtral":  # block_sparse_moe.experts.N.{w1: gate, w3: up, w2: down}
+        hf, (gate, up, down) = hf + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        hf, (gate, up, down) = hf + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    out = {me + "router.weight": Source((hf + "gate.weight",))}
+    if f.routing.bias:
+        out[me + "router.bias"] = Source((hf + "gate.e_score_correction_bias",))
+    for e in range(f.n_experts):
+        x = f"{hf}experts.{e}."
+        out[f"{me}experts.{e}.w13.weight"] = Source((x + gate + ".weight", x + up + ".weight"))
+        out[f"{me}experts.{e}.w2.weight"] = Source((x + down + ".weight",))
+    if f.n_shared:
+        x = hf + "shared_experts."
+        out[me + "shared.w13.weight"] = Source((x + "gate_proj.weight", x + "up_proj.weight"))
+        out[me + "shared.w2.weight"] = Source((x + "down_proj.weight",))
     return out
 
 
@@ -88,12 +137,39 @@ def gpt2_names(spec: ModelSpec) -> dict[str, Source]:
     return out
 
 
-NAME_MAPS: dict[str, Callable[[ModelSpec], dict[str, Source]]] = {
-    "gpt2": gpt2_names, **{f: llama_names for f in ENGINE_FAMILIES if f != "gpt2"}}
+def ssm_mixer_names(m: Mamba | Mamba2, hf: str, me: str) -> dict[str, Source]:
+    """A Mamba or Mamba-2 mixer's tensors: the engine keeps Hugging Face's names under the mixer."""
+    names = ["in_proj.weight", "conv1d.weight", "A_log", "D", "out_proj.weight"]
+    names += ["conv1d.bias"] if m.conv_bias else []
+    names += ["in_proj.bias", "out_proj.bias"] if m.proj_bias else []
+    if isinstance(m, Mamba):
+        names += ["x_proj.weight", "dt_proj.weight", "dt_proj.bias"]
+        names += [f"{x}_layernorm.weight" for x in ("dt", "b", "c")] if m.inner_norms else []
+    else:
+        names += ["dt_bias", "norm.weight"]
+    return {me + n: Source((hf + n,)) for n in names}
 
-# Other spellings of the same tensors: bare GPT-2 checkpoints, multimodal Gemma 3 (v5, then v4 names).
+
+def mamba_names(spec: ModelSpec) -> dict[str, Source]:
+    """mamba, falcon_mamba, mamba2: backbone.embeddings, backbone.layers.N.{norm, mixer.*}, backbone.norm_f."""
+    out = {"embed.weight": Source(("backbone.embeddings.weight",)), "norm.weight": Source(("backbone.norm_f.weight",))}
+    if not spec.tied_embeddings:
+        out["lm_head.weight"] = Source(("lm_head.weight",))
+    for i, layer in enumerate(spec.layers):
+        hf = f"backbone.layers.{i}."
+        out[f"layers.{i}.attn_norm.weight"] = Source((hf + "norm.weight",))
+        out.update(ssm_mixer_names(layer.mixer, hf + "mixer.", f"layers.{i}.attn."))
+    return out
+
+
+SSM_FAMILIES = ("mamba", "falcon_mamba", "mamba2")
+NAME_MAPS: dict[str, Callable[[ModelSpec], dict[str, Source]]] = {
+    "gpt2": gpt2_names, **{f: llama_names for f in ENGINE_FAMILIES if f != "gpt2"},
+    **{f: mamba_names for f in SSM_FAMILIES}}
+
+# Other spellings of the same tensors: bare GPT-2 checkpoints, multimodal Gemma 3 (v5, then v4 names), older Mamba.
 PREFIX_ALTERNATIVES = [("transformer.", ""), ("model.", "model.language_model."), ("model.", "language_model.model."),
-                       ("lm_head.", "language_model.lm_head.")]
+                       ("lm_head.", "language_model.lm_head."), ("backbone.embeddings.", "backbone.embedding.")]
 
 
 class Checkpoint:

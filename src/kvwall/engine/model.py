@@ -4,6 +4,9 @@
       -> for each layer: x += [post_norm](attn(norm(x)));  x += [post_norm](mlp(norm(x)))
       -> final norm -> lm_head (tied to the embedding or not) -> [softcap] -> logits (B, T, V)
 
+``attn`` is the layer's sequence mixer (attention, MLA, Mamba or Mamba-2); Mamba blocks have no
+``mlp``. Attention layers read and write K/V through the cache; SSM layers their fixed state.
+
 ``pos`` holds each token's position in its own sequence (-1 for padding): batches of
 prompts of different lengths are right-padded and every row keeps its true positions, so
 rotary and learned positions are exactly those of an unpadded run.
@@ -15,14 +18,23 @@ import torch
 from torch import nn
 
 from kvwall.engine.caches.base import NoCache
+from kvwall.engine.caches.state import ModelCache, StateCache, has_state
 from kvwall.engine.layers.attention import Attention
+from kvwall.engine.layers.latent import LatentAttention
+from kvwall.engine.layers.mamba import Mamba
+from kvwall.engine.layers.mamba2 import Mamba2
 from kvwall.engine.layers.mlp import make_mlp
+from kvwall.engine.layers.moe import MoE
 from kvwall.engine.layers.norm import make_norm
 from kvwall.engine.layers.rope import Rotary
 from kvwall.errors import KvwallError
-from kvwall.spec.model import MLP, Attention as AttentionSpec, ModelSpec
+from kvwall.spec.model import MLP, Attention as AttentionSpec, LatentAttention as LatentSpec, ModelSpec, MoE as MoESpec
+from kvwall.spec.model import Mamba as MambaSpec, Mamba2 as Mamba2Spec
 
-ENGINE_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gemma2", "phi3")
+ENGINE_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gemma2", "phi3",
+                   "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "mamba", "falcon_mamba", "mamba2")
+MIXERS = (AttentionSpec, LatentSpec, MambaSpec, Mamba2Spec)  # sequence mixers the engine builds
+SSM_MIXERS = (MambaSpec, Mamba2Spec)  # blocks that may have no channel mixer (x += mixer(norm(x)) only)
 
 
 def check_supported(spec: ModelSpec) -> None:
@@ -31,19 +43,48 @@ def check_supported(spec: ModelSpec) -> None:
         raise KvwallError(f"the engine does not run model_type {spec.model_type!r} yet; it runs "
                           f"{', '.join(ENGINE_FAMILIES)}")
     for i, layer in enumerate(spec.layers):
-        if not isinstance(layer.mixer, AttentionSpec) or not isinstance(layer.ffn, MLP):
-            raise KvwallError(f"layer {i} of {spec.name} is {layer.describe()}; the engine runs attention + MLP "
-                              f"layers ({', '.join(ENGINE_FAMILIES)})")
+        no_ffn_ok = layer.ffn is None and isinstance(layer.mixer, SSM_MIXERS)
+        if not isinstance(layer.mixer, MIXERS) or not (no_ffn_ok or isinstance(layer.ffn, (MLP, MoESpec))):
+            raise KvwallError(f"layer {i} of {spec.name} is {layer.describe()}; the engine runs attention, MLA, "
+                              f"Mamba or Mamba-2 + MLP or MoE layers ({', '.join(ENGINE_FAMILIES)})")
+
+
+def make_mixer(spec: ModelSpec, index: int) -> nn.Module:
+    """The layer's sequence mixer, by its spec type."""
+    m = spec.layers[index].mixer
+    if isinstance(m, LatentSpec):
+        return LatentAttention(m, spec.hidden, index)
+    if isinstance(m, MambaSpec):
+        return Mamba(m, spec.hidden, index)
+    if isinstance(m, Mamba2Spec):
+        return Mamba2(m, spec.hidden, index, spec.norm_eps)
+    return Attention(m, spec.hidden, index, spec.norm_eps, gemma_norm=spec.norm == "rms1p")
+
+
+def make_ffn(spec: ModelSpec, index: int) -> nn.Module | None:
+    """The layer's channel mixer, by its spec type (None: a Mamba block has none)."""
+    f = spec.layers[index].ffn
+    if f is None:
+        return None
+    return MoE(f, spec.hidden) if isinstance(f, MoESpec) else make_mlp(f, spec.hidden)
+
+
+def rope_of(mixer) -> tuple:
+    """(Rope, rotated head width) of a sequence mixer; (None, 0) when it has no rotary positions."""
+    if isinstance(mixer, AttentionSpec):
+        return mixer.rope, mixer.head_dim
+    if isinstance(mixer, LatentSpec):
+        return mixer.rope, mixer.qk_rope_head_dim
+    return None, 0
 
 
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec, index: int):
         super().__init__()
-        layer = spec.layers[index]
         norm = lambda: make_norm(spec.norm, spec.hidden, spec.norm_eps)  # noqa: E731
-        self.attn_norm, self.ffn_norm = norm(), norm()
-        self.attn = Attention(layer.mixer, spec.hidden, index, spec.norm_eps, gemma_norm=spec.norm == "rms1p")
-        self.mlp = make_mlp(layer.ffn, spec.hidden)
+        self.attn = make_mixer(spec, index)  # the sequence mixer: attention, MLA, Mamba or Mamba-2
+        self.mlp = make_ffn(spec, index)
+        self.attn_norm, self.ffn_norm = norm(), norm() if self.mlp is not None else None
         self.post_attn_norm = norm() if spec.sandwich_norms else None
         self.post_ffn_norm = norm() if spec.sandwich_norms else None
 
@@ -52,6 +93,8 @@ class Block(nn.Module):
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
+        if self.mlp is None:  # Mamba block: residual + norm + mixer only
+            return x
         h = self.mlp(self.ffn_norm(x))  # (B, T, D)
         if self.post_ffn_norm is not None:
             h = self.post_ffn_norm(h)
@@ -68,7 +111,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(spec, i) for i in range(spec.n_layers))
         self.norm = make_norm(spec.norm, spec.hidden, spec.norm_eps)
         self.lm_head = None if spec.tied_embeddings else nn.Linear(spec.hidden, spec.vocab, bias=False)
-        ropes = [(l.mixer.rope, l.mixer.head_dim) for l in spec.layers]
+        ropes = [rope_of(l.mixer) for l in spec.layers]
         self.rope_keys = sorted({r for r in ropes if r[0] is not None}, key=str)  # distinct rotary tables
         self.rotary = nn.ModuleList(Rotary(r, d) for r, d in self.rope_keys)
         self.rope_of_layer = [self.rope_keys.index(r) if r[0] is not None else None for r in ropes]
@@ -79,7 +122,7 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         if pos is None:
             pos = torch.arange(T, device=tokens.device).expand(B, T)
-        cache = cache if cache is not None else NoCache()
+        cache = cache if cache is not None else self.no_cache(B)
         cache.step(pos)
         x = self.embed(tokens)  # (B, T, D)
         if self.spec.embed_scale != 1.0:
@@ -95,6 +138,13 @@ class Transformer(nn.Module):
             last = ((pos >= 0).sum(1) - 1).clamp(min=0)  # (B,) index of each row's last real token
             x = x[torch.arange(B, device=x.device), last][:, None]  # (B, 1, D)
         return self.logits(self.norm(x))
+
+    def no_cache(self, batch: int):
+        """What a forward without a cache remembers: nothing (attention over the new tokens, SSMs from zero)."""
+        if not has_state(self.spec):
+            return NoCache()
+        w = self.embed.weight
+        return ModelCache(NoCache(), StateCache(self.spec, batch, w.dtype, w.device))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight

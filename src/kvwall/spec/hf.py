@@ -6,6 +6,7 @@ family; a new architecture is a new function registered in ``PARSERS``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ from kvwall.spec.model import (
     ModelSpec,
     MoE,
     Rope,
+    Routing,
     dt_rank_auto,
 )
 
@@ -104,13 +106,27 @@ def _rope(c: Config, layer_type: str | None = None) -> Rope:
         params = dict(c.get("rope_scaling") or {})
         params.setdefault("rope_theta", c.get("rope_theta", 10000.0))
     kind = params.get("rope_type") or params.get("type") or "default"
-    return Rope(
+    rope = Rope(
         theta=float(params.get("rope_theta") or c.get("rope_theta", 10000.0)), kind=str(kind),
         factor=float(params.get("factor") or 1.0), low_freq_factor=float(params.get("low_freq_factor") or 1.0),
         high_freq_factor=float(params.get("high_freq_factor") or 4.0),
         original_max_position=params.get("original_max_position_embeddings"),
         partial=float(params.get("partial_rotary_factor") or c.get("partial_rotary_factor", 1.0)),
     )
+    return replace(rope, **_yarn(c, params)) if kind == "yarn" else rope
+
+
+def _yarn(c: Config, params: dict) -> dict:
+    """YaRN's extra fields; a missing factor is max_position_embeddings / original (as transformers does)."""
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise KvwallError(f"{c.where}: yarn rope scaling needs original_max_position_embeddings; add it")
+    factor = params.get("factor") or c.get("max_position_embeddings", original) / original
+    opt = lambda key: None if params.get(key) is None else float(params[key])  # noqa: E731
+    return {"factor": float(factor), "beta_fast": float(params.get("beta_fast") or 32.0),
+            "beta_slow": float(params.get("beta_slow") or 1.0), "mscale": opt("mscale"),
+            "mscale_all_dim": opt("mscale_all_dim"), "attention_factor": opt("attention_factor"),
+            "truncate": bool(params.get("truncate", True))}
 
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
@@ -206,8 +222,10 @@ def parse_mixtral(c: Config, name: str) -> ModelSpec:
 def parse_qwen_moe(c: Config, name: str) -> ModelSpec:
     """qwen2_moe / qwen3_moe: MoE on layers (i+1) % decoder_sparse_step == 0 not in mlp_only_layers."""
     shared = c.get("shared_expert_intermediate_size", 0)
-    moe = _moe_from(c, "num_experts", "moe_intermediate_size", n_shared=1 if shared else 0, d_shared=shared,
-                    shared_gate=bool(shared))
+    moe = MoE(c.positive("num_experts", "num_local_experts"),  # transformers 5 saves num_local_experts
+              c.positive("num_experts_per_tok"), c.positive("moe_intermediate_size"), n_shared=1 if shared else 0,
+              d_shared=shared, shared_gate=bool(shared),
+              routing=Routing(normalize=bool(c.get("norm_topk_prob", False))))
     dense = MLP(c.positive("intermediate_size"))
     step = c.get("decoder_sparse_step", 1)
     dense_only = set(c.get("mlp_only_layers", []))
@@ -302,13 +320,17 @@ def parse_deepseek(c: Config, name: str) -> ModelSpec:
         n_heads=c.positive("num_attention_heads"), kv_lora_rank=c.positive("kv_lora_rank"),
         q_lora_rank=c.get("q_lora_rank"), qk_nope_head_dim=c.positive("qk_nope_head_dim"),
         qk_rope_head_dim=c.positive("qk_rope_head_dim"), v_head_dim=c.positive("v_head_dim"),
+        bias=bool(c.get("attention_bias", False)),
     )
+    v2 = c.req("model_type") == "deepseek_v2"
+    rope = replace(_rope(c), interleaved=v2 or bool(c.get("rope_interleave", True)))  # V2 always pairs
+    mla = replace(mla, rope=rope, scale=mla.qk_head_dim ** -0.5 * _deepseek_mscale(rope) ** 2)
     dense = MLP(c.positive("intermediate_size"))
     moe = None
     if c.get("n_routed_experts"):
         width = c.positive("moe_intermediate_size")
         moe = MoE(c.positive("n_routed_experts"), c.positive("num_experts_per_tok"), width,
-                  n_shared=c.get("n_shared_experts", 0))
+                  n_shared=c.get("n_shared_experts", 0), routing=_deepseek_routing(c, v2))
     first_dense = c.get("first_k_dense_replace", 0)
     freq = c.get("moe_layer_freq", 1)
     layers = [Layer(mla, moe if (moe and i >= first_dense and i % freq == 0) else dense, norm_params=2 * hidden)
@@ -317,8 +339,28 @@ def parse_deepseek(c: Config, name: str) -> ModelSpec:
     if c.get("num_nextn_predict_layers"):
         notes.append(f"{c.get('num_nextn_predict_layers')} multi-token-prediction layer(s) not counted "
                      "(transformers does not load them)")
-    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden,
+    spec = _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden,
                     hidden=hidden, notes=notes)
+    return replace(spec, norm_eps=float(c.get("rms_norm_eps", 1e-6)))
+
+
+def _deepseek_mscale(rope: Rope) -> float:
+    """YaRN's softmax-scale correction 0.1 * mscale_all_dim * ln(factor) + 1 (1 without scaling)."""
+    if rope.kind == "default" or not rope.mscale_all_dim or rope.factor <= 1:
+        return 1.0
+    return 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+
+
+def _deepseek_routing(c: Config, v2: bool) -> Routing:
+    """V2: softmax, group-limited only for topk_method group_limited_greedy, weights scaled, not normalised
+    (transformers ignores V2's norm_topk_prob); V3: sigmoid + correction bias, groups by their best two."""
+    scale = float(c.get("routed_scaling_factor", 1.0))
+    if v2:
+        grouped = c.get("topk_method") == "group_limited_greedy"
+        return Routing("softmax", n_group=c.get("n_group", 1) if grouped else 1,
+                       topk_group=c.get("topk_group", 1) if grouped else 1, normalize=False, scale=scale)
+    return Routing("sigmoid", bias=True, n_group=c.get("n_group", 1), topk_group=c.get("topk_group", 1),
+                   group_score="top2", normalize=bool(c.get("norm_topk_prob", True)), scale=scale)
 
 
 def parse_mamba(c: Config, name: str) -> ModelSpec:
@@ -328,11 +370,18 @@ def parse_mamba(c: Config, name: str) -> ModelSpec:
         d_inner=c.get("intermediate_size") or c.get("expand", 2) * hidden, d_state=c.positive("state_size"),
         d_conv=c.positive("conv_kernel"), dt_rank=dt_rank_auto(hidden) if dt_rank == "auto" else int(dt_rank),
         conv_bias=bool(c.get("use_conv_bias", True)), proj_bias=bool(c.get("use_bias", False)),
+        weightless_norms=c.req("model_type") == "falcon_mamba", inner_norm_eps=float(c.get("mixer_rms_eps", 1e-6)),
     )
     layers = [Layer(mixer, None, norm_params=hidden)] * c.positive("num_hidden_layers", "n_layer")
     notes = ["falcon_mamba: RMS norms on B, C, dt have no weights"] if c.req("model_type") == "falcon_mamba" else []
-    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", True)), final_norm=hidden,
+    spec = _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", True)), final_norm=hidden,
                     hidden=hidden, notes=notes)
+    return replace(spec, norm_eps=float(c.get("layer_norm_epsilon", 1e-5)))
+
+
+def _json_float(x: Any) -> float:
+    """A number, or transformers' spelling of one JSON cannot hold: {"__float__": "Infinity"}."""
+    return float(x["__float__"]) if isinstance(x, dict) else float(x)
 
 
 def parse_mamba2(c: Config, name: str) -> ModelSpec:
@@ -341,13 +390,17 @@ def parse_mamba2(c: Config, name: str) -> ModelSpec:
         n_heads=c.positive("num_heads"), head_dim=c.positive("head_dim"), d_state=c.positive("state_size"),
         n_groups=c.get("n_groups", 1), d_conv=c.positive("conv_kernel"),
         conv_bias=bool(c.get("use_conv_bias", True)), proj_bias=bool(c.get("use_bias", False)),
+        dt_limit=tuple(_json_float(x) for x in c.get("time_step_limit", (0.0, math.inf))),
     )
     expand = c.get("expand", 2)
     if mixer.d_inner != int(expand * hidden):
         raise KvwallError(f"{c.where}: num_heads x head_dim = {mixer.d_inner} but expand x hidden_size = "
                           f"{int(expand * hidden)}; fix one of them")
+    if mixer.n_heads % mixer.n_groups:
+        raise KvwallError(f"{c.where}: n_groups = {mixer.n_groups} does not divide num_heads = {mixer.n_heads}")
     layers = [Layer(mixer, None, norm_params=hidden)] * c.positive("num_hidden_layers")
-    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden)
+    spec = _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden)
+    return replace(spec, norm_eps=float(c.get("layer_norm_epsilon", 1e-5)))
 
 
 def parse_mamba_ssm(c: Config, name: str) -> ModelSpec:
@@ -395,7 +448,8 @@ def parse_jamba(c: Config, name: str) -> ModelSpec:
                   bool(c.get("mamba_proj_bias", False)), inner_norms=True)
     dense = MLP(c.positive("intermediate_size"))
     n_exp = c.get("num_experts", 1)
-    moe = MoE(n_exp, c.positive("num_experts_per_tok"), c.positive("intermediate_size")) if n_exp > 1 else dense
+    moe = MoE(n_exp, c.positive("num_experts_per_tok"), c.positive("intermediate_size"),
+              routing=Routing(normalize=False)) if n_exp > 1 else dense  # softmax top-k, weights as they are
     a_period, a_offset = c.get("attn_layer_period", 8), c.get("attn_layer_offset", 4)
     e_period, e_offset = c.get("expert_layer_period", 2), c.get("expert_layer_offset", 1)
     windows = _windows(c, n, lambda i: True)

@@ -21,9 +21,12 @@ from typing import Union
 class Rope:
     """Rotary position embedding: base frequency and scaling (what the engine needs to rotate q and k).
 
-    kind: "default" (no scaling), "linear" (positions divided by factor), or "llama3"
-    (low frequencies divided by factor, high ones kept, a smooth ramp between).
+    kind: "default" (no scaling), "linear" (positions divided by factor), "llama3"
+    (low frequencies divided by factor, high ones kept, a smooth ramp between), or "yarn"
+    (the same idea with the ramp set by beta_fast/beta_slow rotations, plus an attention
+    factor on cos/sin: attention_factor, or mscale/mscale_all_dim as DeepSeek sets them).
     partial: fraction of head_dim that is rotated (Phi-3 style partial rotary).
+    interleaved: rotate pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of halves.
     """
 
     theta: float = 10000.0
@@ -33,6 +36,13 @@ class Rope:
     high_freq_factor: float = 4.0
     original_max_position: int | None = None
     partial: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,10 @@ class LatentAttention:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    bias: bool = False  # attention_bias: q_a, kv_a and o projections carry biases (q_proj never does)
+    # engine-only details (do not change bytes or parameter counts)
+    rope: Rope | None = None  # rotary description of the qk_rope_head_dim part
+    scale: float | None = None  # softmax scale; None: qk_head_dim ** -0.5 (YaRN multiplies in mscale^2)
 
     kind = "latent"
 
@@ -108,7 +122,8 @@ class LatentAttention:
         kv_a = hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank  # + kv_a norm
         kv_b = self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
         o = h * self.v_head_dim * hidden
-        return q + kv_a + kv_b + o
+        bias = ((self.q_lora_rank or 0) + self.kv_lora_rank + self.qk_rope_head_dim + hidden) if self.bias else 0
+        return q + kv_a + kv_b + o + bias
 
     def cache_elems_per_token(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
@@ -128,6 +143,9 @@ class Mamba:
     conv_bias: bool = True
     proj_bias: bool = False
     inner_norms: bool = False  # Jamba: RMSNorm (with weights) on dt, B and C
+    # engine-only details (do not change bytes or parameter counts)
+    weightless_norms: bool = False  # falcon_mamba: RMS norms without weights on dt, B and C
+    inner_norm_eps: float = 1e-6  # eps of those inner norms (either kind)
 
     kind = "mamba"
 
@@ -161,6 +179,8 @@ class Mamba2:
     d_conv: int
     conv_bias: bool = True
     proj_bias: bool = False
+    # engine-only details (do not change bytes or parameter counts)
+    dt_limit: tuple[float, float] = (0.0, math.inf)  # the step size Δ is clamped to this range
 
     kind = "mamba2"
 
@@ -210,6 +230,27 @@ class MLP:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """How a router turns its logits into top_k experts and their weights (engine-only detail).
+
+    score: "softmax" (Mixtral, Qwen, Jamba, DeepSeek-V2) or "sigmoid" (DeepSeek-V3), per expert.
+    bias: DeepSeek-V3's e_score_correction_bias, added to the scores to choose experts, not to weigh them.
+    n_group, topk_group: group-limited routing: the experts form n_group groups, only the topk_group
+      best groups compete; a group's score is its best expert ("max", V2) or its best two summed ("top2", V3).
+    normalize: the chosen weights are divided by their sum (Mixtral; Qwen and V3 norm_topk_prob).
+    scale: then multiplied by this (DeepSeek routed_scaling_factor).
+    """
+
+    score: str = "softmax"
+    bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "max"
+    normalize: bool = True
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class MoE:
     """Mixture of experts: a router picks top_k of n_experts per token; shared experts always run."""
 
@@ -220,6 +261,7 @@ class MoE:
     d_shared: int = 0  # width of each shared expert (0: same as d_expert)
     gated: bool = True
     shared_gate: bool = False  # Qwen2-MoE style sigmoid gate on the shared expert
+    routing: Routing = Routing()  # engine-only: how experts are chosen and weighed
 
     kind = "moe"
 

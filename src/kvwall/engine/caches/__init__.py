@@ -4,6 +4,8 @@
     sliding      ring buffer of `window` slots on local layers, contiguous on global ones
     int8/int4/int2  KIVI-style quantized (keys per channel, values per token, fp residual)
     paged        blocks from a pool, per-row block tables, freed when a sequence finishes
+Models with SSM layers (Mamba, Mamba-2, hybrids) get a state.ModelCache: the named cache for
+their attention layers (none for a pure SSM) plus a fixed-size state for each SSM layer.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from kvwall.engine.caches.contiguous import ContiguousCache
 from kvwall.engine.caches.paged import PagedCache
 from kvwall.engine.caches.quantized import QuantizedCache
 from kvwall.engine.caches.sliding import SlidingCache
+from kvwall.engine.caches.state import ModelCache, StateCache, has_state, without_state
 from kvwall.errors import KvwallError
 from kvwall.predict.formats import get_format
 from kvwall.spec.model import ModelSpec
@@ -26,6 +29,11 @@ def make_cache(name: str, spec: ModelSpec, batch: int, max_len: int, dtype=torch
                block_size: int = 16, residual: int = 32) -> KVCache:
     """A cache by name; quantized names take format options (``int8:g32``)."""
     base = name.split(":")[0]
+    if has_state(spec) and base in CACHE_NAMES:
+        attn = without_state(spec)
+        kv = make_cache(name, attn, batch, max_len, dtype, device, block_size, residual) \
+            if attn.attention_layers() else NoCache()
+        return ModelCache(kv, StateCache(spec, batch, dtype, device))
     if base == "contiguous":
         return ContiguousCache(spec, batch, max_len, dtype, device)
     if base == "sliding":
@@ -38,4 +46,4 @@ def make_cache(name: str, spec: ModelSpec, batch: int, max_len: int, dtype=torch
 
 
 __all__ = ["CACHE_NAMES", "KVCache", "NoCache", "make_cache", "ContiguousCache", "SlidingCache",
-           "QuantizedCache", "PagedCache"]
+           "QuantizedCache", "PagedCache", "ModelCache", "StateCache"]

@@ -9,6 +9,10 @@
            k_pos: (B|1, S)               position each slot holds, -1 for an empty slot
     nbytes()                          bytes of K/V storage held (scales/zero points included, position
                                       bookkeeping excluded): equal to kvwall.predict's figure
+
+MLA (latent attention) layers use the same contract with one "head" whose k is the latent c_kv
+(kv_lora_rank wide) and whose v is the shared rope key (qk_rope_head_dim wide): the caches that
+hold K/V by shape (contiguous, sliding, paged) then hold exactly MLA's latent cache.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from kvwall.errors import KvwallError
-from kvwall.spec.model import Attention, ModelSpec
+from kvwall.spec.model import Attention, LatentAttention, ModelSpec
 
 
 class KVCache:
@@ -47,11 +51,18 @@ class NoCache(KVCache):
         return 0
 
 
+def latent_as_kv(m: LatentAttention) -> Attention:
+    """The K/V shape a cache holds for an MLA layer: one head, k = latent c_kv, v = rope key k_pe."""
+    return Attention(m.n_heads, 1, m.kv_lora_rank, m.qk_rope_head_dim)
+
+
 def attention_specs(spec: ModelSpec) -> list[Attention | None]:
-    """Per layer: its Attention (the engine's caches hold K/V for these) or None."""
+    """Per layer: its Attention (the engine's caches hold K/V for these; MLA as latent_as_kv) or None."""
     out = []
     for i, layer in enumerate(spec.layers):
         m = layer.mixer
+        if isinstance(m, LatentAttention):
+            m = latent_as_kv(m)
         if m is not None and not isinstance(m, Attention):
             raise KvwallError(f"layer {i} is {m.kind}; these KV caches hold softmax-attention layers only")
         out.append(m)

@@ -2,9 +2,13 @@
 
 For a head vector x = [x1, x2] (halves of the rotated part, width r = partial * head_dim):
     rope(x, p) = [x1 cos(p w) - x2 sin(p w),  x2 cos(p w) + x1 sin(p w)],  w_i = theta^(-2i / r)
+DeepSeek's interleaved layout rotates pairs instead: x1 = x[0::2], x2 = x[1::2] (Rope.interleaved);
+the output keeps the [x1', x2'] order, the same permutation for q and k, so q.k is unchanged.
 Scaling (Rope.kind): "linear" divides every w by factor; "llama3" divides the low
 frequencies (wavelength > original_max / low_freq_factor) by factor, keeps the high ones
-(wavelength < original_max / high_freq_factor) and interpolates linearly in between.
+(wavelength < original_max / high_freq_factor) and interpolates linearly in between;
+"yarn" ramps between w / factor and w over the dimensions that turn between beta_slow and
+beta_fast times in original_max tokens, and scales cos/sin by an attention factor.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch import nn
 from kvwall.errors import KvwallError
 from kvwall.spec.model import Rope
 
-ROPE_KINDS = ("default", "linear", "llama3")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 
 
 def inv_frequencies(rope: Rope, head_dim: int) -> torch.Tensor:
@@ -31,6 +35,8 @@ def inv_frequencies(rope: Rope, head_dim: int) -> torch.Tensor:
         return w / rope.factor
     if rope.kind == "llama3":
         return _llama3(w, rope)
+    if rope.kind == "yarn":
+        return _yarn(w, rope, r)
     return w
 
 
@@ -43,6 +49,35 @@ def _llama3(w: torch.Tensor, rope: Rope) -> torch.Tensor:
     return (1 - ramp) * w / rope.factor + ramp * w
 
 
+def _yarn(w: torch.Tensor, rope: Rope, r: int) -> torch.Tensor:
+    old = rope.original_max_position
+    assert old and rope.factor, "yarn rope scaling needs original_max_position_embeddings and factor"
+    dim_of = lambda turns: r * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))  # noqa: E731
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)  # dims turning beta_fast / beta_slow times
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, r - 1)
+    high = high + 0.001 if low == high else high
+    i = torch.arange(r // 2, dtype=torch.float32, device="cpu")  # (r/2,)
+    ramp = ((i - low) / (high - low)).clamp(0.0, 1.0)  # 0: frequency kept, 1: divided by factor
+    return ramp * w / rope.factor + (1 - ramp) * w
+
+
+def _mscale(factor: float, m: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def attention_factor(rope: Rope) -> float:
+    """YaRN multiplies cos and sin by this (DeepSeek: mscale(factor, mscale) / mscale(factor, mscale_all_dim))."""
+    if rope.kind != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return _mscale(rope.factor, rope.mscale) / _mscale(rope.factor, rope.mscale_all_dim)
+    return _mscale(rope.factor)
+
+
 class Rotary(nn.Module):
     """cos/sin tables for given positions; apply() rotates q or k."""
 
@@ -50,11 +85,14 @@ class Rotary(nn.Module):
         super().__init__()
         self.rope = rope
         self.rot_dim = int(head_dim * rope.partial)
+        self.scale = attention_factor(rope)
         self.register_buffer("inv_freq", inv_frequencies(rope, head_dim), persistent=False)
 
     def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         angles = pos.clamp(min=0).float()[..., None] * self.inv_freq  # (B, T, r/2)
         emb = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # (B, T, 1, r)
+        if self.scale != 1.0:
+            return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -66,3 +104,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rotated = torch.cat([-x2, x1], dim=-1)  # (B, T, H, r)
     out = xr * cos + rotated * sin
     return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's pairs: x (B, T, H, r) with x1 = x[0::2], x2 = x[1::2]; cos/sin (B, T, 1, r) as Rotary makes them."""
+    cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]  # (B, T, 1, r/2): one angle per pair
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, T, H, r/2) each
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # (B, T, H, r)

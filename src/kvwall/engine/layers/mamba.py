@@ -1,0 +1,141 @@
+"""Mamba (S6) block: a selective state-space model with a fixed-size state per sequence.
+
+Gu & Dao, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces" (2023), Algorithm 2:
+
+    [u; z] = in_proj(x)                                  u, z: (B, T, E), E = d_inner
+    u      = silu(conv1d(u))                             causal depthwise conv, kernel K = d_conv
+    [δ; B; C] = x_proj(u)                                δ: (B, T, R) (R = dt_rank), B, C: (B, T, N)
+    Δ      = softplus(dt_proj(δ))                        (B, T, E): the step size, one per channel
+    A      = -exp(A_log)                                 (E, N): input-independent, negative
+    h_t    = exp(Δ_t A) h_{t-1} + Δ_t B_t u_t            (B, E, N): Ā = exp(ΔA), B̄ = ΔB (the paper's ZOH/Euler)
+    y_t    = C_t h_t + D u_t                             (B, E)
+    out    = out_proj(y * silu(z))
+
+Δ, B and C depend on the input: that is the "selective" part. falcon_mamba RMS-normalises δ, B
+and C without weights before use; Jamba does the same with weights (Mamba.inner_norms).
+
+Decode is one O(1) step on the layer's fixed state: the last K inputs of the conv (E, K) and
+h (E, N). Prefill runs the same recurrence over T tokens: ``scan_reference`` is the plain loop,
+``scan_chunked`` the fast path (discretise a chunk at once, then one fused multiply-add per step).
+Padding (pos = -1) gets Δ = 0: exp(0·A) = 1 and 0·B·u = 0, so the state passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvwall.engine.layers.norm import RMSNorm
+from kvwall.spec.model import Mamba as MambaSpec
+
+
+def scan_reference(u, dt, A, Bm, Cm, h):
+    """The recurrence, one token at a time. u, dt (B, T, E); A (E, N); Bm, Cm (B, T, N); h (B, E, N).
+    -> y (B, T, E) (without the D skip), final h (B, E, N). fp32 in, fp32 out."""
+    ys = []
+    for t in range(u.shape[1]):
+        dA = torch.exp(dt[:, t, :, None] * A)  # (B, E, N)
+        dBu = dt[:, t, :, None] * Bm[:, t, None, :] * u[:, t, :, None]  # (B, E, N)
+        h = dA * h + dBu  # (B, E, N)
+        ys.append((h * Cm[:, t, None, :]).sum(-1))  # (B, E)
+    return torch.stack(ys, 1), h  # (B, T, E), (B, E, N)
+
+
+def scan_chunked(u, dt, A, Bm, Cm, h, chunk: int = 16):
+    """Same result as scan_reference, faster: per chunk of L tokens, exp(ΔA) and ΔBu are computed in
+    one vectorised op each, the recurrence is one fused multiply-add per token into a buffer of the
+    chunk's states, and the outputs are one batched matmul. Exact (no log-space rescaling), so
+    stable for any Δ."""
+    B, T, E = u.shape
+    states = torch.empty(chunk, B, E, A.shape[1], dtype=h.dtype, device=h.device)  # (L, B, E, N)
+    ys = []
+    for s in range(0, T, chunk):
+        d = dt[:, s:s + chunk].transpose(0, 1)  # (L, B, E)
+        L = d.shape[0]
+        dA = torch.exp(d[..., None] * A)  # (L, B, E, N)
+        dBu = (d * u[:, s:s + chunk].transpose(0, 1))[..., None] * Bm[:, s:s + chunk].transpose(0, 1)[:, :, None]
+        for t in range(L):
+            h = torch.addcmul(dBu[t], dA[t], h, out=states[t])  # (B, E, N) = exp(ΔA) h + ΔBu
+        c = Cm[:, s:s + chunk].transpose(0, 1).reshape(L * B, -1, 1)  # (L*B, N, 1)
+        ys.append(torch.bmm(states[:L].view(L * B, E, -1), c).view(L, B, E).transpose(0, 1))  # (B, L, E)
+    return torch.cat(ys, 1), h.clone()  # (B, T, E), (B, E, N)
+
+
+def scan_step(u, dt, A, Bm, Cm, h):
+    """One decode step. u, dt (B, E); Bm, Cm (B, N); h (B, E, N) -> y (B, E), new h."""
+    h = torch.addcmul((dt * u)[..., None] * Bm[:, None], torch.exp(dt[..., None] * A), h)  # (B, E, N)
+    return torch.bmm(h, Cm[..., None])[..., 0], h  # (B, E), (B, E, N)
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, conv: nn.Conv1d, lengths: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv over [state; x], writing the new state in place.
+
+    x (B, T, C) new inputs; state (B, C, K) the K inputs before them; lengths (B,) valid tokens per row
+    (right padding). Token t sees inputs t-K+1..t. The new state is each row's last K valid inputs.
+    """
+    K, T = state.shape[-1], x.shape[1]
+    xs = torch.cat([state, x.transpose(1, 2).to(state.dtype)], dim=-1)  # (B, C, K + T)
+    w = conv.weight[:, 0].to(x.dtype)  # (C, K)
+    y = xs[:, :, 1:T + 1].to(x.dtype) * w[:, 0, None]  # (B, C, T): K taps, oldest first (cross-correlation)
+    for k in range(1, K):
+        y = y + xs[:, :, k + 1:k + 1 + T].to(x.dtype) * w[:, k, None]
+    if conv.bias is not None:
+        y = y + conv.bias[:, None]
+    idx = lengths[:, None, None] + torch.arange(K, device=x.device)  # (B, 1, K): window ending at the last token
+    state.copy_(xs.gather(2, idx.expand(-1, xs.shape[1], -1)))  # (B, C, K)
+    return y.transpose(1, 2)  # (B, T, C)
+
+
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weightless RMS norm over the last dim (falcon_mamba's δ, B, C), in fp32."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+class Mamba(nn.Module):
+    """Parameter names are Hugging Face's (in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj)."""
+
+    def __init__(self, spec: MambaSpec, hidden: int, index: int):
+        super().__init__()
+        self.index = index  # which layer of the state cache this block reads and writes
+        E, N, R, K = spec.d_inner, spec.d_state, spec.dt_rank, spec.d_conv
+        self.sizes = [R, N, N]
+        self.in_proj = nn.Linear(hidden, 2 * E, bias=spec.proj_bias)
+        self.conv1d = nn.Conv1d(E, E, K, groups=E, bias=spec.conv_bias)  # weight (E, 1, K)
+        self.x_proj = nn.Linear(E, R + 2 * N, bias=False)
+        self.dt_proj = nn.Linear(R, E, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(E, N))
+        self.D = nn.Parameter(torch.ones(E))
+        self.out_proj = nn.Linear(E, hidden, bias=spec.proj_bias)
+        self.eps = spec.inner_norm_eps if spec.weightless_norms else None
+        if spec.inner_norms:  # Jamba: the same norms with weights
+            self.dt_layernorm, self.b_layernorm, self.c_layernorm = (RMSNorm(n, spec.inner_norm_eps) for n in (R, N, N))
+        self.inner_norms = spec.inner_norms
+
+    def selection(self, u: torch.Tensor, valid: torch.Tensor):
+        """u (B, T, E) -> Δ (B, T, E) (0 on padding), B, C (B, T, N), all fp32."""
+        delta, Bm, Cm = self.x_proj(u).split(self.sizes, dim=-1)  # (B, T, R), (B, T, N) x2
+        if self.eps is not None:
+            delta, Bm, Cm = rms(delta, self.eps), rms(Bm, self.eps), rms(Cm, self.eps)
+        if self.inner_norms:
+            delta, Bm, Cm = self.dt_layernorm(delta), self.b_layernorm(Bm), self.c_layernorm(Cm)
+        dt = F.softplus(self.dt_proj(delta).float()) * valid[..., None]  # (B, T, E)
+        return dt, Bm.float(), Cm.float()
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, rope, cache) -> torch.Tensor:
+        state = cache.ssm(self.index)  # conv (B, E, K), ssm (B, E, N)
+        valid = pos >= 0  # (B, T)
+        u, z = self.in_proj(x).chunk(2, dim=-1)  # (B, T, E) each
+        u = F.silu(causal_conv(u, state.conv, self.conv1d, valid.sum(1)))  # (B, T, E)
+        dt, Bm, Cm = self.selection(u, valid)
+        A = -torch.exp(self.A_log.float())  # (E, N)
+        h0, u32 = state.ssm.float(), u.float()
+        if x.shape[1] == 1:
+            y, h = scan_step(u32[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], h0)  # (B, E), (B, E, N)
+            y = y[:, None]  # (B, 1, E)
+        else:
+            y, h = scan_chunked(u32, dt, A, Bm, Cm, h0)  # (B, T, E), (B, E, N)
+        state.ssm.copy_(h)
+        y = (y + u32 * self.D.float()).to(x.dtype) * F.silu(z)  # (B, T, E)
+        return self.out_proj(y)  # (B, T, hidden)
