@@ -119,3 +119,10 @@ def test_engine_layer_overhead_measured(calibrated, monkeypatch):
     assert 1e-6 < printed["layer_overhead_s"] < 5e-2
     monkeypatch.setenv("KVWALL_HOME", str(home))
     assert get_device("local").layer_overhead_s == printed["layer_overhead_s"]
+
+
+def test_op_bandwidths_measured(calibrated):
+    pytest.importorskip("torch")
+    ops = calibrated[0]["op_bandwidth_Bps"]
+    assert set(ops) == {"matmul", "attention"}
+    assert all(0.5e9 < v < 1e12 for v in ops.values())

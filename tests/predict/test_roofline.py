@@ -149,3 +149,16 @@ def test_layer_overhead_added_once_per_layer_and_head():
     with_overhead = decode(TINY, 10, 1, F16, slow)
     assert with_overhead.time_s == pytest.approx(base.time_s + 2e-3)  # 1 layer + embedding/head
     assert with_overhead.overhead_s == pytest.approx(2e-3) and base.overhead_s == 0
+
+
+def test_op_bandwidths_split_cache_and_weight_traffic():
+    from dataclasses import replace
+
+    dev = replace(get_device("h100-sxm"), op_bandwidth={"attention": 1e12, "matmul": 2e12})
+    r = decode(TINY, 10, 1, F16, Roof(dev))
+    att = next(o for o in r.ops if o.name == "attention")
+    mlp = next(o for o in r.ops if o.name == "mlp")
+    roof = Roof(dev)
+    assert roof.op_time(att) == pytest.approx(max(att.flops / roof.peak, att.bytes / 1e12))
+    assert roof.op_time(mlp) == pytest.approx(max(mlp.flops / roof.peak, mlp.bytes / 2e12))
+    assert r.memory_s == pytest.approx(sum(o.bytes / (1e12 if o.cache_read else 2e12) for o in r.ops))

@@ -114,6 +114,7 @@ class Calibration:
             "onchip_cache_bytes": info.get("llc_bytes"),
             "interconnect": {"name": "none (this machine alone)", "bandwidth_Bps": None, "per_direction_Bps": None},
             "tdp_W": None, "layer_overhead_s": info.get("layer_overhead_s", 0.0),
+            "op_bandwidth_Bps": info.get("op_bandwidth_Bps", {}),
             "source": f"measured by `kvwall calibrate` on {info['hostname']} at {self.started}",
             "unconfirmed": [], "notes": self.notes(),
             "measured": {
@@ -155,11 +156,14 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
             progress(i + 1, len(steps), label, cal.measurements[-1])
     del buf, dst
     if has_torch:
-        from kvwall.measure.overhead import engine_layer_overhead
+        from kvwall.measure import overhead
 
         if progress:
-            progress(len(steps), len(steps), "engine dispatch overhead", None)
-        cal.info["layer_overhead_s"] = engine_layer_overhead(steps=20 if quick else 40)
+            progress(len(steps), len(steps), "engine dispatch overhead and op bandwidths", None)
+        size = (128 << 20) if quick else (512 << 20)
+        cal.info["layer_overhead_s"] = overhead.engine_layer_overhead(steps=20 if quick else 40)
+        cal.info["op_bandwidth_Bps"] = {"matmul": overhead.matvec_bandwidth(size),
+                                        "attention": overhead.attention_bandwidth(size)}
     cal.elapsed_s = time.perf_counter() - t0
     return cal
 

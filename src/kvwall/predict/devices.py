@@ -30,6 +30,7 @@ class Device:
     unconfirmed: tuple = ()
     notes: tuple = ()
     layer_overhead_s: float = 0.0  # fixed dispatch cost per layer per step (measured for `local`; 0 in the catalog)
+    op_bandwidth: dict = field(default_factory=dict)  # op class ("matmul", "attention") -> reachable bytes/s
 
     def flops(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s for a compute dtype, falling back to the nearest listed one."""
@@ -70,6 +71,7 @@ def _from_entry(name: str, e: dict) -> Device:
         memory_tech=e.get("memory_tech"), year=e.get("year"), vendor=e.get("vendor", ""),
         source=e.get("source", ""), unconfirmed=tuple(e.get("unconfirmed", ())), notes=tuple(e.get("notes", ())),
         layer_overhead_s=float(e.get("layer_overhead_s") or 0.0),
+        op_bandwidth={k: float(v) for k, v in (e.get("op_bandwidth_Bps") or {}).items() if v},
     )
 
 

@@ -8,6 +8,8 @@ Assumptions, stated in every output:
   already a measured, achievable figure);
 * ops do not overlap each other (no fusion across ops), and each op overlaps
   its own compute with its own memory traffic;
+* a calibrated device (``local``) may carry the bandwidth each kind of kernel reaches: ops that read
+  the cache stream at its attention bandwidth, the rest at its matrix-vector bandwidth;
 * a device may carry a fixed dispatch cost per layer per step (``layer_overhead_s``: measured by
   ``kvwall calibrate`` for the ``local`` profile, 0 for catalog devices); a step adds it once per
   layer and once for the embedding + LM head;
@@ -48,8 +50,14 @@ class Roof:
     def balance(self) -> float:
         return self.peak / self.bandwidth
 
+    def op_bandwidth(self, op: Op) -> float:
+        """The bandwidth an op streams at: the device's, or (a calibrated `local` profile) the bandwidth its
+        kind of kernel was measured to reach: attention over the cache, or matrix-vector for the rest."""
+        kind = "attention" if op.cache_read else "matmul"
+        return self.device.op_bandwidth.get(kind, self.device.bandwidth) * self.mem_eff
+
     def op_time(self, op: Op) -> float:
-        t = max(op.flops / self.peak, op.bytes / self.bandwidth)
+        t = max(op.flops / self.peak, op.bytes / self.op_bandwidth(op))
         if op.link_bytes:
             link = self.device.interconnect_bw
             t += self.link_latency_s + (op.link_bytes / link if link else math.inf)
@@ -58,12 +66,13 @@ class Roof:
     def bound(self, op: Op) -> str:
         if op.link_bytes and not op.flops and not op.bytes:
             return "link"
-        return "compute" if op.flops / self.peak >= op.bytes / self.bandwidth else "memory"
+        return "compute" if op.flops / self.peak >= op.bytes / self.op_bandwidth(op) else "memory"
 
     def assumptions(self) -> dict:
         return {"device": self.device.name, "compute_dtype": self.dtype, "peak_flops": self.peak,
                 "bandwidth_Bps": self.bandwidth, "compute_eff": self.compute_eff, "mem_eff": self.mem_eff,
                 "link_latency_s": self.link_latency_s, "machine_balance": self.balance,
+                "op_bandwidth_Bps": {k: v * self.mem_eff for k, v in self.device.op_bandwidth.items()},
                 "layer_overhead_s": self.device.layer_overhead_s,
                 "counted": "weights, KV cache, SSM state, 16-bit activations; not norms, residuals, rotary, softmax",
                 "overlap": "none across ops; compute/memory overlap within an op"}
@@ -115,8 +124,8 @@ def run_step(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Parallel
     flops = sum(o.flops for o in ops)
     nbytes = sum(o.bytes for o in ops)
     link = sum(roof.op_time(o) for o in ops if o.link_bytes)
-    return PhaseResult(name, step, ops, total, flops, nbytes, flops / roof.peak, nbytes / roof.bandwidth, link, per_op,
-                       overhead)
+    memory_s = sum(o.bytes / roof.op_bandwidth(o) for o in ops)
+    return PhaseResult(name, step, ops, total, flops, nbytes, flops / roof.peak, memory_s, link, per_op, overhead)
 
 
 def prefill(spec, prompt: int, batch: int, fm: Formats, roof: Roof, par: Parallel | None = None) -> PhaseResult:
@@ -143,7 +152,7 @@ def compute_bound_batch(spec, context: int, fm: Formats, roof: Roof, par: Parall
     def compute_bound(b: int) -> bool:
         r = decode(spec, context, b, fm, roof, par)
         ops = r.ops if scope == "step" else [o for o in r.ops if o.name not in CACHE_OPS]
-        return sum(o.flops for o in ops) / roof.peak >= sum(o.bytes for o in ops) / roof.bandwidth
+        return sum(o.flops for o in ops) / roof.peak >= sum(o.bytes / roof.op_bandwidth(o) for o in ops)
 
     if not compute_bound(limit):
         return None
