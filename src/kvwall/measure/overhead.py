@@ -47,16 +47,16 @@ def engine_layer_overhead(steps: int = 40) -> float:
 # attention kernel's own arithmetic), so `--device local` times each kind of op at the bandwidth the
 # engine's own kernels reach on cold data, measured here. Both use buffers far larger than the caches.
 
-def _median_time(fn, runs: int) -> float:
-    import statistics
-
+def _fastest_time(fn, runs: int) -> float:
+    """The fastest of `runs` timed runs after one warm-up: what the kernels can reach (another process on
+    the machine only ever slows a run down, never speeds it up)."""
     times = []
     for i in range(runs + 1):
         t0 = time.perf_counter()
         fn()
         if i:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def matvec_bandwidth(total_bytes: int = 512 << 20, runs: int = 5) -> float:
@@ -73,7 +73,7 @@ def matvec_bandwidth(total_bytes: int = 512 << 20, runs: int = 5) -> float:
             F.linear(x, w)  # (1, 1, out)
 
     with torch.inference_mode():
-        return sum(w.nbytes for w in mats) / _median_time(chain, runs)
+        return sum(w.nbytes for w in mats) / _fastest_time(chain, runs)
 
 
 def attention_bandwidth(total_bytes: int = 512 << 20, runs: int = 5) -> float:
@@ -94,4 +94,4 @@ def attention_bandwidth(total_bytes: int = 512 << 20, runs: int = 5) -> float:
             attend(q, k, v, mask, d ** -0.5, None)  # (B, Hq, 1, D)
 
     with torch.inference_mode():
-        return len(caches) * per / _median_time(sweep, runs)
+        return len(caches) * per / _fastest_time(sweep, runs)
