@@ -19,6 +19,18 @@ MLA = dict(COMMON, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
         "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0}
 
+# Hybrids. Jamba: attention on odd layers (no positions), Mamba with dt/B/C norms on even ones, MoE (4 experts,
+# top-2, softmax weights unnormalised) on even layers, dense MLPs on odd ones.
+JAMBA = dict(COMMON, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+             expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, rms_norm_eps=1e-5,
+             tie_word_embeddings=False)
+# Nemotron-H: M Mamba-2, * attention, - relu2 MLP, E MoE (sigmoid routing in 2 groups, relu2 experts + shared)
+NEMOTRON_H = dict({k: v for k, v in COMMON.items() if k != "num_hidden_layers"}, hybrid_override_pattern="M*-EM-",
+                  head_dim=16, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16,
+                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+                  tie_word_embeddings=False)
+
 
 def _configs():
     t = transformers
@@ -45,6 +57,8 @@ def _configs():
         "deepseek_v2": lambda: t.DeepseekV2Config(**MLA, q_lora_rank=None, topk_method="group_limited_greedy",
                                                   routed_scaling_factor=1.5, attention_bias=True),
         "deepseek_v3": lambda: t.DeepseekV3Config(**MLA, q_lora_rank=24, rope_parameters=YARN),
+        "jamba": lambda: t.JambaConfig(**JAMBA),
+        "nemotron_h": lambda: t.NemotronHConfig(**NEMOTRON_H),
     }
 
 

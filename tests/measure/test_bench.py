@@ -18,7 +18,7 @@ def local_profile(tmp_path, monkeypatch):
     (tmp_path / "local-device.json").write_text(json.dumps(PROFILE))
 
 
-@pytest.mark.parametrize("arch", ["gqa", "gqa-int8"])
+@pytest.mark.parametrize("arch", ["gqa", "gqa-int8", "hybrid"])  # hybrid: KV on 3 layers + Mamba state
 def test_bench_point(arch, local_profile, capsys):
     assert main(["bench", arch, "--context", "256", "--steps", "1", "--prefill-max", "256", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

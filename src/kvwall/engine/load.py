@@ -17,7 +17,7 @@ import torch
 
 from kvwall.engine.model import ENGINE_FAMILIES, Transformer, check_supported
 from kvwall.errors import KvwallError
-from kvwall.spec.model import LatentAttention, Mamba, Mamba2, ModelSpec, MoE
+from kvwall.spec.model import MLP, LatentAttention, Mamba, Mamba2, ModelSpec, MoE
 from kvwall.spec.hf import spec_from_config
 from kvwall.spec.resolve import read_config_file
 
@@ -162,10 +162,73 @@ def mamba_names(spec: ModelSpec) -> dict[str, Source]:
     return out
 
 
+def _one_mlp(hf: str, me: str, gated: bool, bias: bool) -> dict[str, Source]:
+    """One (expert) MLP saved as gate_proj/up_proj/down_proj (gated: engine w13 = [gate; up], w2) or
+    up_proj/down_proj (plain: engine w1, w2)."""
+    first = ("gate_proj", "up_proj") if gated else ("up_proj",)
+    mine = "w13" if gated else "w1"
+    out = {f"{me}{mine}.weight": Source(tuple(f"{hf}{x}.weight" for x in first)),
+           f"{me}w2.weight": Source((hf + "down_proj.weight",))}
+    if bias:
+        out[f"{me}{mine}.bias"] = Source(tuple(f"{hf}{x}.bias" for x in first))
+        out[f"{me}w2.bias"] = Source((hf + "down_proj.bias",))
+    return out
+
+
+def _hybrid_ffn(f: MLP | MoE, hf: str, me: str, router: str) -> dict[str, Source]:
+    """A hybrid's channel mixer: a dense MLP, or router (+ correction bias) + experts.E + shared_experts."""
+    if isinstance(f, MLP):
+        return _one_mlp(hf, me, f.gated, f.bias)
+    out = {me + "router.weight": Source((hf + router + ".weight",))}
+    if f.routing.bias:
+        out[me + "router.bias"] = Source((hf + router + ".e_score_correction_bias",))
+    for e in range(f.n_experts):
+        out.update(_one_mlp(f"{hf}experts.{e}.", f"{me}experts.{e}.", f.gated, False))
+    if f.n_shared:
+        out.update(_one_mlp(hf + "shared_experts.", me + "shared.", f.gated, False))
+    return out
+
+
+def jamba_names(spec: ModelSpec) -> dict[str, Source]:
+    """model.layers.N.{input_layernorm, self_attn.* | mamba.*, pre_ff_layernorm, feed_forward.*}, final_layernorm."""
+    out = {"embed.weight": Source(("model.embed_tokens.weight",)),
+           "norm.weight": Source(("model.final_layernorm.weight",))}
+    if not spec.tied_embeddings:
+        out["lm_head.weight"] = Source(("lm_head.weight",))
+    for i, layer in enumerate(spec.layers):
+        hf, me = f"model.layers.{i}.", f"layers.{i}."
+        if isinstance(layer.mixer, Mamba):
+            out.update(ssm_mixer_names(layer.mixer, hf + "mamba.", me + "attn."))
+        else:
+            out.update(_attention_names(spec, i, hf + "self_attn.", me + "attn."))
+        out.update(_hybrid_ffn(layer.ffn, hf + "feed_forward.", me + "mlp.", "router"))
+        out[me + "attn_norm.weight"] = Source((hf + "input_layernorm.weight",))
+        out[me + "ffn_norm.weight"] = Source((hf + "pre_ff_layernorm.weight",))
+    return out
+
+
+def nemotron_h_names(spec: ModelSpec) -> dict[str, Source]:
+    """backbone.layers.N.{norm, mixer.*}: the mixer is Mamba-2, attention, an MLP or an MoE; backbone.norm_f."""
+    out = {"embed.weight": Source(("backbone.embeddings.weight",)), "norm.weight": Source(("backbone.norm_f.weight",))}
+    if not spec.tied_embeddings:
+        out["lm_head.weight"] = Source(("lm_head.weight",))
+    for i, layer in enumerate(spec.layers):
+        hf, me = f"backbone.layers.{i}.", f"layers.{i}."
+        if isinstance(layer.mixer, Mamba2):
+            out.update(ssm_mixer_names(layer.mixer, hf + "mixer.", me + "attn."))
+        elif layer.mixer is not None:
+            out.update(_attention_names(spec, i, hf + "mixer.", me + "attn."))
+        else:
+            out.update(_hybrid_ffn(layer.ffn, hf + "mixer.", me + "mlp.", "gate"))
+        norm = "attn_norm" if layer.mixer is not None else "ffn_norm"  # the block's one norm
+        out[f"{me}{norm}.weight"] = Source((hf + "norm.weight",))
+    return out
+
+
 SSM_FAMILIES = ("mamba", "falcon_mamba", "mamba2")
 NAME_MAPS: dict[str, Callable[[ModelSpec], dict[str, Source]]] = {
     "gpt2": gpt2_names, **{f: llama_names for f in ENGINE_FAMILIES if f != "gpt2"},
-    **{f: mamba_names for f in SSM_FAMILIES}}
+    **{f: mamba_names for f in SSM_FAMILIES}, "jamba": jamba_names, "nemotron_h": nemotron_h_names}
 
 # Other spellings of the same tensors: bare GPT-2 checkpoints, multimodal Gemma 3 (v5, then v4 names), older Mamba.
 PREFIX_ALTERNATIVES = [("transformer.", ""), ("model.", "model.language_model."), ("model.", "language_model.model."),

@@ -1,11 +1,12 @@
 """A decoder-only transformer built from a ModelSpec (gpt-fast style: the whole model in one sitting).
 
     tokens (B, T), pos (B, T) -> embed (* embed_scale) (+ learned positions)
-      -> for each layer: x += [post_norm](attn(norm(x)));  x += [post_norm](mlp(norm(x)))
+      -> for each layer: x += [post_norm](attn(norm(x)));  x += [post_norm](mlp(norm(x)))   (either may be absent)
       -> final norm -> lm_head (tied to the embedding or not) -> [softcap] -> logits (B, T, V)
 
 ``attn`` is the layer's sequence mixer (attention, MLA, Mamba or Mamba-2); Mamba blocks have no
-``mlp``. Attention layers read and write K/V through the cache; SSM layers their fixed state.
+``mlp``, and Nemotron-H blocks have one or the other (mixer-only or MLP/MoE-only, one norm each).
+Attention layers read and write K/V through the cache; SSM layers their fixed state.
 
 ``pos`` holds each token's position in its own sequence (-1 for padding): batches of
 prompts of different lengths are right-padded and every row keeps its true positions, so
@@ -32,9 +33,10 @@ from kvwall.spec.model import MLP, Attention as AttentionSpec, LatentAttention a
 from kvwall.spec.model import Mamba as MambaSpec, Mamba2 as Mamba2Spec
 
 ENGINE_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gemma2", "phi3",
-                   "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "mamba", "falcon_mamba", "mamba2")
+                   "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "mamba", "falcon_mamba", "mamba2",
+                   "jamba", "nemotron_h")
 MIXERS = (AttentionSpec, LatentSpec, MambaSpec, Mamba2Spec)  # sequence mixers the engine builds
-SSM_MIXERS = (MambaSpec, Mamba2Spec)  # blocks that may have no channel mixer (x += mixer(norm(x)) only)
+SSM_MIXERS = (MambaSpec, Mamba2Spec)  # state-space mixers (their blocks usually have no channel mixer)
 
 
 def check_supported(spec: ModelSpec) -> None:
@@ -42,16 +44,19 @@ def check_supported(spec: ModelSpec) -> None:
     if spec.model_type not in ENGINE_FAMILIES:
         raise KvwallError(f"the engine does not run model_type {spec.model_type!r} yet; it runs "
                           f"{', '.join(ENGINE_FAMILIES)}")
-    for i, layer in enumerate(spec.layers):
-        no_ffn_ok = layer.ffn is None and isinstance(layer.mixer, SSM_MIXERS)
-        if not isinstance(layer.mixer, MIXERS) or not (no_ffn_ok or isinstance(layer.ffn, (MLP, MoESpec))):
+    for i, layer in enumerate(spec.layers):  # a block has a mixer, a channel mixer or both (Nemotron-H: one)
+        mixer_ok = layer.mixer is None or isinstance(layer.mixer, MIXERS)
+        ffn_ok = layer.ffn is None or isinstance(layer.ffn, (MLP, MoESpec))
+        if not (mixer_ok and ffn_ok) or (layer.mixer is None and layer.ffn is None):
             raise KvwallError(f"layer {i} of {spec.name} is {layer.describe()}; the engine runs attention, MLA, "
                               f"Mamba or Mamba-2 + MLP or MoE layers ({', '.join(ENGINE_FAMILIES)})")
 
 
-def make_mixer(spec: ModelSpec, index: int) -> nn.Module:
-    """The layer's sequence mixer, by its spec type."""
+def make_mixer(spec: ModelSpec, index: int) -> nn.Module | None:
+    """The layer's sequence mixer, by its spec type (None: a Nemotron-H MLP/MoE block has none)."""
     m = spec.layers[index].mixer
+    if m is None:
+        return None
     if isinstance(m, LatentSpec):
         return LatentAttention(m, spec.hidden, index)
     if isinstance(m, MambaSpec):
@@ -84,16 +89,18 @@ class Block(nn.Module):
         norm = lambda: make_norm(spec.norm, spec.hidden, spec.norm_eps)  # noqa: E731
         self.attn = make_mixer(spec, index)  # the sequence mixer: attention, MLA, Mamba or Mamba-2
         self.mlp = make_ffn(spec, index)
-        self.attn_norm, self.ffn_norm = norm(), norm() if self.mlp is not None else None
+        self.attn_norm = norm() if self.attn is not None else None
+        self.ffn_norm = norm() if self.mlp is not None else None
         self.post_attn_norm = norm() if spec.sandwich_norms else None
         self.post_ffn_norm = norm() if spec.sandwich_norms else None
 
     def forward(self, x, pos, rope, cache):
-        h = self.attn(self.attn_norm(x), pos, rope, cache)  # (B, T, D)
-        if self.post_attn_norm is not None:
-            h = self.post_attn_norm(h)
-        x = x + h
-        if self.mlp is None:  # Mamba block: residual + norm + mixer only
+        if self.attn is not None:  # absent in a Nemotron-H MLP/MoE block
+            h = self.attn(self.attn_norm(x), pos, rope, cache)  # (B, T, D)
+            if self.post_attn_norm is not None:
+                h = self.post_attn_norm(h)
+            x = x + h
+        if self.mlp is None:  # mixer-only block (Mamba; Nemotron-H's Mamba-2 and attention): norm + mixer only
             return x
         h = self.mlp(self.ffn_norm(x))  # (B, T, D)
         if self.post_ffn_norm is not None:

@@ -130,7 +130,7 @@ def _yarn(c: Config, params: dict) -> dict:
 
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
-                "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "relu": "relu"}
+                "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "relu": "relu", "relu2": "relu2"}
 
 
 def _activation(c: Config, *keys: str, default: str = "silu") -> str:
@@ -443,37 +443,46 @@ def parse_jamba(c: Config, name: str) -> ModelSpec:
     hidden = c.positive("hidden_size")
     n = c.positive("num_hidden_layers")
     dt = c.get("mamba_dt_rank", "auto")
+    eps = float(c.get("rms_norm_eps", 1e-6))
     mamba = Mamba(c.get("mamba_expand", 2) * hidden, c.get("mamba_d_state", 16), c.get("mamba_d_conv", 4),
                   dt_rank_auto(hidden) if dt == "auto" else int(dt), bool(c.get("mamba_conv_bias", True)),
-                  bool(c.get("mamba_proj_bias", False)), inner_norms=True)
-    dense = MLP(c.positive("intermediate_size"))
-    n_exp = c.get("num_experts", 1)
+                  bool(c.get("mamba_proj_bias", False)), inner_norms=True, inner_norm_eps=eps)
+    act = _activation(c, "hidden_act")
+    dense = MLP(c.positive("intermediate_size"), activation=act)
+    n_exp = c.get("num_experts") or c.get("num_local_experts", 1)
     moe = MoE(n_exp, c.positive("num_experts_per_tok"), c.positive("intermediate_size"),
-              routing=Routing(normalize=False)) if n_exp > 1 else dense  # softmax top-k, weights as they are
+              routing=Routing(normalize=False), activation=act) if n_exp > 1 else dense  # softmax top-k, as is
     a_period, a_offset = c.get("attn_layer_period", 8), c.get("attn_layer_offset", 4)
     e_period, e_offset = c.get("expert_layer_period", 2), c.get("expert_layer_offset", 1)
     windows = _windows(c, n, lambda i: True)
     layers = []
     for i in range(n):
-        mixer = _attention(c, hidden, window=windows[i]) if i % a_period == a_offset else mamba
+        # Jamba's attention has no positional embedding at all (the Mamba layers carry order)
+        attn = replace(_attention(c, hidden, window=windows[i]), rope_theta=None, rope=None)
+        mixer = attn if i % a_period == a_offset else mamba
         layers.append(Layer(mixer, moe if i % e_period == e_offset else dense, norm_params=2 * hidden))
-    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden)
+    spec = _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden)
+    return replace(spec, norm_eps=eps)
 
 
 def parse_nemotron_h(c: Config, name: str) -> ModelSpec:
-    """Nemotron-H: hybrid_override_pattern, one char per block: M Mamba-2, * attention, - MLP, E MoE."""
+    """Nemotron-H: hybrid_override_pattern, one char per block: M Mamba-2, * attention, - MLP, E MoE
+    (transformers 5 saves the same as the list layers_block_type instead)."""
     hidden = c.positive("hidden_size")
-    pattern = c.req("hybrid_override_pattern")
-    n = c.positive("num_hidden_layers")
+    pattern = _nemotron_pattern(c)
+    n = c.get("num_hidden_layers", len(pattern))
     if len(pattern) != n:
         raise KvwallError(f"{c.where}: hybrid_override_pattern has {len(pattern)} blocks but num_hidden_layers is {n}")
+    # transformers clamps the step size to [time_step_min, inf) (not time_step_limit)
+    dt_min = float(c.get("time_step_min", c.get("mamba_dt_min", 0.001)))
     mamba = Mamba2(c.positive("mamba_num_heads"), c.positive("mamba_head_dim"), c.positive("ssm_state_size"),
                    c.get("n_groups", 1), c.get("conv_kernel", 4), bool(c.get("use_conv_bias", True)),
-                   bool(c.get("use_bias", False)))
+                   bool(c.get("use_bias", False)), dt_limit=(dt_min, math.inf))
     n_q = c.positive("num_attention_heads")
     hd = c.get("attention_head_dim") or c.get("head_dim") or hidden // n_q
     bias = bool(c.get("attention_bias", False))
-    attn = Attention(n_q, c.get("num_key_value_heads") or n_q, hd, hd, None, bias, bias)
+    attn = Attention(n_q, c.get("num_key_value_heads") or n_q, hd, hd, None, bias, bias)  # no rotary positions
+    act = _activation(c, "mlp_hidden_act", default="relu2")
     layers = []
     for ch in pattern:
         if ch == "M":
@@ -481,16 +490,42 @@ def parse_nemotron_h(c: Config, name: str) -> ModelSpec:
         elif ch == "*":
             layers.append(Layer(attn, None, norm_params=hidden))
         elif ch == "-":
-            layers.append(Layer(None, MLP(c.positive("intermediate_size"), gated=False, bias=bool(c.get("mlp_bias"))),
-                                norm_params=hidden))
+            layers.append(Layer(None, MLP(c.positive("intermediate_size"), gated=False, bias=bool(c.get("mlp_bias")),
+                                          activation=act), norm_params=hidden))
         elif ch == "E":
+            routing = Routing("sigmoid", bias=True, n_group=c.get("n_group", 1), topk_group=c.get("topk_group", 1),
+                              group_score="top2", normalize=bool(c.get("norm_topk_prob", True)),
+                              scale=float(c.get("routed_scaling_factor", 1.0)))
+            d_shared = c.get("moe_shared_expert_intermediate_size", 0)  # one shared MLP of this width, always
             moe = MoE(c.positive("n_routed_experts"), c.positive("num_experts_per_tok"),
-                      c.positive("moe_intermediate_size"), n_shared=c.get("n_shared_experts", 0),
-                      d_shared=c.get("moe_shared_expert_intermediate_size", 0), gated=False)
+                      c.positive("moe_intermediate_size"), n_shared=1 if d_shared else 0, d_shared=d_shared,
+                      gated=False, routing=routing, activation=act)
             layers.append(Layer(None, moe, norm_params=hidden))
         else:
             raise KvwallError(f"{c.where}: hybrid_override_pattern has block {ch!r}; known blocks are M, *, -, E")
-    return _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden)
+    latent = c.get("moe_latent_size") if "E" in pattern else None
+    notes = [f"moe_latent_size {latent}: the experts' latent projections are not modelled"] if latent else []
+    spec = _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden,
+                    notes=notes)
+    return replace(spec, norm_eps=float(c.get("layer_norm_epsilon", 1e-5)))
+
+
+_NEMOTRON_BLOCKS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
+                    "moe": "E"}
+
+
+def _nemotron_pattern(c: Config) -> str:
+    """The block pattern string, from hybrid_override_pattern or transformers 5's layers_block_type list."""
+    if c.get("hybrid_override_pattern") is not None:
+        return str(c.get("hybrid_override_pattern"))
+    types = c.get("layers_block_type")
+    if not isinstance(types, list):
+        c.req("hybrid_override_pattern", "layers_block_type")  # raises: names both fields
+        raise KvwallError(f"{c.where}: layers_block_type must be a list of block types")
+    unknown = sorted({t for t in types if t not in _NEMOTRON_BLOCKS})
+    if unknown:
+        raise KvwallError(f"{c.where}: layers_block_type has {unknown}; known are {', '.join(_NEMOTRON_BLOCKS)}")
+    return "".join(_NEMOTRON_BLOCKS[t] for t in types)
 
 
 PARSERS: dict[str, Callable[[Config, str], ModelSpec]] = {

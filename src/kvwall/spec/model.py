@@ -262,6 +262,7 @@ class MoE:
     gated: bool = True
     shared_gate: bool = False  # Qwen2-MoE style sigmoid gate on the shared expert
     routing: Routing = Routing()  # engine-only: how experts are chosen and weighed
+    activation: str = "silu"  # engine-only: the experts' activation (Nemotron-H: relu2, non-gated)
 
     kind = "moe"
 

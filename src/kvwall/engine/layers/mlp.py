@@ -1,4 +1,5 @@
-"""Channel mixers: gated MLP (SwiGLU / GeGLU: down(act(gate x) * up x)) and plain MLP (GPT-2: proj(act(fc x)))."""
+"""Channel mixers: gated MLP (SwiGLU / GeGLU: down(act(gate x) * up x)) and plain MLP (GPT-2: proj(act(fc x));
+Nemotron-H: down(relu(up x)^2))."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # squared ReLU (Nemotron-H)
 }
 
 

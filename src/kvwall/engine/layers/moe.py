@@ -5,6 +5,7 @@
                                            group-limited: only the topk_group best of n_group groups compete
     g = s[chosen] (/ sum) * scale          renormalise (Mixtral; norm_topk_prob), routed_scaling_factor
     y = sum_k g_k E_k(x) + shared(x)       E_k, shared: gated MLPs down(silu(gate x) * up x)
+                                           (Nemotron-H: plain MLPs down(relu(up x)^2))
 
 Each forward records `touched`: how many distinct experts its tokens used (the experts whose
 weights the step had to read), the number predict.ops.expected_experts estimates.
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvwall.engine.layers.mlp import GatedMLP, make_mlp
+from kvwall.engine.layers.mlp import make_mlp
 from kvwall.errors import KvwallError
 from kvwall.spec.model import MLP, MoE as MoESpec
 
@@ -64,13 +65,15 @@ class Router(nn.Module):
 class MoE(nn.Module):
     def __init__(self, spec: MoESpec, hidden: int):
         super().__init__()
-        if not spec.gated or spec.shared_gate:
-            raise KvwallError("the engine runs gated experts without a shared-expert gate (Mixtral, Qwen3-MoE, "
-                              "DeepSeek, Jamba)")
+        if spec.shared_gate:
+            raise KvwallError("the engine runs experts without a shared-expert gate (Mixtral, Qwen3-MoE, "
+                              "DeepSeek, Jamba, Nemotron-H)")
         self.router = Router(spec, hidden)
-        self.experts = nn.ModuleList(GatedMLP(MLP(spec.d_expert), hidden) for _ in range(spec.n_experts))
+        expert = MLP(spec.d_expert, spec.gated, activation=spec.activation)
+        self.experts = nn.ModuleList(make_mlp(expert, hidden) for _ in range(spec.n_experts))
         width = spec.n_shared * (spec.d_shared or spec.d_expert)
-        self.shared = make_mlp(MLP(width), hidden) if spec.n_shared else None  # n_shared experts side by side
+        shared = MLP(width, spec.gated, activation=spec.activation)
+        self.shared = make_mlp(shared, hidden) if spec.n_shared else None  # n_shared experts side by side
         self.touched = 0  # distinct experts used by the last forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
