@@ -117,6 +117,7 @@ def test_engine_layer_overhead_measured(calibrated, monkeypatch):
     printed, home = calibrated
     # a decode step of a tiny 12-layer model costs microseconds to a few milliseconds per layer, never zero
     assert 1e-6 < printed["layer_overhead_s"] < 5e-2
+    assert set(printed["mixer_overhead_s"]) == {"latent", "mamba", "mamba2"} and printed["step_overhead_s"] >= 0
     monkeypatch.setenv("KVWALL_HOME", str(home))
     assert get_device("local").layer_overhead_s == printed["layer_overhead_s"]
 

@@ -162,3 +162,15 @@ def test_op_bandwidths_split_cache_and_weight_traffic():
     assert roof.op_time(att) == pytest.approx(max(att.flops / roof.peak, att.bytes / 1e12))
     assert roof.op_time(mlp) == pytest.approx(max(mlp.flops / roof.peak, mlp.bytes / 2e12))
     assert r.memory_s == pytest.approx(sum(o.bytes / (1e12 if o.cache_read else 2e12) for o in r.ops))
+
+
+def test_overhead_by_mixer_kind():
+    from dataclasses import replace
+
+    from kvwall.predict.roofline import step_overhead
+    from kvwall.spec.model import Mamba
+
+    spec = ModelSpec("mix", "test", 64, 100, (Layer(Attention(4, 2, 16, 16), MLP(128), 128),
+                                              Layer(Mamba(128, 16, 4, 4), None, 64)))
+    dev = replace(get_device("h100-sxm"), layer_overhead_s=1e-3, mixer_overhead_s={"mamba": 3e-3}, step_overhead_s=5e-4)
+    assert step_overhead(spec, dev) == pytest.approx(1e-3 + 3e-3 + 5e-4)

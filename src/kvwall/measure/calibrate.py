@@ -115,6 +115,7 @@ class Calibration:
             "interconnect": {"name": "none (this machine alone)", "bandwidth_Bps": None, "per_direction_Bps": None},
             "tdp_W": None, "layer_overhead_s": info.get("layer_overhead_s", 0.0),
             "op_bandwidth_Bps": info.get("op_bandwidth_Bps", {}),
+            "step_overhead_s": info.get("step_overhead_s"), "mixer_overhead_s": info.get("mixer_overhead_s", {}),
             "source": f"measured by `kvwall calibrate` on {info['hostname']} at {self.started}",
             "unconfirmed": [], "notes": self.notes(),
             "measured": {
@@ -161,7 +162,10 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
         if progress:
             progress(len(steps), len(steps), "engine dispatch overhead and op bandwidths", None)
         size = (128 << 20) if quick else (512 << 20)
-        cal.info["layer_overhead_s"] = overhead.engine_layer_overhead(steps=20 if quick else 40)
+        costs = overhead.engine_overheads(steps=20 if quick else 40)
+        cal.info["layer_overhead_s"] = costs["attention"]
+        cal.info["step_overhead_s"] = costs["step"]
+        cal.info["mixer_overhead_s"] = {k: v for k, v in costs.items() if k not in ("attention", "step")}
         cal.info["op_bandwidth_Bps"] = {"matmul": overhead.matvec_bandwidth(size),
                                         "attention": overhead.attention_bandwidth(size)}
     cal.elapsed_s = time.perf_counter() - t0

@@ -1,11 +1,10 @@
 """The engine's fixed cost per layer per decode step on this machine: Python and torch dispatch.
 
 A roofline counts bytes and FLOPs; on a CPU (and on a GPU without CUDA graphs) every op also pays a
-fixed dispatch cost that no byte count shows. We measure it where it is nearly all there is: a decode
-step of a tiny model (hidden 64, 12 layers), whose weights and cache are a few hundred KiB. The
-fastest step time divided by (layers + 1, the embedding/head counting as one) is the per-layer cost
-that `--device local` predictions add: a latency floor, so the minimum (other processes only ever add
-to it), not the median.
+fixed dispatch cost that no byte count shows. We measure it where it is nearly all there is: decode
+steps of tiny models (hidden 64) whose weights and cache are a few hundred KiB, at 2 and at 10 blocks
+of each kind. The slope is the per-layer cost `--device local` predictions add, the intercept the
+per-step rest. Each is the fastest step: a latency floor (other processes only ever add to it).
 """
 
 from __future__ import annotations
@@ -16,16 +15,29 @@ TINY = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_siz
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
             torch_dtype="float32")
 
+# One tiny model per kind of block: its per-layer cost is the slope of step time over depth.
+TINY_KINDS = {
+    "attention": TINY,
+    "latent": dict(model_type="deepseek_v2", vocab_size=128, hidden_size=64, intermediate_size=128,
+                   num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=None,
+                   first_k_dense_replace=64, max_position_embeddings=4096, torch_dtype="float32"),
+    "mamba": dict(model_type="mamba", vocab_size=128, hidden_size=64, state_size=16, expand=2, conv_kernel=4,
+                  intermediate_size=128, time_step_rank="auto", tie_word_embeddings=False, torch_dtype="float32"),
+    "mamba2": dict(model_type="mamba2", vocab_size=128, hidden_size=64, num_heads=8, head_dim=16, state_size=16,
+                   n_groups=1, expand=2, conv_kernel=4, tie_word_embeddings=False, torch_dtype="float32"),
+}
 
-def engine_layer_overhead(steps: int = 40) -> float:
-    """Seconds per layer per decode step of kvwall's engine on a tiny model (fastest of `steps`)."""
+
+def _step_time(config: dict, layers: int, steps: int) -> float:
+    """Fastest decode step of a tiny model of `layers` blocks (a latency floor: others only slow it)."""
     import torch
 
     from kvwall.engine.caches import make_cache
     from kvwall.engine.model import Transformer
     from kvwall.spec.hf import spec_from_config
 
-    spec = spec_from_config(TINY, name="tiny")
+    spec = spec_from_config(dict(config, num_hidden_layers=layers), name="tiny")
     torch.manual_seed(0)
     model = Transformer(spec).eval()
     cache = make_cache("contiguous", spec, 1, 64 + steps + 4)
@@ -37,7 +49,19 @@ def engine_layer_overhead(steps: int = 40) -> float:
             model(torch.ones(1, 1, dtype=torch.long), torch.tensor([[64 + i]]), cache)
             if i >= 4:
                 times.append(time.perf_counter() - t0)
-    return min(times) / (spec.n_layers + 1)
+    return min(times)
+
+
+def engine_overheads(steps: int = 40) -> dict[str, float]:
+    """Per-layer dispatch cost by kind of block, and the per-step cost outside the blocks ("step"):
+    from tiny models of 2 and 10 blocks, slope = per layer, intercept = the rest."""
+    out = {}
+    for kind, cfg in TINY_KINDS.items():
+        t2, t10 = _step_time(cfg, 2, steps), _step_time(cfg, 10, steps)
+        out[kind] = max((t10 - t2) / 8, 0.0)
+        if kind == "attention":
+            out["step"] = max(t2 - 2 * out[kind], 0.0)
+    return out
 
 
 # -- achievable bandwidth of the two kinds of traffic a decode step makes --------------------------

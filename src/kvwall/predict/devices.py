@@ -31,6 +31,11 @@ class Device:
     notes: tuple = ()
     layer_overhead_s: float = 0.0  # fixed dispatch cost per layer per step (measured for `local`; 0 in the catalog)
     op_bandwidth: dict = field(default_factory=dict)  # op class ("matmul", "attention") -> reachable bytes/s
+    mixer_overhead_s: dict = field(default_factory=dict)  # per-layer dispatch cost by mixer kind, where it differs
+    step_overhead_s: float | None = None  # dispatch cost per step outside the layers (None: one layer's worth)
+
+    def layer_overhead(self, kind: str | None) -> float:
+        return self.mixer_overhead_s.get(kind or "", self.layer_overhead_s)
 
     def flops(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s for a compute dtype, falling back to the nearest listed one."""
@@ -72,6 +77,8 @@ def _from_entry(name: str, e: dict) -> Device:
         source=e.get("source", ""), unconfirmed=tuple(e.get("unconfirmed", ())), notes=tuple(e.get("notes", ())),
         layer_overhead_s=float(e.get("layer_overhead_s") or 0.0),
         op_bandwidth={k: float(v) for k, v in (e.get("op_bandwidth_Bps") or {}).items() if v},
+        mixer_overhead_s={k: float(v) for k, v in (e.get("mixer_overhead_s") or {}).items()},
+        step_overhead_s=e.get("step_overhead_s"),
     )
 
 

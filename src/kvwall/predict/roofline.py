@@ -10,9 +10,9 @@ Assumptions, stated in every output:
   its own compute with its own memory traffic;
 * a calibrated device (``local``) may carry the bandwidth each kind of kernel reaches: ops that read
   the cache stream at its attention bandwidth, the rest at its matrix-vector bandwidth;
-* a device may carry a fixed dispatch cost per layer per step (``layer_overhead_s``: measured by
-  ``kvwall calibrate`` for the ``local`` profile, 0 for catalog devices); a step adds it once per
-  layer and once for the embedding + LM head;
+* a device may carry a fixed dispatch cost per layer per step (``layer_overhead_s``, by mixer kind
+  where measured, plus ``step_overhead_s`` outside the layers: measured by ``kvwall calibrate`` for
+  the ``local`` profile, 0 for catalog devices);
 * tensor parallel adds one ring all-reduce per block: 2 (tp-1)/tp x bytes over
   the interconnect plus a fixed latency; pipeline parallel runs stages one
   after another for one batch (no micro-batch overlap) and adds one
@@ -115,7 +115,7 @@ def run_step(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Parallel
     if par.pp > 1:
         pipeline_stages(spec.n_layers, par.pp)  # validates pp against the layer count
         ops.append(Op("pipeline send", None, link_bytes=(par.pp - 1) * step.tokens * spec.hidden * ACT_BYTES))
-    overhead = roof.device.layer_overhead_s * (spec.n_layers + 1)
+    overhead = step_overhead(spec, roof.device)
     per_op, total = [], overhead
     for op in ops:
         t = roof.op_time(op)
@@ -126,6 +126,13 @@ def run_step(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Parallel
     link = sum(roof.op_time(o) for o in ops if o.link_bytes)
     memory_s = sum(o.bytes / roof.op_bandwidth(o) for o in ops)
     return PhaseResult(name, step, ops, total, flops, nbytes, flops / roof.peak, memory_s, link, per_op, overhead)
+
+
+def step_overhead(spec: ModelSpec, device: Device) -> float:
+    """The device's fixed dispatch cost of one step: per layer by its mixer kind, plus the rest."""
+    rest = device.step_overhead_s if device.step_overhead_s is not None else device.layer_overhead_s
+    kinds = (layer.mixer.kind if layer.mixer is not None else None for layer in spec.layers)
+    return rest + sum(device.layer_overhead(k) for k in kinds)
 
 
 def prefill(spec, prompt: int, batch: int, fm: Formats, roof: Roof, par: Parallel | None = None) -> PhaseResult:
