@@ -42,3 +42,17 @@ def test_bench_skips_what_does_not_fit(local_profile, capsys, monkeypatch):
 
 def test_bench_unknown_arch(local_profile):
     assert main(["bench", "no-such-arch"]) == 2
+
+
+def test_summary_counts_and_explains_outside_points():
+    from kvwall.measure.archs import ARCHS
+    from kvwall.measure.bench import summary
+
+    rows = [{"arch": "gqa", "context": 1024, "decode_bound": "memory", "decode_error": -0.05, "within_goal": True},
+            {"arch": "gqa-int4", "context": 1024, "decode_bound": "memory", "decode_error": -0.5, "within_goal": False},
+            {"arch": "gqa-int4", "context": 4096, "decode_bound": "memory", "decode_error": -0.7, "within_goal": False}]
+    s = summary(rows, [ARCHS["gqa"], ARCHS["gqa-int4"]])
+    assert (s["bandwidth_bound_points"], s["within_goal"]) == (3, 1)
+    assert s["outside_goal"] == ["gqa-int4@1024", "gqa-int4@4096"]
+    assert s["max_abs_error_bandwidth_bound"] == 0.7
+    assert "dequantizes" in s["reasons"]["gqa-int4"]

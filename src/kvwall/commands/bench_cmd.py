@@ -89,7 +89,7 @@ def cmd_bench(args) -> int:
     data = {"machine": {"host": platform.node(), "cpu_count": os.cpu_count(), "bandwidth_Bps": device.bandwidth,
                         "peak_flops": device.peak_flops, "profile_source": device.source},
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seconds": round(time.time() - started, 1),
-            "steps": plan.steps, "results": results, "skipped": plan.skipped, "summary": bench.summary(results)}
+            "steps": plan.steps, "results": results, "skipped": plan.skipped, "summary": bench.summary(results, archs)}
     if args.save:
         _write_json(Path(args.save), data)
     if args.plot:
@@ -138,6 +138,8 @@ def print_results(data: dict) -> None:
     if s["bandwidth_bound_points"]:
         c.print(f"{s['within_goal']} of {s['bandwidth_bound_points']} bandwidth-bound points within "
                 f"{s['goal'] * 100:.0f}%" + (f"; outside: {', '.join(s['outside_goal'])}" if s["outside_goal"] else ""))
+        for arch, why in s["reasons"].items():
+            c.print(f"  {arch}: {why}")
     for sk in data["skipped"]:
         where = f" @ {fmt_tokens(sk['context'])}" if sk.get("context") else ""
         c.print(f"skipped {sk['arch']}{where}: {sk['reason']}")

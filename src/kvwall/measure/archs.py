@@ -25,6 +25,18 @@ class Arch:
     kv_format: str  # the predictor's KV format for the same cache
     about: str
     checkpoint: str | None = None  # a model directory: its own weights instead of random ones
+    gap: str = ""  # why measurement and roofline part ways where they do, as found on a 2-core CPU
+
+GAPS = {
+    "quantized": "the engine dequantizes the whole cache to fp32 every step: unpacking and scaling are compute "
+                 "the bandwidth roofline does not count, and it grows with the context",
+    "group": "the decode-attention kernel's bandwidth depends on how many query heads share a KV head; the profile "
+             "calibrates it at 3 (GQA): 12 per head (MQA) runs slower, 1 per head (MHA) faster",
+    "latent": "absorbed latent attention is a batched small matmul (12 heads over a 288-wide latent, ~11 FLOP/B) "
+              "that runs far below the GEMM peak used as the roof",
+    "ssm": "per-layer elementwise work (conv, softplus, gating, the state update on d_inner x d_state) that no "
+           "byte count shows, a little above the dispatch cost calibrated on tiny models",
+}
 
 
 def _llama(**kw) -> dict:
@@ -38,26 +50,28 @@ def _local_global() -> dict:
 
 
 ARCHS: dict[str, Arch] = {a.name: a for a in [
-    Arch("mha", _llama(num_key_value_heads=12), "contiguous", "fp32", "12 query heads, 12 KV heads"),
+    Arch("mha", _llama(num_key_value_heads=12), "contiguous", "fp32", "12 query heads, 12 KV heads", gap=GAPS["group"]),
     Arch("gqa", _llama(num_key_value_heads=4), "contiguous", "fp32", "12 query heads share 4 KV heads"),
-    Arch("mqa", _llama(num_key_value_heads=1), "contiguous", "fp32", "12 query heads share 1 KV head"),
+    Arch("mqa", _llama(num_key_value_heads=1), "contiguous", "fp32", "12 query heads share 1 KV head",
+         gap=GAPS["group"]),
     Arch("sliding", _local_global(), "sliding", "fp32", "GQA-4, 5 local (window 1k) : 1 global layers"),
-    Arch("gqa-int8", _llama(num_key_value_heads=4), "int8", "int8", "GQA-4, KIVI int8 cache"),
-    Arch("gqa-int4", _llama(num_key_value_heads=4), "int4", "int4", "GQA-4, KIVI int4 cache"),
+    Arch("gqa-int8", _llama(num_key_value_heads=4), "int8", "int8", "GQA-4, KIVI int8 cache", gap=GAPS["quantized"]),
+    Arch("gqa-int4", _llama(num_key_value_heads=4), "int4", "int4", "GQA-4, KIVI int4 cache", gap=GAPS["quantized"]),
     Arch("mla", dict(model_type="deepseek_v2", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FF,
                      num_hidden_layers=LAYERS, num_attention_heads=12, num_key_value_heads=12,
                      kv_lora_rank=256, q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
                      n_routed_experts=None, first_k_dense_replace=LAYERS, max_position_embeddings=MAX_POS,
                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32"),
-         "contiguous", "fp32", "latent attention: 256-d latent + 32-d rope key per token (absorbed decode)"),
+         "contiguous", "fp32", "latent attention: 256-d latent + 32-d rope key per token (absorbed decode)",
+         gap=GAPS["latent"]),
     Arch("mamba", dict(model_type="mamba", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2 * LAYERS,
                        state_size=16, expand=2, conv_kernel=4, time_step_rank="auto", intermediate_size=2 * HIDDEN,
                        tie_word_embeddings=False, torch_dtype="float32"),
-         "contiguous", "fp32", "24 Mamba blocks, d_state 16"),
+         "contiguous", "fp32", "24 Mamba blocks, d_state 16", gap=GAPS["ssm"]),
     Arch("mamba2", dict(model_type="mamba2", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2 * LAYERS,
                         num_heads=24, head_dim=64, state_size=64, n_groups=1, expand=2, conv_kernel=4,
                         tie_word_embeddings=False, torch_dtype="float32"),
-         "contiguous", "fp32", "24 Mamba-2 blocks, 24 heads x 64, d_state 64"),
+         "contiguous", "fp32", "24 Mamba-2 blocks, 24 heads x 64, d_state 64", gap=GAPS["ssm"]),
     Arch("hybrid", dict(model_type="jamba", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FF,
                         num_hidden_layers=LAYERS, num_attention_heads=12, num_key_value_heads=4,
                         attn_layer_period=4, attn_layer_offset=3, expert_layer_period=LAYERS + 1,

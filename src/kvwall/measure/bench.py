@@ -141,9 +141,12 @@ def _worker(job: dict):
         raise KvwallError(f"the benchmark of {job['name']} failed: {err[-1] if err else 'no message'}")
 
 
-def summary(results: list[dict]) -> dict:
+def summary(results: list[dict], archs: list[Arch] | None = None) -> dict:
     bw = [r for r in results if r["decode_bound"] == "memory"]
     within = [r for r in bw if r["within_goal"]]
+    gaps = {a.name: a.gap for a in archs or []}
+    outside = [r["arch"] for r in bw if not r["within_goal"]]
     return {"points": len(results), "bandwidth_bound_points": len(bw), "within_goal": len(within),
             "goal": GOAL, "max_abs_error_bandwidth_bound": max((abs(r["decode_error"]) for r in bw), default=None),
-            "outside_goal": [f"{r['arch']}@{r['context']}" for r in bw if not r["within_goal"]]}
+            "outside_goal": [f"{r['arch']}@{r['context']}" for r in bw if not r["within_goal"]],
+            "reasons": {a: gaps.get(a) or "not investigated" for a in dict.fromkeys(outside)}}

@@ -25,7 +25,7 @@ def section(out: Path, quick: bool = False, progress=None) -> Section:
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     t0 = time.time()
     results = bench.run(plan, device)
-    s = bench.summary(results)
+    s = bench.summary(results, plan.archs)
     fig = out / "measured-vs-predicted.png"
     plot_results(results, device, str(fig))
     rows = [[r["arch"], fmt_tokens(r["context"]), f"{r['decode_s'] * 1e3:.1f}", f"{r['decode_pred_s'] * 1e3:.1f}",
@@ -37,11 +37,12 @@ def section(out: Path, quick: bool = False, progress=None) -> Section:
     verdict = (f"{s['within_goal']} of {s['bandwidth_bound_points']} bandwidth-bound points are within "
                f"{s['goal'] * 100:.0f}% of the prediction." +
                (f" Outside: {', '.join(s['outside_goal'])}." if s["outside_goal"] else ""))
+    reasons = [f"Why {arch} is outside: {why}." for arch, why in s["reasons"].items()]
     skipped = [f"skipped {k['arch']}" + (f" @ {fmt_tokens(k['context'])}" if k.get("context") else "")
                + f": {k['reason']}" for k in plan.skipped]
     return Section(
         "Measured on this machine",
-        paragraphs=[where, verdict, *skipped],
+        paragraphs=[where, verdict, *reasons, *skipped],
         tables=[Table(["arch", "context", "decode ms", "predicted ms", "error", "predicted bound", "cache",
                        "predicted cache", "peak RSS"], rows,
                       "decode: median of the timed steps after warm-up; error = predicted / measured - 1")],
