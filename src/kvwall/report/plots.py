@@ -77,13 +77,17 @@ def lines(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str
           dashed: set[str] | None = None) -> Path:
     """One line per series: {label: [(x, y), ...]}."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9 if dashed else 8, 5))
+    dashed = dashed or set()
+    bases = list(dict.fromkeys(_base(label, dashed) for label in series))
+    palette = plt.get_cmap("tab10" if len(bases) <= 10 else "tab20")
     for label, pts in series.items():
         pts = [(x, y) for x, y in pts if y is not None]
         if not pts:
             continue
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3,
-                ls="--" if dashed and label in dashed else "-", label=label)
+        color = palette(bases.index(_base(label, dashed)) % palette.N)  # a series and its dashed twin share a colour
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3, color=color,
+                ls="--" if label in dashed else "-", label=None if label in dashed else label)
     if hline:
         ax.axhline(hline[0], color="red", ls=":", lw=1)
         ax.text(ax.get_xlim()[0], hline[0], " " + hline[1], color="red", va="bottom", fontsize=8)
@@ -94,9 +98,18 @@ def lines(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    if dashed:
+        ax.plot([], [], color="gray", ls="--", label="(dashed: predicted)")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    else:
+        ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.2)
     return _save(fig, path)
+
+
+def _base(label: str, dashed: set) -> str:
+    """The series a dashed twin belongs to: 'gqa (predicted)' -> 'gqa'."""
+    return label.rsplit(" (", 1)[0] if label in dashed else label
 
 
 def bars(labels: list[str], values: list[float], ylabel: str, title: str, path: str | Path,
