@@ -13,9 +13,7 @@ cache) / median step time.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 
 import torch
 import transformers
@@ -24,19 +22,11 @@ from transformers import DynamicCache
 from kvwall.engine.caches import ContiguousCache
 from kvwall.engine.load import load_model
 
+from timing import median_ms  # benchmarks/timing.py (the script folder is on sys.path)
+
 CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
               num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=16384,
               tie_word_embeddings=False)
-
-
-def median_ms(step, n: int, warmup: int = 2) -> float:
-    times = []
-    for i in range(n + warmup):
-        t0 = time.perf_counter()
-        step()
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def random_kv(batch, context, g):

@@ -19,7 +19,6 @@ transformers' torch fallback (mamba_selective_scan, no CUDA kernels); medians of
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 
@@ -32,19 +31,11 @@ from kvwall.engine.caches import make_cache
 from kvwall.engine.layers.mamba import causal_conv, scan_chunked, scan_reference
 from kvwall.engine.load import load_model
 
+from timing import median_ms  # benchmarks/timing.py (the script folder is on sys.path)
+
 CONFIG = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, state_size=16, expand=2, conv_kernel=4,
               tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 PIECE = 2048
-
-
-def median_ms(step, n: int, warmup: int = 2) -> float:
-    times = []
-    for i in range(n + warmup):
-        t0 = time.perf_counter()
-        step()
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 @torch.inference_mode()

@@ -41,8 +41,12 @@ class ContiguousCache(KVCache):
         assert batch > 0 and max_len > 0, (batch, max_len)
         self.max_len = max_len
         self.length = 0  # longest row so far: attention reads slots [0, length)
-        self.layers = [ContiguousLayer(a, batch, max_len, dtype, device) if a else None
-                       for a in attention_specs(spec)]
+        self.layers = [self._layer(a, batch, max_len, dtype, device) if a else None for a in attention_specs(spec)]
+
+    @staticmethod
+    def _layer(a: Attention, batch: int, max_len: int, dtype, device):
+        """The storage of one attention layer (SlidingCache gives local layers a ring instead)."""
+        return ContiguousLayer(a, batch, max_len, dtype, device)
 
     def step(self, pos):
         self.length = max(self.length, check_length(pos, self.max_len, self.name))

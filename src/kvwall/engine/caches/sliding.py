@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kvwall.engine.caches.base import KVCache, attention_specs, check_length
-from kvwall.engine.caches.contiguous import ContiguousLayer
-from kvwall.spec.model import Attention, ModelSpec
+from kvwall.engine.caches.contiguous import ContiguousCache, ContiguousLayer
+from kvwall.spec.model import Attention
 
 
 class RingLayer:
@@ -47,28 +46,13 @@ class RingLayer:
         return self.k.nbytes + self.v.nbytes
 
 
-class SlidingCache(KVCache):
+class SlidingCache(ContiguousCache):
+    """A contiguous cache whose local layers are rings of `window` slots."""
+
     name = "sliding"
 
-    def __init__(self, spec: ModelSpec, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
-        assert batch > 0 and max_len > 0, (batch, max_len)
-        self.max_len = max_len
-        self.length = 0
-        self.layers = [self._layer(a, batch, max_len, dtype, device) for a in attention_specs(spec)]
-
     @staticmethod
-    def _layer(a: Attention | None, batch, max_len, dtype, device):
-        if a is None:
-            return None
+    def _layer(a: Attention, batch: int, max_len: int, dtype, device):
         if a.window and a.window < max_len:
             return RingLayer(a, batch, a.window, dtype, device)
         return ContiguousLayer(a, batch, max_len, dtype, device)
-
-    def step(self, pos):
-        self.length = max(self.length, check_length(pos, self.max_len, self.name))
-
-    def update(self, layer, k, v, pos):
-        return self.layers[layer].update(k, v, pos, self.length)
-
-    def nbytes(self) -> int:
-        return sum(l.nbytes() for l in self.layers if l is not None)
