@@ -56,3 +56,14 @@ def test_summary_counts_and_explains_outside_points():
     assert s["outside_goal"] == ["gqa-int4@1024", "gqa-int4@4096"]
     assert s["max_abs_error_bandwidth_bound"] == 0.7
     assert "dequantizes" in s["reasons"]["gqa-int4"]
+
+
+def test_bench_a_model_directory(tmp_path, local_profile, capsys):
+    """A checkpoint directory runs with its own weights; its cache bytes equal the predictor's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tiny")
+    assert main(["bench", str(tmp_path / "tiny"), "--context", "64", "--steps", "1", "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)["results"]
+    assert r["arch"] == "tiny" and r["cache_bytes"] == r["cache_pred_bytes"] == 2 * 2 * 2 * 16 * 4 * (64 + 3)
