@@ -21,7 +21,7 @@ def test_gemma3_27b_local_global():
     # Gemma 3: every 6th layer (i+1) % 6 == 0 is global, the rest slide over 1024 tokens
     assert [i for i, w in enumerate(windows) if w is None] == [5, 11, 17, 23, 29, 35, 41, 47, 53, 59]
     assert set(w for w in windows if w) == {1024}
-    assert spec.layers[0].mixer.rope_theta == 10_000.0 and spec.layers[5].mixer.rope_theta == 1_000_000.0
+    assert spec.layers[0].mixer.rope.theta == 10_000.0 and spec.layers[5].mixer.rope.theta == 1_000_000.0
 
 
 def test_jamba_attention_and_expert_periods():

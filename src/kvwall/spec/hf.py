@@ -91,7 +91,7 @@ def _attention(c: Config, hidden: int, *, qkv_bias=False, o_bias=False, qk_norm=
     rope = rope or _rope(c)
     if theta is not None:
         rope = replace(rope, theta=float(theta))
-    return Attention(n_q, n_kv, head_dim, head_dim, window, qkv_bias, o_bias, qk_norm, rope.theta, rope=rope)
+    return Attention(n_q, n_kv, head_dim, head_dim, window, qkv_bias, o_bias, qk_norm, rope=rope)
 
 
 # -- engine details: rotary scaling, norms, activations, special tokens -----
@@ -458,7 +458,7 @@ def parse_jamba(c: Config, name: str) -> ModelSpec:
     layers = []
     for i in range(n):
         # Jamba's attention has no positional embedding at all (the Mamba layers carry order)
-        attn = replace(_attention(c, hidden, window=windows[i]), rope_theta=None, rope=None)
+        attn = replace(_attention(c, hidden, window=windows[i]), rope=None)
         mixer = attn if i % a_period == a_offset else mamba
         layers.append(Layer(mixer, moe if i % e_period == e_offset else dense, norm_params=2 * hidden))
     spec = _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden)

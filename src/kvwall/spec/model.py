@@ -57,7 +57,6 @@ class Attention:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
-    rope_theta: float | None = None  # None: learned or no rotary positions
     # engine-only details (do not change bytes or parameter counts)
     rope: Rope | None = None  # full rotary description; None: learned or no rotary positions
     scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
