@@ -16,7 +16,8 @@ and C without weights before use; Jamba does the same with weights (Mamba.inner_
 
 Decode is one O(1) step on the layer's fixed state: the last K inputs of the conv (E, K) and
 h (E, N). Prefill runs the same recurrence over T tokens: ``scan_reference`` is the plain loop,
-``scan_chunked`` the fast path (discretise a chunk at once, then one fused multiply-add per step).
+``scan_chunked`` a faster torch path (discretise a chunk at once, then one fused multiply-add per step), and
+``scan_prefill`` uses the fused C++ kernel of scan_kernel.py when it builds (falling back to scan_chunked).
 Padding (pos = -1) gets Δ = 0: exp(0·A) = 1 and 0·B·u = 0, so the state passes through unchanged.
 """
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvwall.engine.layers.norm import RMSNorm
+from kvwall.engine.layers.scan_kernel import fused_scan
 from kvwall.spec.model import Mamba as MambaSpec
 
 
@@ -60,6 +62,13 @@ def scan_chunked(u, dt, A, Bm, Cm, h, chunk: int = 16):
         c = Cm[:, s:s + chunk].transpose(0, 1).reshape(L * B, -1, 1)  # (L*B, N, 1)
         ys.append(torch.bmm(states[:L].view(L * B, E, -1), c).view(L, B, E).transpose(0, 1))  # (B, L, E)
     return torch.cat(ys, 1), h.clone()  # (B, T, E), (B, E, N)
+
+
+def scan_prefill(u, dt, A, Bm, Cm, h):
+    """The fastest exact scan available: the fused C++ kernel on the CPU when it builds, else scan_chunked."""
+    fused = fused_scan() if u.device.type == "cpu" else None
+    out = fused(u, dt, A, Bm, Cm, h) if fused is not None else None
+    return out if out is not None else scan_chunked(u, dt, A, Bm, Cm, h)
 
 
 def scan_step(u, dt, A, Bm, Cm, h):
@@ -135,7 +144,7 @@ class Mamba(nn.Module):
             y, h = scan_step(u32[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], h0)  # (B, E), (B, E, N)
             y = y[:, None]  # (B, 1, E)
         else:
-            y, h = scan_chunked(u32, dt, A, Bm, Cm, h0)  # (B, T, E), (B, E, N)
+            y, h = scan_prefill(u32, dt, A, Bm, Cm, h0)  # (B, T, E), (B, E, N)
         state.ssm.copy_(h)
         y = (y + u32 * self.D.float()).to(x.dtype) * F.silu(z)  # (B, T, E)
         return self.out_proj(y)  # (B, T, hidden)
