@@ -114,20 +114,25 @@ def _moe_names(spec: ModelSpec, i: int, hf: str, me: str) -> dict[str, Source]:
     return out
 
 
-def llama_names(spec: ModelSpec) -> dict[str, Source]:
-    out = {"embed.weight": Source(("model.embed_tokens.weight",)), "norm.weight": Source(("model.norm.weight",))}
+def _ends(spec: ModelSpec, embed: str, norm: str) -> dict[str, Source]:
+    """The names outside the layers: input embedding, final norm, and the LM head when it is not tied."""
+    out = {"embed.weight": Source((embed,)), "norm.weight": Source((norm,))}
     if not spec.tied_embeddings:
         out["lm_head.weight"] = Source(("lm_head.weight",))
+    return out
+
+
+def llama_names(spec: ModelSpec) -> dict[str, Source]:
+    out = _ends(spec, "model.embed_tokens.weight", "model.norm.weight")
     for i in range(spec.n_layers):
         out.update(_llama_layer(spec, i))
     return out
 
 
 def gpt2_names(spec: ModelSpec) -> dict[str, Source]:
-    out = {"embed.weight": Source(("transformer.wte.weight",)), "pos_embed.weight": Source(("transformer.wpe.weight",)),
-           "norm.weight": Source(("transformer.ln_f.weight",)), "norm.bias": Source(("transformer.ln_f.bias",))}
-    if not spec.tied_embeddings:
-        out["lm_head.weight"] = Source(("lm_head.weight",))
+    out = _ends(spec, "transformer.wte.weight", "transformer.ln_f.weight")
+    out["pos_embed.weight"] = Source(("transformer.wpe.weight",))
+    out["norm.bias"] = Source(("transformer.ln_f.bias",))
     pairs = [("ln_1", "attn_norm", False), ("attn.c_attn", "attn.wqkv", True), ("attn.c_proj", "attn.wo", True),
              ("ln_2", "ffn_norm", False), ("mlp.c_fc", "mlp.w1", True), ("mlp.c_proj", "mlp.w2", True)]
     for i in range(spec.n_layers):
@@ -152,9 +157,7 @@ def ssm_mixer_names(m: Mamba | Mamba2, hf: str, me: str) -> dict[str, Source]:
 
 def mamba_names(spec: ModelSpec) -> dict[str, Source]:
     """mamba, falcon_mamba, mamba2: backbone.embeddings, backbone.layers.N.{norm, mixer.*}, backbone.norm_f."""
-    out = {"embed.weight": Source(("backbone.embeddings.weight",)), "norm.weight": Source(("backbone.norm_f.weight",))}
-    if not spec.tied_embeddings:
-        out["lm_head.weight"] = Source(("lm_head.weight",))
+    out = _ends(spec, "backbone.embeddings.weight", "backbone.norm_f.weight")
     for i, layer in enumerate(spec.layers):
         hf = f"backbone.layers.{i}."
         out[f"layers.{i}.attn_norm.weight"] = Source((hf + "norm.weight",))
@@ -191,10 +194,7 @@ def _hybrid_ffn(f: MLP | MoE, hf: str, me: str, router: str) -> dict[str, Source
 
 def jamba_names(spec: ModelSpec) -> dict[str, Source]:
     """model.layers.N.{input_layernorm, self_attn.* | mamba.*, pre_ff_layernorm, feed_forward.*}, final_layernorm."""
-    out = {"embed.weight": Source(("model.embed_tokens.weight",)),
-           "norm.weight": Source(("model.final_layernorm.weight",))}
-    if not spec.tied_embeddings:
-        out["lm_head.weight"] = Source(("lm_head.weight",))
+    out = _ends(spec, "model.embed_tokens.weight", "model.final_layernorm.weight")
     for i, layer in enumerate(spec.layers):
         hf, me = f"model.layers.{i}.", f"layers.{i}."
         if isinstance(layer.mixer, Mamba):
@@ -209,9 +209,7 @@ def jamba_names(spec: ModelSpec) -> dict[str, Source]:
 
 def nemotron_h_names(spec: ModelSpec) -> dict[str, Source]:
     """backbone.layers.N.{norm, mixer.*}: the mixer is Mamba-2, attention, an MLP or an MoE; backbone.norm_f."""
-    out = {"embed.weight": Source(("backbone.embeddings.weight",)), "norm.weight": Source(("backbone.norm_f.weight",))}
-    if not spec.tied_embeddings:
-        out["lm_head.weight"] = Source(("lm_head.weight",))
+    out = _ends(spec, "backbone.embeddings.weight", "backbone.norm_f.weight")
     for i, layer in enumerate(spec.layers):
         hf, me = f"backbone.layers.{i}.", f"layers.{i}."
         if isinstance(layer.mixer, Mamba2):
