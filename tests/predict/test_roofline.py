@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvwall.predict.devices import Device, get_device
+from kvwall.predict.devices import get_device
 from kvwall.predict.formats import get_format
 from kvwall.predict.memory import Formats, Parallel, memory
 from kvwall.predict.ops import Step, expected_experts, step_ops

@@ -1,7 +1,5 @@
 """Layer patterns from config.json, held against the configs' own documented rules and transformers."""
 
-import json
-
 import pytest
 
 from kvwall import catalog

@@ -71,10 +71,7 @@ def cmd_bench(args) -> int:
             console().print(table("bench architectures (~120-145M parameters, random weights)",
                                   ["name", "cache", "what"], rows))
         return 0
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise KvwallError("kvwall bench runs the engine: pip install 'kvwall[engine]'") from None
+    common.need_torch("kvwall bench runs the engine")
     if args.steps < 1:
         raise KvwallError("--steps must be at least 1")
     from kvwall.measure import bench

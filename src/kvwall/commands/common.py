@@ -11,6 +11,14 @@ from kvwall.spec.resolve import load_spec
 from kvwall.units import parse_tokens
 
 
+def need_torch(what: str) -> None:
+    """One line, exit 2, when the engine's torch is not installed."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise KvwallError(f"{what}: pip install 'kvwall[engine]'") from None
+
+
 def add_model_knobs(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what-if (re-shape the model without editing its config)")
     g.add_argument("--kv-heads", type=int, metavar="N", help="every attention layer gets N KV heads (1 = MQA)")

@@ -8,10 +8,9 @@ import time
 from pathlib import Path
 
 from kvwall.commands import common
+from kvwall.engine import CACHE_NAMES as CACHES
 from kvwall.errors import KvwallError
 from kvwall.units import fmt_bytes
-
-CACHES = ("contiguous", "sliding", "int8", "int4", "int2", "paged")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,17 +56,10 @@ def _checkpoint(arg: str) -> Path:
     return path
 
 
-def _need_torch():
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise KvwallError("the engine needs torch: pip install 'kvwall[engine]'") from None
-
-
 # -- verify --------------------------------------------------------------------
 
 def cmd_verify(args) -> int:
-    _need_torch()
+    common.need_torch("the engine needs torch")
     import torch
 
     from kvwall.engine.load import load_model
@@ -108,7 +100,7 @@ def cmd_generate(args) -> int:
     if args.cache.split(":")[0] not in CACHES:
         raise KvwallError(f"unknown cache {args.cache!r}; caches: {', '.join(CACHES)}")
     path = _checkpoint(args.checkpoint)
-    _need_torch()
+    common.need_torch("the engine needs torch")
     from kvwall.engine.generate import Sampling, generate
     from kvwall.engine.load import load_model
     from kvwall.engine.tokenizer import load_tokenizer

@@ -7,3 +7,5 @@ Import cost: torch is imported by the submodules, never by ``kvwall`` itself.
     model = load_model("path/to/checkpoint")
     out = generate(model, [[1, 2, 3]], max_new_tokens=16, cache="contiguous")
 """
+
+CACHE_NAMES = ("contiguous", "sliding", "int8", "int4", "int2", "paged")  # here, torch-free, for the CLI

@@ -36,7 +36,6 @@ ENGINE_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", 
                    "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "mamba", "falcon_mamba", "mamba2",
                    "jamba", "nemotron_h")
 MIXERS = (AttentionSpec, LatentSpec, MambaSpec, Mamba2Spec)  # sequence mixers the engine builds
-SSM_MIXERS = (MambaSpec, Mamba2Spec)  # state-space mixers (their blocks usually have no channel mixer)
 
 
 def check_supported(spec: ModelSpec) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kvwall.engine import CACHE_NAMES
 from kvwall.engine.caches.base import KVCache, NoCache
 from kvwall.engine.caches.contiguous import ContiguousCache
 from kvwall.engine.caches.paged import PagedCache
@@ -22,7 +23,6 @@ from kvwall.errors import KvwallError
 from kvwall.predict.formats import get_format
 from kvwall.spec.model import ModelSpec
 
-CACHE_NAMES = ("contiguous", "sliding", "int8", "int4", "int2", "paged")
 
 
 def make_cache(name: str, spec: ModelSpec, batch: int, max_len: int, dtype=torch.float32, device="cpu",
