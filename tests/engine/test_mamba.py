@@ -174,6 +174,7 @@ def test_causal_conv_keeps_each_rows_last_inputs():
     y = causal_conv(x, state, conv, torch.tensor([6, 2]))
     expected = conv(torch.nn.functional.pad(x.transpose(1, 2), (3, 0)))  # zero history, causal
     assert torch.allclose(y, expected.transpose(1, 2), atol=1e-6)
+    assert y.is_contiguous()  # (B, T, C) dense: the fused scan reads it without a transposing copy
     assert torch.equal(state[0], x[0, 2:6].T) and torch.equal(state[1, :, 2:], x[1, :2].T)
     assert torch.equal(state[1, :, :2], torch.zeros(3, 2))  # row 1 saw 2 tokens: two zeros of history kept
 

@@ -84,16 +84,18 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, conv: nn.Conv1d, lengths: 
     (right padding). Token t sees inputs t-K+1..t. The new state is each row's last K valid inputs.
     """
     K, T = state.shape[-1], x.shape[1]
-    xs = torch.cat([state, x.transpose(1, 2).to(state.dtype)], dim=-1)  # (B, C, K + T)
+    # Work in (B, T, C), the layout of x: the output is then dense along C, as the scan wants it (a
+    # transposed (B, C, T) result would cost the fused scan a full copy of u).
+    xs = torch.cat([state.transpose(1, 2), x.to(state.dtype)], dim=1)  # (B, K + T, C)
     w = conv.weight[:, 0].to(x.dtype)  # (C, K)
-    y = xs[:, :, 1:T + 1].to(x.dtype) * w[:, 0, None]  # (B, C, T): K taps, oldest first (cross-correlation)
+    y = xs[:, 1:T + 1].to(x.dtype) * w[:, 0]  # (B, T, C): K taps, oldest first (cross-correlation)
     for k in range(1, K):
-        y = y + xs[:, :, k + 1:k + 1 + T].to(x.dtype) * w[:, k, None]
+        y = torch.addcmul(y, xs[:, k + 1:k + 1 + T].to(x.dtype), w[:, k])
     if conv.bias is not None:
-        y = y + conv.bias[:, None]
-    idx = lengths[:, None, None] + torch.arange(K, device=x.device)  # (B, 1, K): window ending at the last token
-    state.copy_(xs.gather(2, idx.expand(-1, xs.shape[1], -1)))  # (B, C, K)
-    return y.transpose(1, 2)  # (B, T, C)
+        y = y + conv.bias
+    idx = lengths[:, None, None] + torch.arange(K, device=x.device)[:, None]  # (B, K, 1): window ending at the last token
+    state.copy_(xs.gather(1, idx.expand(-1, -1, xs.shape[2])).transpose(1, 2))  # (B, C, K)
+    return y  # (B, T, C)
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -37,7 +37,7 @@ struct Rows {  // a (B, T, X) tensor whose last dimension is contiguous: element
 template <int NN>
 void scan_block(int64_t b, int64_t e0, int64_t T, int64_t E, int64_t N, Rows pu, Rows pdt,
                 const float *pA, Rows pB, Rows pC, const float *ph, float *py, float *pho) {
-  constexpr int64_t W = Vec::size();
+  constexpr int64_t W = Vec::size(), AHEAD = 16;
   constexpr int64_t CAP = NN > 0 ? NN : 256;
   const int64_t n_state = NN > 0 ? NN : N;
   Vec hs[CAP], a[CAP];
@@ -49,6 +49,11 @@ void scan_block(int64_t b, int64_t e0, int64_t T, int64_t E, int64_t N, Rows pu,
   }
   for (int64_t t = 0; t < T; ++t) {
     const int64_t i = (b * T + t) * E + e0;
+    if (t + AHEAD < T) {  // rows are kilobytes apart (a column walk): the hardware prefetcher won't follow
+      __builtin_prefetch(pu.at(b, t + AHEAD) + e0, 0, 3);
+      __builtin_prefetch(pdt.at(b, t + AHEAD) + e0, 0, 3);
+      __builtin_prefetch(py + i + AHEAD * E, 0, 3);
+    }
     const Vec d = Vec::loadu(pdt.at(b, t) + e0), du = d * Vec::loadu(pu.at(b, t) + e0);
     const float *bb = pB.at(b, t), *cc = pC.at(b, t);
     Vec acc(0.f);
@@ -105,30 +110,45 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("selective_scan", &selective_sc
 """
 
 
-def _flags() -> list[str]:
-    """Vectorise (exp included, through ATen's Vectorized) where torch itself runs AVX2 or better."""
+def _flags(openmp: bool) -> list[str]:
+    """Vectorise (exp included, through ATen's Vectorized) where torch itself runs AVX2 or better.
+
+    openmp: at::parallel_for is a header template that runs serially unless _OPENMP is defined at
+    compile time (torch's own backend is OpenMP); without -fopenmp the scan uses one core."""
     import torch
 
     cap = torch.backends.cpu.get_cpu_capability()
+    common = ["-O3"] + (["-fopenmp"] if openmp else [])
     if cap == "AVX512":
-        return ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-                "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+        return common + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+                         "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
     if cap == "AVX2":
-        return ["-O3", "-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
-    return ["-O3"]
+        return common + ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    return common
+
+
+def _build():
+    """(module, flags): built with OpenMP if the compiler has it, else single-threaded; None if no build works."""
+    from torch.utils.cpp_extension import load_inline
+
+    for openmp in (True, False):
+        flags = _flags(openmp)
+        try:
+            mod = load_inline("kvwall_selective_scan", cpp_sources=SOURCE, extra_cflags=flags,
+                              extra_ldflags=["-fopenmp"] if openmp else [], verbose=False)
+            return mod, flags
+        except Exception:  # no compiler, no ninja, no OpenMP, a failed build: try the next, then give up
+            continue
+    return None
 
 
 @functools.lru_cache(maxsize=1)
 def fused_scan():
     """The compiled scan (same signature and result as scan_reference), or None if it cannot be built."""
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        mod = load_inline("kvwall_selective_scan", cpp_sources=SOURCE, extra_cflags=_flags(), verbose=False)
-    except Exception:  # no compiler, no ninja, a failed build: the torch path stays correct, just slower
-        return None
-
-    flags = _flags()
+    built = _build()
+    if built is None:
+        return None  # the torch path stays correct, just slower
+    mod, flags = built
     width = 16 if "-mavx512f" in flags else 8 if "-mavx2" in flags else 1  # SIMD width built for (floats)
 
     def scan(u, dt, A, Bm, Cm, h):
