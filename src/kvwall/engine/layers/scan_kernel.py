@@ -5,7 +5,9 @@
 
 Why C++: at prefill the recurrence is ~T·E·N fused multiply-adds of elementwise work; any exact form
 built from torch ops makes several passes over (E, N) per token, and parallel (segment-sum) forms do
-more work still. One loop keeps h in registers/L1 and touches each input once. It is compiled on
+more work still. One loop keeps h in registers/L1 and touches each input once. Each block walks a
+column of (T, E) rows kilobytes apart, which the hardware prefetcher does not follow, so the loop
+prefetches a few tokens ahead itself. It is compiled on
 first use with torch.utils.cpp_extension (needs a C++ compiler and ninja) and cached; when it cannot
 be built, ``fused_scan()`` returns None and the engine uses ``scan_chunked``.
 """
