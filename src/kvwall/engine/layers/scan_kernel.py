@@ -7,14 +7,15 @@ Why C++: at prefill the recurrence is ~T·E·N fused multiply-adds of elementwis
 built from torch ops makes several passes over (E, N) per token, and parallel (segment-sum) forms do
 more work still. One loop keeps h in registers/L1 and touches each input once. Each block walks a
 column of (T, E) rows kilobytes apart, which the hardware prefetcher does not follow, so the loop
-prefetches a few tokens ahead itself. It is compiled on
-first use with torch.utils.cpp_extension (needs a C++ compiler and ninja) and cached; when it cannot
-be built, ``fused_scan()`` returns None and the engine uses ``scan_chunked``.
+prefetches a few tokens ahead itself. It is built on first use (kvwall.engine.native); when it
+cannot be built, ``fused_scan()`` returns None and the engine uses ``scan_chunked``.
 """
 
 from __future__ import annotations
 
 import functools
+
+from kvwall.engine.native import build, simd_width
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -112,46 +113,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("selective_scan", &selective_sc
 """
 
 
-def _flags(openmp: bool) -> list[str]:
-    """Vectorise (exp included, through ATen's Vectorized) where torch itself runs AVX2 or better.
-
-    openmp: at::parallel_for is a header template that runs serially unless _OPENMP is defined at
-    compile time (torch's own backend is OpenMP); without -fopenmp the scan uses one core."""
-    import torch
-
-    cap = torch.backends.cpu.get_cpu_capability()
-    common = ["-O3"] + (["-fopenmp"] if openmp else [])
-    if cap == "AVX512":
-        return common + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-                         "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
-    if cap == "AVX2":
-        return common + ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
-    return common
-
-
-def _build():
-    """(module, flags): built with OpenMP if the compiler has it, else single-threaded; None if no build works."""
-    from torch.utils.cpp_extension import load_inline
-
-    for openmp in (True, False):
-        flags = _flags(openmp)
-        try:
-            mod = load_inline("kvwall_selective_scan", cpp_sources=SOURCE, extra_cflags=flags,
-                              extra_ldflags=["-fopenmp"] if openmp else [], verbose=False)
-            return mod, flags
-        except Exception:  # no compiler, no ninja, no OpenMP, a failed build: try the next, then give up
-            continue
-    return None
-
-
 @functools.lru_cache(maxsize=1)
 def fused_scan():
     """The compiled scan (same signature and result as scan_reference), or None if it cannot be built."""
-    built = _build()
+    built = build("kvwall_selective_scan", SOURCE)
     if built is None:
         return None  # the torch path stays correct, just slower
     mod, flags = built
-    width = 16 if "-mavx512f" in flags else 8 if "-mavx2" in flags else 1  # SIMD width built for (floats)
+    width = simd_width(flags)  # the kernel works in whole SIMD vectors of channels
 
     def scan(u, dt, A, Bm, Cm, h):
         if u.shape[-1] % width:
