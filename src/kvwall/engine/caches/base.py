@@ -7,6 +7,10 @@
                                       tokens come first and are consecutive (right padding)
         -> k_all, v_all: (B, Hkv, S, D)  keys/values of S slots
            k_pos: (B|1, S)               position each slot holds, -1 for an empty slot
+    attend(layer, q, k, v, pos, scale, window, softcap)
+                                      update(), then softmax attention of q (B, Hq, T, D) over what it
+                                      returns -> (B, Hq, T, Dv). A cache that can attend in its own
+                                      storage format (the quantized one, at decode) overrides it.
     nbytes()                          bytes of K/V storage held (scales/zero points included, position
                                       bookkeeping excluded): equal to kvwall.predict's figure
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from kvwall.engine.layers.attention import attend, visible
 from kvwall.errors import KvwallError
 from kvwall.spec.model import Attention, LatentAttention, ModelSpec
 
@@ -31,6 +36,12 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
         raise NotImplementedError
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+               scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+        k_all, v_all, k_pos = self.update(layer, k, v, pos)  # (B, Hkv, S, D) x2, (B|1, S)
+        mask = visible(pos, k_pos, window)  # (B, 1, T, S)
+        return attend(q, k_all.to(q.dtype), v_all.to(q.dtype), mask, scale, softcap)  # (B, Hq, T, Dv)
 
     def nbytes(self) -> int:
         raise NotImplementedError

@@ -28,6 +28,8 @@ import torch
 
 from kvwall.engine.caches.base import KVCache, attention_specs, check_length
 from kvwall.engine.caches.quant import dequantize, group_size, quantize
+from kvwall.engine.caches.quant_kernel import quantized_decode
+from kvwall.engine.layers.attention import visible
 from kvwall.errors import KvwallError
 from kvwall.predict.formats import Format
 from kvwall.spec.model import Attention, ModelSpec
@@ -98,6 +100,32 @@ class QuantizedLayer:
         v_all = torch.cat([v.to(dtype), self.rv], 2)
         return k_all, v_all, self._positions(C)
 
+    def attend_decode(self, q: torch.Tensor, pos: torch.Tensor, scale: float, window: int | None, kernel):
+        """One new token per row, attention straight from the packed bytes (quant_kernel.py) plus the residual.
+
+        q (B, Hq, 1, D); pos (B, 1) -> (B, Hq, 1, Dv) fp32. The kernel returns the quantized tokens'
+        softmax statistics (m, l, o); the residual's are computed here and the two are merged."""
+        B, Hq, _, D = q.shape
+        H, Dv = self.rk.shape[1], self.rv.shape[-1]
+        qg = q.float().reshape(B, H, Hq // H, D).contiguous()  # (B, H, rep, D): the group of each KV head
+        n_q = torch.tensor(self.chunks, dtype=torch.int64) * self.G  # (B,) quantized tokens per row
+        p = pos[:, 0].cpu()
+        lo = (p - window + 1).clamp(min=0) if window else torch.zeros(B, dtype=torch.int64)
+        lo = torch.where(p < 0, 0, lo)  # a padding row sees every slot (finite, unused output)
+        m, l, o = kernel(qg, self.kq, self.ks, self.kz, self.vq, self.vs, self.vz, n_q, lo.to(torch.int64),
+                         self.fmt.bits, scale)  # (B, H, rep) x2, (B, H, rep, Dv)
+        slots = torch.arange(self.rk.shape[2])[None]  # residual slot r holds position n_q + r
+        r_pos = torch.where(slots < torch.tensor(self.res)[:, None], n_q[:, None] + slots, -1)  # (B, R + G - 1)
+        mask = visible(pos, r_pos.to(pos.device), window)[:, :, 0]  # (B, 1, slots)
+        s = (qg @ self.rk.float().transpose(-1, -2)) * scale  # (B, H, rep, slots)
+        s = s.masked_fill(~mask[:, :, None], float("-inf"))
+        top = torch.maximum(m, s.amax(-1))  # (B, H, rep)
+        w_q = torch.exp(m - top)  # weight of the quantized part (0 when it has nothing visible)
+        e = torch.exp(s - top[..., None])  # (B, H, rep, slots)
+        num = o * w_q[..., None] + e @ self.rv.float()  # (B, H, rep, Dv)
+        den = l * w_q + e.sum(-1)
+        return (num / den[..., None]).reshape(B, Hq, 1, Dv)
+
     def _positions(self, C: int) -> torch.Tensor:
         B, slots = len(self.chunks), self.rk.shape[2]
         q = torch.arange(C * self.G)[None].expand(B, -1)  # (B, C * G)
@@ -137,14 +165,27 @@ class QuantizedCache(KVCache):
     def step(self, pos):
         check_length(pos, self.max_len, self.name)
 
-    def update(self, layer, k, v, pos):
+    def update_only(self, layer, k, v, pos) -> None:
+        """Write the new tokens (right-padded rows) without reading anything back."""
         ql = self.layers[layer]
         for b in range(pos.shape[0]):
             sel = pos[b] >= 0
             if bool(sel.any()):
                 assert int(pos[b, 0]) == ql.chunks[b] * ql.G + ql.res[b], "rows must grow by consecutive positions"
                 ql.append(b, k[b][:, sel], v[b][:, sel])
-        return ql.read(k.dtype)
+
+    def update(self, layer, k, v, pos):
+        self.update_only(layer, k, v, pos)
+        return self.layers[layer].read(k.dtype)
+
+    def attend(self, layer, q, k, v, pos, scale, window, softcap):
+        """Decode (one token per row) reads the packed bytes directly when the C++ kernel builds; prefill,
+        soft-capped attention and machines without a compiler take the dequantizing path of KVCache."""
+        kernel = quantized_decode() if q.shape[2] == 1 and not softcap and q.device.type == "cpu" else None
+        if kernel is None:
+            return super().attend(layer, q, k, v, pos, scale, window, softcap)
+        self.update_only(layer, k, v, pos)
+        return self.layers[layer].attend_decode(q, pos, scale, window, kernel).to(q.dtype)
 
     def nbytes(self) -> int:
         return sum(l.nbytes() for l in self.layers if l is not None)

@@ -108,6 +108,9 @@ class ModelCache(KVCache):
     def update(self, layer, k, v, pos):
         return self.kv.update(layer, k, v, pos)
 
+    def attend(self, layer, q, k, v, pos, scale, window, softcap):
+        return self.kv.attend(layer, q, k, v, pos, scale, window, softcap)
+
     def ssm(self, layer: int) -> LayerState:
         return self.state.ssm(layer)
 

@@ -87,7 +87,5 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        k_all, v_all, k_pos = cache.update(self.index, k, v, pos)  # (B, Hkv, S, D) x2, (B|1, S)
-        mask = visible(pos, k_pos, self.window)  # (B, 1, T, S)
-        y = attend(q, k_all.to(q.dtype), v_all.to(q.dtype), mask, self.scale, self.softcap)  # (B, Hq, T, Dv)
+        y = cache.attend(self.index, q, k, v, pos, self.scale, self.window, self.softcap)  # (B, Hq, T, Dv)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_q * self.dv))  # (B, T, hidden)
