@@ -119,3 +119,39 @@ def attention_bandwidth(total_bytes: int = 512 << 20, runs: int = 5) -> float:
 
     with torch.inference_mode():
         return len(caches) * per / _fastest_time(sweep, runs)
+
+
+def quantized_attention_bandwidth(fmt: str, total_bytes: int = 512 << 20, runs: int = 5) -> float:
+    """Bytes/s (packed bytes, scales included) of the engine's decode step through a KIVI cache of this format
+    (int8, int4, int2): the shape of attention_bandwidth, each sweep appending one token to every cache and
+    attending over it as QuantizedCache does at decode (the C++ kernel where it builds)."""
+    import torch
+
+    from kvwall.engine.caches.quantized import QuantizedCache
+    from kvwall.predict.formats import get_format
+    from kvwall.spec.model import MLP, Attention, Layer, ModelSpec
+
+    hkv, rep, d, s = 4, 3, 64, 8192
+    spec = ModelSpec("calibration", "llama", hkv * rep * d, 2, (Layer(Attention(hkv * rep, hkv, d, d), MLP(d)),))
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, hkv, s, d, generator=g), torch.randn(1, hkv, s, d, generator=g)
+
+    def filled():
+        cache = QuantizedCache(spec, 1, s + runs + 2, get_format(fmt))
+        cache.update(0, keys, values, torch.arange(s)[None])
+        return cache
+
+    first = filled()
+    caches = [first] + [filled() for _ in range(max(2, total_bytes // first.nbytes()) - 1)]
+    q, k1, v1 = torch.randn(1, hkv * rep, 1, d), torch.randn(1, hkv, 1, d), torch.randn(1, hkv, 1, d)
+    step = {"pos": s}
+
+    def sweep():
+        pos = torch.tensor([[step["pos"]]])
+        for cache in caches:
+            cache.attend(0, q, k1, v1, pos, d ** -0.5, None, None)  # (1, Hq, 1, D)
+        step["pos"] += 1
+
+    with torch.inference_mode():
+        return sum(c.nbytes() for c in caches) / _fastest_time(sweep, runs)
+

@@ -44,6 +44,7 @@ class Op:
     state_bytes: float = 0.0
     act_bytes: float = 0.0
     link_bytes: float = 0.0  # bytes over the interconnect (tensor/pipeline parallel)
+    kernel: str = ""  # which calibrated kernel streams this op's cache ("attention", "attention:int8", ...)
 
     @property
     def bytes(self) -> float:
@@ -109,7 +110,8 @@ def attention_ops(i: int, m: Attention, spec: ModelSpec, st: Step, fm: Formats, 
     core = Op("attention", i, flops=2 * st.batch * q_heads * (m.head_dim + m.v_head_dim) * st.pairs(m.window),
               cache_read=st.batch * st.held(m.window) * tb,
               cache_write=st.batch * min(st.new, m.window or st.new) * tb,
-              act_bytes=T * q_heads * (m.head_dim + m.v_head_dim) * ACT_BYTES)
+              act_bytes=T * q_heads * (m.head_dim + m.v_head_dim) * ACT_BYTES,
+              kernel="attention" if fm.kv.is_float() else f"attention:{fm.kv.name}")
     return [_matmul("qkv_proj", i, T, h, qkv_out, fm.weights), core,
             _matmul("o_proj", i, T, q_heads * m.v_head_dim, h, fm.weights)]
 

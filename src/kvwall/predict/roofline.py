@@ -52,9 +52,14 @@ class Roof:
 
     def op_bandwidth(self, op: Op) -> float:
         """The bandwidth an op streams at: the device's, or (a calibrated `local` profile) the bandwidth its
-        kind of kernel was measured to reach: attention over the cache, or matrix-vector for the rest."""
-        kind = "attention" if op.cache_read else "matmul"
-        return self.device.op_bandwidth.get(kind, self.device.bandwidth) * self.mem_eff
+        kind of kernel was measured to reach: attention over the cache (per quantized cache format where
+        measured: "attention:int8" ...), or matrix-vector for the rest."""
+        measured = self.device.op_bandwidth
+        if op.cache_read:
+            bw = measured.get(op.kernel) or measured.get("attention")
+        else:
+            bw = measured.get("matmul")
+        return (bw or self.device.bandwidth) * self.mem_eff
 
     def op_time(self, op: Op) -> float:
         t = max(op.flops / self.peak, op.bytes / self.op_bandwidth(op))

@@ -11,9 +11,8 @@ side of each product instead:
     values, per token (groups of gv channels):  v[t, j] = z[t, g] + s[t, g] q_v[t, j]
         out[j]   = Σ_t (p[t] s[t, g]) q_v[t, j] + Σ_t p[t] z[t, g]           (scaled probability, one sum per group)
 
-Symmetric formats are the same with z = -2^(bits-1) s. The kernel covers the quantized tokens of a
-row; it returns that part's softmax statistics (max m, sum l, unnormalised output o) so that the
-caller merges the full-precision residual in torch (the split-softmax merge of flash decoding).
+Symmetric formats are the same with z = -2^(bits-1) s. The full-precision residual (the newest
+tokens) is attended in the same call, so one layer's decode attention is one call.
 """
 
 from __future__ import annotations
@@ -50,42 +49,58 @@ inline void unpack(const uint8_t *__restrict p, float *__restrict out, int64_t n
 struct Layer {  // one layer's buffers, as QuantizedLayer allocates them (contiguous)
   const uint8_t *kq; const at::Half *ks, *kz;  // (B, H, C, D, G*bits/8), (B, H, C, D) x2
   const uint8_t *vq; const at::Half *vs, *vz;  // (B, H, Tq, Dv*bits/8), (B, H, Tq, NG) x2
-  int64_t H, C, D, G, Tq, Dv, NG;
+  const float *rk, *rv;                        // (B, H, slots, D|Dv): the full-precision residual
+  int64_t H, C, D, G, Tq, Dv, NG, slots;
 };
 
 constexpr int64_t W = Vec::size(), TILE = 128;  // tokens of values unpacked at once (TILE x Dv floats)
 
-// io[j] += Σ_k coef[k] rows[k * stride + j] for U vectors of j: U independent FMA chains hide the latency.
-template <int U>
+// io[j] += Σ_k coef[k] rows[k * stride + j] for U vectors of j, the k sum split S ways: U x S independent
+// FMA chains hide the FMA latency however narrow the span.
+template <int U, int S>
 inline void dot_rows(const float *coef, const float *rows, int64_t stride, int64_t K, float *io) {
-  Vec a[U];
-  for (int u = 0; u < U; ++u) a[u] = Vec::loadu(io + u * W);
-  for (int64_t k = 0; k < K; ++k) {
+  Vec a[S][U];
+  for (int s = 0; s < S; ++s)
+    for (int u = 0; u < U; ++u) a[s][u] = s == 0 ? Vec::loadu(io + u * W) : Vec(0.f);
+  int64_t k = 0;
+  for (; k + S <= K; k += S)
+    for (int s = 0; s < S; ++s) {
+      const Vec c(coef[k + s]);
+      for (int u = 0; u < U; ++u) a[s][u] = at::vec::fmadd(c, Vec::loadu(rows + (k + s) * stride + u * W), a[s][u]);
+    }
+  for (; k < K; ++k) {
     const Vec c(coef[k]);
-    for (int u = 0; u < U; ++u) a[u] = at::vec::fmadd(c, Vec::loadu(rows + k * stride + u * W), a[u]);
+    for (int u = 0; u < U; ++u) a[0][u] = at::vec::fmadd(c, Vec::loadu(rows + k * stride + u * W), a[0][u]);
   }
-  for (int u = 0; u < U; ++u) a[u].store(io + u * W);
+  for (int u = 0; u < U; ++u) {
+    Vec t = a[0][u];
+    for (int s = 1; s < S; ++s) t = t + a[s][u];
+    t.store(io + u * W);
+  }
 }
 
 // io[j] += Σ_k coef[k] rows[k * stride + j] for j in [j0, j1)
 inline void dot_span(const float *coef, const float *rows, int64_t stride, int64_t K, float *io, int64_t j0,
                      int64_t j1) {
   int64_t j = j0;
-  for (; j + 4 * W <= j1; j += 4 * W) dot_rows<4>(coef, rows + j, stride, K, io + j);
-  for (; j + W <= j1; j += W) dot_rows<1>(coef, rows + j, stride, K, io + j);
+  for (; j + 4 * W <= j1; j += 4 * W) dot_rows<4, 2>(coef, rows + j, stride, K, io + j);
+  for (; j + 2 * W <= j1; j += 2 * W) dot_rows<2, 4>(coef, rows + j, stride, K, io + j);
+  for (; j + W <= j1; j += W) dot_rows<1, 8>(coef, rows + j, stride, K, io + j);
   for (; j < j1; ++j)
     for (int64_t k = 0; k < K; ++k) io[j] += coef[k] * rows[k * stride + j];
 }
 
-// One (row b, KV head h): the rep query heads q (rep, D) against quantized tokens [lo, n).
+// One (row b, KV head h): the rep query heads q (rep, D) against the row's tokens [lo, n + res): the
+// quantized ones [0, n) (token t at position t) and the full-precision residual (slot i at position n + i).
 template <int BITS>
 void attend_head(const Layer &L, int64_t b, int64_t h, const float *q, int64_t rep, int64_t lo, int64_t n,
-                 float scale, float *m_out, float *l_out, float *o_out) {
-  const int64_t D = L.D, G = L.G, Dv = L.Dv, NG = L.NG, gv = Dv / NG;
+                 int64_t res, float scale, float *o_out) {
+  const int64_t D = L.D, G = L.G, Dv = L.Dv, NG = L.NG, gv = Dv / NG, N = n + res;
   const int64_t KB = G * BITS / 8, VB = Dv * BITS / 8, bh = b * L.H + h;
   const float sym = -float(1 << (BITS - 1));  // symmetric: z = -2^(bits-1) s
-  std::vector<float> scores(rep * n), buf(std::max(D * G, TILE * Dv)), qs(D), zsum(rep * NG, 0.f), w(TILE);
-  // keys: chunk c's bytes are (D, G) values; score[t] = Σ_d (q[d] s[d]) k[d, t] + Σ_d q[d] z[d]
+  const float *rk = L.rk + bh * L.slots * D, *rv = L.rv + bh * L.slots * Dv;
+  std::vector<float> scores(rep * N), buf(std::max(D * G, TILE * Dv)), qs(D), zsum(rep * NG, 0.f), w(TILE);
+  // quantized keys: chunk c's bytes are (D, G) values; score[t] = Σ_d (q[d] s[d]) k[d, t] + Σ_d q[d] z[d]
   for (int64_t c = lo / G; c < n / G; ++c) {
     const int64_t cd = (bh * L.C + c) * D;
     unpack<BITS>(L.kq + cd * KB, buf.data(), D * G);
@@ -96,35 +111,42 @@ void attend_head(const Layer &L, int64_t b, int64_t h, const float *q, int64_t r
         qs[d] = q[r * D + d] * s;
         bias += q[r * D + d] * z;
       }
-      float *out = scores.data() + r * n + c * G;
+      float *out = scores.data() + r * N + c * G;
       std::fill(out, out + G, 0.f);
       dot_span(qs.data(), buf.data(), G, D, out, 0, G);
       for (int64_t j = 0; j < G; ++j) out[j] = (out[j] + bias) * scale;
     }
   }
-  // softmax over [lo, n), per query head: scores become exp(score - max)
+  // residual keys, full precision
+  for (int64_t t = std::max(lo, n); t < N; ++t)
+    for (int64_t r = 0; r < rep; ++r) {
+      float a = 0.f;
+      for (int64_t d = 0; d < D; ++d) a += q[r * D + d] * rk[(t - n) * D + d];
+      scores[r * N + t] = a * scale;
+    }
+  // softmax over [lo, N), per query head: scores become exp(score - max); l = their sum
+  std::vector<float> l(rep);
   for (int64_t r = 0; r < rep; ++r) {
-    float *sr = scores.data() + r * n;
+    float *sr = scores.data() + r * N;
     Vec vmax(-std::numeric_limits<float>::infinity());
     int64_t t = lo;
-    for (; t + W <= n; t += W) vmax = at::vec::maximum(vmax, Vec::loadu(sr + t));
+    for (; t + W <= N; t += W) vmax = at::vec::maximum(vmax, Vec::loadu(sr + t));
     float lanes[W], mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
     vmax.store(lanes);
     for (int64_t i = 0; i < W; ++i) mx = std::max(mx, lanes[i]);
-    for (; t < n; ++t) mx = std::max(mx, sr[t]);
+    for (; t < N; ++t) mx = std::max(mx, sr[t]);
     Vec vsum(0.f);
-    for (t = lo; t + W <= n; t += W) {
+    for (t = lo; t + W <= N; t += W) {
       const Vec e = (Vec::loadu(sr + t) - Vec(mx)).exp();
       e.store(sr + t);
       vsum = vsum + e;
     }
     vsum.store(lanes);
     for (int64_t i = 0; i < W; ++i) sum += lanes[i];
-    for (; t < n; ++t) sum += (sr[t] = std::exp(sr[t] - mx));
-    m_out[r] = mx;
-    l_out[r] = sum;
+    for (; t < N; ++t) sum += (sr[t] = std::exp(sr[t] - mx));
+    l[r] = sum;
   }
-  // values, TILE tokens at a time: out[j] = Σ_t (p[t] s[t, g]) v[t, j] + Σ_t p[t] z[t, g]
+  // quantized values, TILE tokens at a time: out[j] = Σ_t (p[t] s[t, g]) v[t, j] + Σ_t p[t] z[t, g]
   std::fill(o_out, o_out + rep * Dv, 0.f);
   for (int64_t t0 = lo; t0 < n; t0 += TILE) {
     const int64_t tt = std::min(TILE, n - t0), bt = bh * L.Tq + t0;
@@ -133,7 +155,7 @@ void attend_head(const Layer &L, int64_t b, int64_t h, const float *q, int64_t r
       for (int64_t g = 0; g < NG; ++g) {
         float zs = 0.f;
         for (int64_t t = 0; t < tt; ++t) {
-          const float p = scores[r * n + t0 + t], s = float(L.vs[(bt + t) * NG + g]);
+          const float p = scores[r * N + t0 + t], s = float(L.vs[(bt + t) * NG + g]);
           zs += p * (L.vz ? float(L.vz[(bt + t) * NG + g]) : sym * s);
           w[t] = p * s;
         }
@@ -141,44 +163,49 @@ void attend_head(const Layer &L, int64_t b, int64_t h, const float *q, int64_t r
         dot_span(w.data(), buf.data(), Dv, tt, o_out + r * Dv, g * gv, (g + 1) * gv);
       }
   }
-  for (int64_t r = 0; r < rep; ++r)
-    for (int64_t j = 0; j < Dv; ++j) o_out[r * Dv + j] += zsum[r * NG + j / gv];
+  // residual values, then normalise
+  const int64_t r0 = std::max(lo, n);
+  for (int64_t r = 0; r < rep; ++r) {
+    if (r0 < N) dot_span(scores.data() + r * N + r0, rv + (r0 - n) * Dv, Dv, N - r0, o_out + r * Dv, 0, Dv);
+    for (int64_t j = 0; j < Dv; ++j) o_out[r * Dv + j] = (o_out[r * Dv + j] + zsum[r * NG + j / gv]) / l[r];
+  }
 }
 
-// q (B, H, rep, D) fp32; n, lo (B,) int64: row b's quantized tokens and its first visible one.
-// -> m, l (B, H, rep), o (B, H, rep, Dv): max score, Σ exp(score - m), Σ exp(score - m) v; m = -inf, l = 0
-// where a row has no visible quantized token.
-std::vector<torch::Tensor> quantized_decode(torch::Tensor q, torch::Tensor kq, torch::Tensor ks,
-                                            c10::optional<torch::Tensor> kz, torch::Tensor vq, torch::Tensor vs,
-                                            c10::optional<torch::Tensor> vz, torch::Tensor n, torch::Tensor lo,
-                                            int64_t bits, double scale) {
-  for (const auto &t : {q, kq, ks, vq, vs}) TORCH_CHECK(t.is_contiguous(), "buffers must be contiguous");
+// q (B, H, rep, D) fp32; the layer's buffers; rk, rv (B, H, slots, D|Dv) fp32 residual; n, res, pos (B,) int64:
+// row b's quantized tokens, residual tokens and query position (-1: padding, sees every held token);
+// window (0: none). -> (B, H, rep, Dv): softmax(q k / sqrt) v over the tokens each query sees.
+torch::Tensor quantized_decode(torch::Tensor q, torch::Tensor kq, torch::Tensor ks, c10::optional<torch::Tensor> kz,
+                               torch::Tensor vq, torch::Tensor vs, c10::optional<torch::Tensor> vz, torch::Tensor rk,
+                               torch::Tensor rv, torch::Tensor n, torch::Tensor res, torch::Tensor pos,
+                               int64_t window, int64_t bits, double scale) {
+  for (const auto &t : {q, kq, ks, vq, vs, rk, rv}) TORCH_CHECK(t.is_contiguous(), "buffers must be contiguous");
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be 8, 4 or 2");
   const int64_t B = q.size(0), H = q.size(1), rep = q.size(2), D = q.size(3);
   Layer L{kq.data_ptr<uint8_t>(), ks.data_ptr<at::Half>(), kz ? kz->data_ptr<at::Half>() : nullptr,
           vq.data_ptr<uint8_t>(), vs.data_ptr<at::Half>(), vz ? vz->data_ptr<at::Half>() : nullptr,
-          H, kq.size(2), D, kq.size(4) * 8 / bits, vq.size(2), vq.size(3) * 8 / bits, vs.size(3)};
-  TORCH_CHECK(kq.size(3) == D && ks.numel() == B * H * L.C * D, "key buffers do not match the query");
-  auto m = torch::empty({B, H, rep}, q.options()), l = torch::empty({B, H, rep}, q.options());
-  auto o = torch::empty({B, H, rep, L.Dv}, q.options());
-  const int64_t *pn = n.data_ptr<int64_t>(), *plo = lo.data_ptr<int64_t>();
+          rk.data_ptr<float>(), rv.data_ptr<float>(),
+          H, kq.size(2), D, kq.size(4) * 8 / bits, vq.size(2), vq.size(3) * 8 / bits, vs.size(3), rk.size(2)};
+  TORCH_CHECK(kq.size(3) == D && rk.size(3) == D && rv.size(3) == L.Dv, "buffers do not match the query");
+  auto y = torch::empty({B, H, rep, L.Dv}, q.options());
+  const int64_t *pn = n.data_ptr<int64_t>(), *pr = res.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
   const float *pq = q.data_ptr<float>();
-  float *pm = m.data_ptr<float>(), *pl = l.data_ptr<float>(), *po = o.data_ptr<float>();
+  float *py = y.data_ptr<float>();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / H, h = job % H, nb = pn[b], lb = std::min(plo[b], nb);
-      float *mo = pm + job * rep, *lo_ = pl + job * rep, *oo = po + job * rep * L.Dv;
-      if (lb >= nb) {  // nothing quantized is visible
-        for (int64_t r = 0; r < rep; ++r) mo[r] = -std::numeric_limits<float>::infinity(), lo_[r] = 0.f;
-        std::fill(oo, oo + rep * L.Dv, 0.f);
+      const int64_t b = job / H, h = job % H, nb = pn[b], rb = pr[b], p = pp[b];
+      const int64_t lo = (window > 0 && p >= 0) ? std::max<int64_t>(0, p - window + 1) : 0;
+      const float *qq = pq + job * rep * D;
+      float *yy = py + job * rep * L.Dv;
+      if (lo >= nb + rb) {  // a row holding nothing (a padding row that never started): zeros, as over empty slots
+        std::fill(yy, yy + rep * L.Dv, 0.f);
         continue;
       }
-      const float *qq = pq + job * rep * D;
-      if (bits == 8) attend_head<8>(L, b, h, qq, rep, lb, nb, float(scale), mo, lo_, oo);
-      else if (bits == 4) attend_head<4>(L, b, h, qq, rep, lb, nb, float(scale), mo, lo_, oo);
-      else attend_head<2>(L, b, h, qq, rep, lb, nb, float(scale), mo, lo_, oo);
+      if (bits == 8) attend_head<8>(L, b, h, qq, rep, lo, nb, rb, float(scale), yy);
+      else if (bits == 4) attend_head<4>(L, b, h, qq, rep, lo, nb, rb, float(scale), yy);
+      else attend_head<2>(L, b, h, qq, rep, lo, nb, rb, float(scale), yy);
     }
   });
-  return {m, l, o};
+  return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("quantized_decode", &quantized_decode); }

@@ -29,7 +29,6 @@ import torch
 from kvwall.engine.caches.base import KVCache, attention_specs, check_length
 from kvwall.engine.caches.quant import dequantize, group_size, quantize
 from kvwall.engine.caches.quant_kernel import quantized_decode
-from kvwall.engine.layers.attention import visible
 from kvwall.errors import KvwallError
 from kvwall.predict.formats import Format
 from kvwall.spec.model import Attention, ModelSpec
@@ -101,30 +100,17 @@ class QuantizedLayer:
         return k_all, v_all, self._positions(C)
 
     def attend_decode(self, q: torch.Tensor, pos: torch.Tensor, scale: float, window: int | None, kernel):
-        """One new token per row, attention straight from the packed bytes (quant_kernel.py) plus the residual.
-
-        q (B, Hq, 1, D); pos (B, 1) -> (B, Hq, 1, Dv) fp32. The kernel returns the quantized tokens'
-        softmax statistics (m, l, o); the residual's are computed here and the two are merged."""
+        """One new token per row, attention straight from the packed bytes and the residual (quant_kernel.py).
+        q (B, Hq, 1, D); pos (B, 1) -> (B, Hq, 1, Dv) fp32."""
         B, Hq, _, D = q.shape
         H, Dv = self.rk.shape[1], self.rv.shape[-1]
         qg = q.float().reshape(B, H, Hq // H, D).contiguous()  # (B, H, rep, D): the group of each KV head
-        n_q = torch.tensor(self.chunks, dtype=torch.int64) * self.G  # (B,) quantized tokens per row
-        p = pos[:, 0].cpu()
-        lo = (p - window + 1).clamp(min=0) if window else torch.zeros(B, dtype=torch.int64)
-        lo = torch.where(p < 0, 0, lo)  # a padding row sees every slot (finite, unused output)
-        m, l, o = kernel(qg, self.kq, self.ks, self.kz, self.vq, self.vs, self.vz, n_q, lo.to(torch.int64),
-                         self.fmt.bits, scale)  # (B, H, rep) x2, (B, H, rep, Dv)
-        slots = torch.arange(self.rk.shape[2])[None]  # residual slot r holds position n_q + r
-        r_pos = torch.where(slots < torch.tensor(self.res)[:, None], n_q[:, None] + slots, -1)  # (B, R + G - 1)
-        mask = visible(pos, r_pos.to(pos.device), window)[:, :, 0]  # (B, 1, slots)
-        s = (qg @ self.rk.float().transpose(-1, -2)) * scale  # (B, H, rep, slots)
-        s = s.masked_fill(~mask[:, :, None], float("-inf"))
-        top = torch.maximum(m, s.amax(-1))  # (B, H, rep)
-        w_q = torch.exp(m - top)  # weight of the quantized part (0 when it has nothing visible)
-        e = torch.exp(s - top[..., None])  # (B, H, rep, slots)
-        num = o * w_q[..., None] + e @ self.rv.float()  # (B, H, rep, Dv)
-        den = l * w_q + e.sum(-1)
-        return (num / den[..., None]).reshape(B, Hq, 1, Dv)
+        rk, rv = self.rk.float().contiguous(), self.rv.float().contiguous()  # no copy for an fp32 cache
+        counts = torch.tensor([self.chunks, self.res], dtype=torch.int64)  # (2, B)
+        n_q = counts[0] * self.G
+        y = kernel(qg, self.kq, self.ks, self.kz, self.vq, self.vs, self.vz, rk, rv, n_q, counts[1],
+                   pos[:, 0].to("cpu", torch.int64), window or 0, self.fmt.bits, scale)  # (B, H, rep, Dv)
+        return y.reshape(B, Hq, 1, Dv)
 
     def _positions(self, C: int) -> torch.Tensor:
         B, slots = len(self.chunks), self.rk.shape[2]
