@@ -125,5 +125,5 @@ def test_engine_layer_overhead_measured(calibrated, monkeypatch):
 def test_op_bandwidths_measured(calibrated):
     pytest.importorskip("torch")
     ops = calibrated[0]["op_bandwidth_Bps"]
-    assert set(ops) == {"matmul", "attention"}
+    assert set(ops) == {"matmul", "attention", "attention:int8", "attention:int4", "attention:int2"}
     assert all(0.5e9 < v < 1e12 for v in ops.values())

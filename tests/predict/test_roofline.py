@@ -164,6 +164,18 @@ def test_op_bandwidths_split_cache_and_weight_traffic():
     assert r.memory_s == pytest.approx(sum(o.bytes / (1e12 if o.cache_read else 2e12) for o in r.ops))
 
 
+def test_a_quantized_cache_streams_at_its_own_calibrated_bandwidth():
+    from dataclasses import replace
+
+    dev = replace(get_device("h100-sxm"), op_bandwidth={"attention": 1e12, "attention:int8": 2.5e11, "matmul": 2e12})
+    roof = Roof(dev)
+    for kv, bw in [("int8", 2.5e11), ("int4", 1e12), ("fp16", 1e12)]:  # int4 not calibrated: plain attention's
+        fm = Formats(get_format("fp16"), get_format(kv), get_format("fp16"))
+        att = next(o for o in decode(TINY, 4096, 1, fm, roof).ops if o.name == "attention")
+        assert att.kernel == ("attention" if kv == "fp16" else f"attention:{kv}")
+        assert roof.op_bandwidth(att) == bw
+
+
 def test_overhead_by_mixer_kind():
     from dataclasses import replace
 

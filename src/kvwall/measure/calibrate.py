@@ -167,7 +167,9 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
         cal.info["step_overhead_s"] = costs["step"]
         cal.info["mixer_overhead_s"] = {k: v for k, v in costs.items() if k not in ("attention", "step")}
         cal.info["op_bandwidth_Bps"] = {"matmul": overhead.matvec_bandwidth(size),
-                                        "attention": overhead.attention_bandwidth(size)}
+                                        "attention": overhead.attention_bandwidth(size),
+                                        **{f"attention:{f}": overhead.quantized_attention_bandwidth(f, size)
+                                           for f in ("int8", "int4", "int2")}}
     cal.elapsed_s = time.perf_counter() - t0
     return cal
 

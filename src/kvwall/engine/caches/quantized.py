@@ -17,7 +17,11 @@ nbytes() counts the bytes holding tokens (chunks written so far + residual token
 Every layer keeps every token (a sliding window only masks), so compare with the spec
 ``with_window(None)``.
 
-Error: attention reads dequantized K/V; each element is off by at most scale / 2 of its group
+Decode (one token per row) attends straight from the packed bytes (quant_kernel.py) when its C++
+kernel builds; prefill, soft-capped attention and machines without a compiler read dequantized
+copies (``read``). Both compute the same attention over the same rounded values.
+
+Error: attention sees rounded K/V; each element is off by at most scale / 2 of its group
 (int8: range / 510, int4: range / 30, int2: range / 6). tests/engine/test_caches.py states and
 checks the resulting bound on logits.
 """
