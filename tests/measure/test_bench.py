@@ -55,7 +55,7 @@ def test_summary_counts_and_explains_outside_points():
     assert (s["bandwidth_bound_points"], s["within_goal"]) == (3, 1)
     assert s["outside_goal"] == ["gqa-int4@1024", "gqa-int4@4096"]
     assert s["max_abs_error_bandwidth_bound"] == 0.7
-    assert "dequantizes" in s["reasons"]["gqa-int4"]
+    assert "packed bytes" in s["reasons"]["gqa-int4"]
 
 
 def test_bench_a_model_directory(tmp_path, local_profile, capsys):
