@@ -31,8 +31,9 @@ GAPS = {
     "quantized": "decode attention reads the packed bytes in a C++ kernel that is compute-bound on 2 cores "
                  "(unpacking costs more per byte at 4 and 2 bits); the profile calibrates its rate per format at "
                  "8k tokens, so a fixed per-step cost (appending the token, the fp residual) is counted as bandwidth",
-    "group": "the decode-attention kernel's bandwidth depends on how many query heads share a KV head; the profile "
-             "calibrates it at 3 (GQA): 12 per head (MQA) runs slower, 1 per head (MHA) faster",
+    "group": "decode attention's speed per byte depends on how many query heads share a KV head (20 / 15 / 8 GB/s "
+             "at 1 / 3 / 12 here, benchmarks/bench_attention_groups.py); the profile calibrates 3 (GQA): MHA runs "
+             "faster, MQA (a skinny 12-row matmul at ~48 GFLOP/s) slower",
     "latent": "absorbed latent attention is a batched small matmul (12 heads over a 288-wide latent, ~11 FLOP/B) "
               "that runs far below the GEMM peak used as the roof",
     "ssm": "per-layer elementwise work (conv, softplus, gating, the state update on d_inner x d_state) that no "
