@@ -57,6 +57,23 @@ def attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=rep > 1)
 
 
+def causal_prefix(pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> bool:
+    """True when every row's T new tokens are positions 0..T-1, held in slots 0..T-1, and no other slot holds
+    a position below T: the mask is then the plain causal one (a first prefill, or a full forward)."""
+    T = pos.shape[1]
+    if T == 1 or (window is not None and window < T) or k_pos.shape[-1] < T:
+        return False
+    first = torch.arange(T, device=pos.device)
+    rest = k_pos[:, T:]
+    return bool((pos == first).all() and (k_pos[:, :T] == first).all() and ((rest < 0) | (rest >= T)).all())
+
+
+def attend_causal(q, k, v, scale: float) -> torch.Tensor:
+    """Causal attention of T queries over the same T keys (SDPA's causal kernel skips the masked half)."""
+    rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
+
+
 class Attention(nn.Module):
     """wqkv holds [q; k; v] fused (one matmul); wo projects heads back to hidden."""
 

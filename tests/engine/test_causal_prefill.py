@@ -1,0 +1,51 @@
+"""A first prefill takes SDPA's causal kernel instead of an explicit mask; it must give the masked result
+and must not be taken where the mask is anything but plain causal."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvwall.engine.caches import NoCache, make_cache  # noqa: E402
+from kvwall.engine.layers.attention import attend_reference, causal_prefix, visible  # noqa: E402
+from kvwall.spec.model import MLP, Attention, Layer, ModelSpec  # noqa: E402
+
+SPEC = ModelSpec("t", "llama", 32, 50, (Layer(Attention(6, 2, 16, 16), MLP(32)),))
+
+
+def qkv(B: int, T: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, 6, T, 16, generator=g), torch.randn(B, 2, T, 16, generator=g),
+            torch.randn(B, 2, T, 16, generator=g))
+
+
+@pytest.mark.parametrize("cache_name", ["none", "contiguous", "sliding", "int8:g8", "paged"])
+def test_first_prefill_equals_the_masked_reference(cache_name):
+    B, T = 2, 40
+    cache = NoCache() if cache_name == "none" else make_cache(cache_name, SPEC, B, 64, **(
+        {"residual": 8} if cache_name.startswith("int") else {}))
+    q, k, v = qkv(B, T)
+    pos = torch.arange(T).expand(B, T)
+    cache.step(pos)
+    got = cache.attend(0, q, k, v, pos, 0.25, None, None)
+    fresh = NoCache() if cache_name == "none" else make_cache(cache_name, SPEC, B, 64, **(
+        {"residual": 8} if cache_name.startswith("int") else {}))
+    fresh.step(pos)
+    k_all, v_all, k_pos = fresh.update(0, k, v, pos)
+    assert causal_prefix(pos, k_pos, None)  # the fast path was the one taken
+    expected = attend_reference(q, k_all, v_all, visible(pos, k_pos, None), 0.25, None)
+    assert (got - expected).abs().max().item() < 1e-5
+
+
+def test_only_a_plain_causal_mask_takes_the_fast_path():
+    T = 6
+    first = torch.arange(T)[None]
+    assert causal_prefix(first, torch.arange(10)[None], None)  # empty slots after the prefix hold later positions
+    assert causal_prefix(first, torch.cat([first, torch.full((1, 4), -1)], 1), 8)
+    assert not causal_prefix(first + 3, torch.arange(10)[None], None)  # a second chunk: it sees the past too
+    assert not causal_prefix(first, torch.arange(10)[None], 4)  # a window shorter than the prompt
+    padded = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, -1, -1, -1]])
+    assert not causal_prefix(padded, torch.arange(6)[None], None)  # a right-padded row
+    assert not causal_prefix(first, torch.tensor([[0, 1, 2, 3, 4, 5, 2, -1]]), None)  # a slot repeats a position
+    assert not causal_prefix(first[:, :1], torch.arange(4)[None], None)  # decode keeps its own path
