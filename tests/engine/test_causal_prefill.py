@@ -49,3 +49,20 @@ def test_only_a_plain_causal_mask_takes_the_fast_path():
     assert not causal_prefix(padded, torch.arange(6)[None], None)  # a right-padded row
     assert not causal_prefix(first, torch.tensor([[0, 1, 2, 3, 4, 5, 2, -1]]), None)  # a slot repeats a position
     assert not causal_prefix(first[:, :1], torch.arange(4)[None], None)  # decode keeps its own path
+
+
+@pytest.mark.parametrize("T", [1, 7])
+def test_a_value_head_narrower_than_the_key_head_is_exact(T):
+    """MLA's naive path attends with 96-wide q/k and 64-wide v; SDPA gets v zero-padded, then sliced."""
+    from kvwall.engine.layers.attention import attend, attend_causal
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 4, T, 24, generator=g), torch.randn(2, 4, 9, 24, generator=g), torch.randn(2, 4, 9, 8, generator=g)
+    pos = torch.arange(9 - T, 9).expand(2, T)
+    mask = visible(pos, torch.arange(9)[None], None)
+    expected = attend_reference(q, k, v, mask, 0.2, None)
+    got = attend(q, k, v, mask, 0.2, None)
+    assert got.shape == (2, 4, T, 8) and (got - expected).abs().max().item() < 1e-5
+    square = attend_causal(q[:, :, -T:], k[:, :, :T], v[:, :, :T], 0.2)
+    causal = attend_reference(q[:, :, -T:], k[:, :, :T], v[:, :, :T], visible(torch.arange(T)[None], torch.arange(T)[None], None), 0.2, None)
+    assert (square - causal).abs().max().item() < 1e-5

@@ -44,6 +44,15 @@ def attend_reference(q, k, v, mask, scale: float, softcap: float | None) -> torc
     return (scores.softmax(-1) @ v.float()).to(q.dtype)  # (B, Hq, T, Dv)
 
 
+def sdpa(q, k, v, **kw) -> torch.Tensor:
+    """torch SDPA; a value head narrower than the query/key head (MLA's naive path: 64 vs 96) is zero-padded
+    to it first, since the CPU flash kernel wants equal widths and the fallback materialises every score."""
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:
+        return F.scaled_dot_product_attention(q, k, F.pad(v, (0, q.shape[-1] - dv)), **kw)[..., :dv]
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
 def attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
     """Fast path: torch SDPA (grouped heads without copying K/V); soft-capping falls back to the reference."""
     if softcap:
@@ -52,9 +61,9 @@ def attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
     rep = Hq // k.shape[1]
     if T == 1 and rep > 1:  # decode: the rep query heads of a group become rep "tokens" against one K/V head
         qg = q.view(B, k.shape[1], rep, D)  # (B, Hkv, rep, D)
-        y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (B, Hkv, rep, Dv)
+        y = sdpa(qg, k, v, attn_mask=mask, scale=scale)  # (B, Hkv, rep, Dv)
         return y.reshape(B, Hq, 1, v.shape[-1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=rep > 1)
+    return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=rep > 1)
 
 
 def causal_prefix(pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> bool:
@@ -71,7 +80,7 @@ def causal_prefix(pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) ->
 def attend_causal(q, k, v, scale: float) -> torch.Tensor:
     """Causal attention of T queries over the same T keys (SDPA's causal kernel skips the masked half)."""
     rep = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
+    return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
 
 
 class Attention(nn.Module):

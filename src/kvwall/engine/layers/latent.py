@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvwall.engine.layers.attention import attend, visible
+from kvwall.engine.layers.attention import attend, attend_causal, causal_prefix, visible
 from kvwall.engine.layers.norm import RMSNorm
 from kvwall.engine.layers.rope import apply_rope, apply_rope_interleaved
 from kvwall.errors import KvwallError
@@ -60,10 +60,13 @@ class LatentAttention(nn.Module):
         if rope is not None:
             q_pe, k_pe = self.rotate(q_pe, rope), self.rotate(k_pe, rope)
         c_all, pe_all, k_pos = cache.update(self.index, c[:, None], k_pe.transpose(1, 2), pos)  # (B,1,S,r|dr)
-        mask = visible(pos, k_pos, None)  # (B, 1, T, S)
         c_all, pe_all = c_all.to(x.dtype), pe_all.to(x.dtype)
         absorbed = self.path == "absorbed" or (self.path == "auto" and T == 1)
-        y = (self.absorbed if absorbed else self.naive)(q_nope, q_pe, c_all, pe_all, mask)  # (B, H, T, dv)
+        if not absorbed and causal_prefix(pos, k_pos, None):  # a first prefill: the plain causal mask
+            y = self.naive(q_nope, q_pe, c_all[:, :, :T], pe_all[:, :, :T], None)  # (B, H, T, dv)
+        else:
+            mask = visible(pos, k_pos, None)  # (B, 1, T, S)
+            y = (self.absorbed if absorbed else self.naive)(q_nope, q_pe, c_all, pe_all, mask)  # (B, H, T, dv)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.H * self.dv))  # (B, T, hidden)
 
     def query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,13 +83,14 @@ class LatentAttention(nn.Module):
         return w[:, :self.dn], w[:, self.dn:]
 
     def naive(self, q_nope, q_pe, c, pe, mask) -> torch.Tensor:
-        """Up-project the S cached latents to per-head K and V, then ordinary attention -> (B, H, T, dv)."""
+        """Up-project the S cached latents to per-head K and V, then ordinary attention -> (B, H, T, dv).
+        mask None: the T queries and S = T keys are one causal prefix."""
         B, _, S, _ = c.shape
         kv = self.wkv_b(c[:, 0]).view(B, S, self.H, self.dn + self.dv).transpose(1, 2)  # (B, H, S, dn + dv)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)  # (B, H, S, dn), (B, H, S, dv)
         k = torch.cat([k_nope, pe.expand(B, self.H, S, self.dr)], dim=-1)  # (B, H, S, dn + dr)
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # (B, H, T, dn + dr)
-        return attend(q, k, v, mask, self.scale, None)
+        return attend_causal(q, k, v, self.scale) if mask is None else attend(q, k, v, mask, self.scale, None)
 
     def absorbed(self, q_nope, q_pe, c, pe, mask) -> torch.Tensor:
         """Attention in latent space: W_UK folded into q, W_UV applied after -> (B, H, T, dv)."""
