@@ -57,12 +57,14 @@ def test_a_value_head_narrower_than_the_key_head_is_exact(T):
     from kvwall.engine.layers.attention import attend, attend_causal
 
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(2, 4, T, 24, generator=g), torch.randn(2, 4, 9, 24, generator=g), torch.randn(2, 4, 9, 8, generator=g)
+    q, k = torch.randn(2, 4, T, 24, generator=g), torch.randn(2, 4, 9, 24, generator=g)
+    v = torch.randn(2, 4, 9, 8, generator=g)
     pos = torch.arange(9 - T, 9).expand(2, T)
     mask = visible(pos, torch.arange(9)[None], None)
     expected = attend_reference(q, k, v, mask, 0.2, None)
     got = attend(q, k, v, mask, 0.2, None)
     assert got.shape == (2, 4, T, 8) and (got - expected).abs().max().item() < 1e-5
     square = attend_causal(q[:, :, -T:], k[:, :, :T], v[:, :, :T], 0.2)
-    causal = attend_reference(q[:, :, -T:], k[:, :, :T], v[:, :, :T], visible(torch.arange(T)[None], torch.arange(T)[None], None), 0.2, None)
+    first = torch.arange(T)[None]
+    causal = attend_reference(q[:, :, -T:], k[:, :, :T], v[:, :, :T], visible(first, first, None), 0.2, None)
     assert (square - causal).abs().max().item() < 1e-5
