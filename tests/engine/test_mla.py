@@ -16,6 +16,7 @@ from tiny_checkpoints import MLA, VOCAB, YARN  # noqa: E402
 from kvwall.engine.caches import make_cache  # noqa: E402
 from kvwall.engine.generate import generate  # noqa: E402
 from kvwall.engine.layers.latent import LatentAttention, set_path  # noqa: E402
+from kvwall.engine.layers.latent_kernel import mla_decode  # noqa: E402
 from kvwall.engine.layers.rope import attention_factor, inv_frequencies  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
 from kvwall.errors import KvwallError  # noqa: E402
@@ -69,7 +70,7 @@ def test_absorbed_prefill_equals_naive_prefill(family, checkpoint):
 def test_auto_path_absorbs_for_decode_and_up_projects_for_prefill(checkpoint, monkeypatch):
     model = load_model(checkpoint("deepseek_v3")[0])
     calls = []
-    for name in ("naive", "absorbed"):
+    for name in ("naive", "absorbed", "absorbed_decode"):
         original = getattr(LatentAttention, name)
         monkeypatch.setattr(LatentAttention, name,
                             lambda self, *a, _n=name, _f=original: calls.append(_n) or _f(self, *a))
@@ -78,7 +79,8 @@ def test_auto_path_absorbs_for_decode_and_up_projects_for_prefill(checkpoint, mo
         model(ids(1, 4), None, cache)
         prefill, calls[:] = list(calls), []
         model(ids(1, 1), torch.tensor([[4]]), cache)
-    assert prefill == ["naive"] * 3 and calls == ["absorbed"] * 3
+    decode = "absorbed_decode" if mla_decode() is not None else "absorbed"  # the C++ kernel, where it builds
+    assert prefill == ["naive"] * 3 and calls == [decode] * 3
 
 
 @pytest.mark.parametrize("family", FAMILIES)

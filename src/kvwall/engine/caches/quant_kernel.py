@@ -19,18 +19,9 @@ from __future__ import annotations
 
 import functools
 
-from kvwall.engine.native import build
+from kvwall.engine.native import CPP_COMMON, build
 
-SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <cmath>
-#include <limits>
-#include <vector>
-
-using Vec = at::vec::Vectorized<float>;
-
+SOURCE = CPP_COMMON + r"""
 template <int BITS>
 inline void unpack(const uint8_t *__restrict p, float *__restrict out, int64_t n) {  // n values, little end first
   if constexpr (BITS == 8) {
@@ -53,42 +44,7 @@ struct Layer {  // one layer's buffers, as QuantizedLayer allocates them (contig
   int64_t H, C, D, G, Tq, Dv, NG, slots;
 };
 
-constexpr int64_t W = Vec::size(), TILE = 128;  // tokens of values unpacked at once (TILE x Dv floats)
-
-// io[j] += Σ_k coef[k] rows[k * stride + j] for U vectors of j, the k sum split S ways: U x S independent
-// FMA chains hide the FMA latency however narrow the span.
-template <int U, int S>
-inline void dot_rows(const float *coef, const float *rows, int64_t stride, int64_t K, float *io) {
-  Vec a[S][U];
-  for (int s = 0; s < S; ++s)
-    for (int u = 0; u < U; ++u) a[s][u] = s == 0 ? Vec::loadu(io + u * W) : Vec(0.f);
-  int64_t k = 0;
-  for (; k + S <= K; k += S)
-    for (int s = 0; s < S; ++s) {
-      const Vec c(coef[k + s]);
-      for (int u = 0; u < U; ++u) a[s][u] = at::vec::fmadd(c, Vec::loadu(rows + (k + s) * stride + u * W), a[s][u]);
-    }
-  for (; k < K; ++k) {
-    const Vec c(coef[k]);
-    for (int u = 0; u < U; ++u) a[0][u] = at::vec::fmadd(c, Vec::loadu(rows + k * stride + u * W), a[0][u]);
-  }
-  for (int u = 0; u < U; ++u) {
-    Vec t = a[0][u];
-    for (int s = 1; s < S; ++s) t = t + a[s][u];
-    t.store(io + u * W);
-  }
-}
-
-// io[j] += Σ_k coef[k] rows[k * stride + j] for j in [j0, j1)
-inline void dot_span(const float *coef, const float *rows, int64_t stride, int64_t K, float *io, int64_t j0,
-                     int64_t j1) {
-  int64_t j = j0;
-  for (; j + 4 * W <= j1; j += 4 * W) dot_rows<4, 2>(coef, rows + j, stride, K, io + j);
-  for (; j + 2 * W <= j1; j += 2 * W) dot_rows<2, 4>(coef, rows + j, stride, K, io + j);
-  for (; j + W <= j1; j += W) dot_rows<1, 8>(coef, rows + j, stride, K, io + j);
-  for (; j < j1; ++j)
-    for (int64_t k = 0; k < K; ++k) io[j] += coef[k] * rows[k * stride + j];
-}
+constexpr int64_t TILE = 128;  // tokens of values unpacked at once (TILE x Dv floats)
 
 // One (row b, KV head h): the rep query heads q (rep, D) against the row's tokens [lo, n + res): the
 // quantized ones [0, n) (token t at position t) and the full-precision residual (slot i at position n + i).
@@ -126,26 +82,7 @@ void attend_head(const Layer &L, int64_t b, int64_t h, const float *q, int64_t r
     }
   // softmax over [lo, N), per query head: scores become exp(score - max); l = their sum
   std::vector<float> l(rep);
-  for (int64_t r = 0; r < rep; ++r) {
-    float *sr = scores.data() + r * N;
-    Vec vmax(-std::numeric_limits<float>::infinity());
-    int64_t t = lo;
-    for (; t + W <= N; t += W) vmax = at::vec::maximum(vmax, Vec::loadu(sr + t));
-    float lanes[W], mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
-    vmax.store(lanes);
-    for (int64_t i = 0; i < W; ++i) mx = std::max(mx, lanes[i]);
-    for (; t < N; ++t) mx = std::max(mx, sr[t]);
-    Vec vsum(0.f);
-    for (t = lo; t + W <= N; t += W) {
-      const Vec e = (Vec::loadu(sr + t) - Vec(mx)).exp();
-      e.store(sr + t);
-      vsum = vsum + e;
-    }
-    vsum.store(lanes);
-    for (int64_t i = 0; i < W; ++i) sum += lanes[i];
-    for (; t < N; ++t) sum += (sr[t] = std::exp(sr[t] - mx));
-    l[r] = sum;
-  }
+  for (int64_t r = 0; r < rep; ++r) l[r] = exp_shifted(scores.data() + r * N, lo, N).second;
   // quantized values, TILE tokens at a time: out[j] = Σ_t (p[t] s[t, g]) v[t, j] + Σ_t p[t] z[t, g]
   std::fill(o_out, o_out + rep * Dv, 0.f);
   for (int64_t t0 = lo; t0 < n; t0 += TILE) {

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from kvwall.engine.layers.attention import attend, attend_causal, causal_prefix, visible
+from kvwall.engine.layers.latent_kernel import mla_decode
 from kvwall.engine.layers.norm import RMSNorm
 from kvwall.engine.layers.rope import apply_rope, apply_rope_interleaved
 from kvwall.errors import KvwallError
@@ -62,7 +63,10 @@ class LatentAttention(nn.Module):
         c_all, pe_all, k_pos = cache.update(self.index, c[:, None], k_pe.transpose(1, 2), pos)  # (B,1,S,r|dr)
         c_all, pe_all = c_all.to(x.dtype), pe_all.to(x.dtype)
         absorbed = self.path == "absorbed" or (self.path == "auto" and T == 1)
-        if not absorbed and causal_prefix(pos, k_pos, None):  # a first prefill: the plain causal mask
+        kernel = mla_decode() if absorbed and T == 1 and x.device.type == "cpu" else None
+        if kernel is not None:  # decode: one C++ pass over the latent cache
+            y = self.absorbed_decode(q_nope, q_pe, c_all, pe_all, k_pos, pos, kernel)  # (B, H, 1, dv)
+        elif not absorbed and causal_prefix(pos, k_pos, None):  # a first prefill: the plain causal mask
             y = self.naive(q_nope, q_pe, c_all[:, :, :T], pe_all[:, :, :T], None)  # (B, H, T, dv)
         else:
             mask = visible(pos, k_pos, None)  # (B, 1, T, S)
@@ -104,6 +108,16 @@ class LatentAttention(nn.Module):
         p = scores.float().softmax(-1).to(c.dtype).view(B, H * T, S)  # (B, H*T, S)
         o_lat = (p @ c[:, 0]).view(B, H, T, self.r)  # (B, H, T, r): the attended latent
         return torch.einsum("bhtr,hvr->bhtv", o_lat, w_uv)  # (B, H, T, dv)
+
+
+    def absorbed_decode(self, q_nope, q_pe, c, pe, k_pos, pos, kernel) -> torch.Tensor:
+        """The absorbed path for one new token per row through latent_kernel.py -> (B, H, 1, dv)."""
+        w_uk, w_uv = self.up_weights()
+        q_lat = torch.einsum("bhd,hdr->bhr", q_nope[:, 0], w_uk)  # (B, H, r)
+        q = torch.cat([q_lat, q_pe[:, 0]], dim=-1).float().contiguous()  # (B, H, r + dr)
+        o_lat = kernel(q, c[:, 0].float(), pe[:, 0].float(), k_pos.to(torch.int64).contiguous(),
+                       pos[:, 0].to(torch.int64).contiguous(), self.scale)  # (B, H, r)
+        return torch.einsum("bhr,hvr->bhv", o_lat.to(c.dtype), w_uv)[:, :, None]  # (B, H, 1, dv)
 
 
 def set_path(model: nn.Module, path: str) -> None:
