@@ -34,8 +34,8 @@ GAPS = {
     "group": "decode attention's speed per byte depends on how many query heads share a KV head (20 / 15 / 8 GB/s "
              "at 1 / 3 / 12 here, benchmarks/bench_attention_groups.py); the profile calibrates 3 (GQA): MHA runs "
              "faster, MQA (a skinny 12-row matmul at ~48 GFLOP/s) slower",
-    "latent": "absorbed latent attention is a batched small matmul (12 heads over a 288-wide latent, ~11 FLOP/B) "
-              "that runs far below the GEMM peak used as the roof",
+    "latent": "absorbed latent attention (12 heads over one 288-wide row per token, ~11 FLOP/B) is compute-bound "
+              "here even in the engine's C++ kernel, far below the GEMM peak the roof assumes",
     "ssm": "per-layer elementwise work (conv, softplus, gating, the state update on d_inner x d_state) that no "
            "byte count shows, a little above the dispatch cost calibrated on tiny models",
 }
