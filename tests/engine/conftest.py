@@ -24,3 +24,4 @@ def checkpoint(tmp_path_factory):
         return made[family]
 
     return get
+

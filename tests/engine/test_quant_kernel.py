@@ -7,6 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from native_kernels import built  # noqa: E402
 from tiny_checkpoints import VOCAB  # noqa: E402
 
 from kvwall.engine.caches import make_cache, quantized as quantized_module  # noqa: E402
@@ -21,10 +22,7 @@ from kvwall.spec.model import Attention  # noqa: E402
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = quantized_decode()
-    if k is None:
-        pytest.skip("no C++ toolchain to build the kernel; the cache falls back to dequantizing")
-    return k
+    return built(quantized_decode, "attention over dequantized copies")
 
 
 CASES = [(fmt, rep, window, 64) for fmt in ["int8", "int4", "int2", "int4:g16:sym", "int8:g32", "int4:g8"]

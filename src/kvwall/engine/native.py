@@ -133,3 +133,10 @@ def build(name: str, source: str):
         except Exception:  # no compiler, no ninja, no OpenMP, a failed build: try the next, then give up
             continue
     return None
+
+
+def compiled(name: str, source: str, function: str):
+    """One function of a built kernel module, or None when no build works."""
+    built = build(name, source)
+    return None if built is None else getattr(built[0], function)
+

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 
-from kvwall.engine.native import CPP_COMMON, build
+from kvwall.engine.native import CPP_COMMON, compiled
 
 SOURCE = CPP_COMMON + r"""
 template <int BITS>
@@ -152,5 +152,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("quantized_decode", &quantized_
 @functools.lru_cache(maxsize=1)
 def quantized_decode():
     """The compiled kernel's ``quantized_decode`` (see SOURCE for its arguments), or None if it cannot be built."""
-    built = build("kvwall_quantized_decode", SOURCE)
-    return None if built is None else built[0].quantized_decode
+    return compiled("kvwall_quantized_decode", SOURCE, "quantized_decode")

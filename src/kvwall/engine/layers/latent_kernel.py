@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 
-from kvwall.engine.native import CPP_COMMON, build
+from kvwall.engine.native import CPP_COMMON, compiled
 
 SOURCE = CPP_COMMON + r"""
 constexpr int64_t CHUNK = 256;  // tokens per parallel job: their rows stay in L2 while every head reads them
@@ -145,5 +145,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("mla_decode", &mla_decode); }
 @functools.lru_cache(maxsize=1)
 def mla_decode():
     """The compiled kernel's ``mla_decode`` (see SOURCE for its arguments), or None if it cannot be built."""
-    built = build("kvwall_mla_decode", SOURCE)
-    return None if built is None else built[0].mla_decode
+    return compiled("kvwall_mla_decode", SOURCE, "mla_decode")
