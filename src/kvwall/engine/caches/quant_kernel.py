@@ -22,6 +22,42 @@ import functools
 from kvwall.engine.native import CPP_COMMON, compiled
 
 SOURCE = CPP_COMMON + r"""
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// 4- and 2-bit values of `bytes` bytes to floats, 16 bytes per step: widen, mask out each field, convert,
+// then interleave the fields back into element order. -> bytes done (a multiple of 16).
+template <int BITS>
+inline int64_t unpack_avx512(const uint8_t *p, float *out, int64_t bytes) {
+  const __m512i pair_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i pair_hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  int64_t i = 0;
+  for (; i + 16 <= bytes; i += 16) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p + i)));
+    auto field = [&](int k) { return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(b, k * BITS), mask)); };
+    if constexpr (BITS == 4) {  // out[2i + k] = field k of byte i
+      const __m512 f0 = field(0), f1 = field(1);
+      _mm512_storeu_ps(out + 2 * i, _mm512_permutex2var_ps(f0, pair_lo, f1));
+      _mm512_storeu_ps(out + 2 * i + 16, _mm512_permutex2var_ps(f0, pair_hi, f1));
+    } else {  // BITS == 2: out[4i + k]; interleave fields 0/1 and 2/3, then those pairs as 64-bit lanes
+      const __m512 a0 = _mm512_permutex2var_ps(field(0), pair_lo, field(1));
+      const __m512 a1 = _mm512_permutex2var_ps(field(0), pair_hi, field(1));
+      const __m512 b0 = _mm512_permutex2var_ps(field(2), pair_lo, field(3));
+      const __m512 b1 = _mm512_permutex2var_ps(field(2), pair_hi, field(3));
+      const __m512i q_lo = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), q_hi = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
+      auto quads = [](__m512 x, __m512i idx, __m512 y) {
+        return _mm512_castpd_ps(_mm512_permutex2var_pd(_mm512_castps_pd(x), idx, _mm512_castps_pd(y)));
+      };
+      _mm512_storeu_ps(out + 4 * i, quads(a0, q_lo, b0));
+      _mm512_storeu_ps(out + 4 * i + 16, quads(a0, q_hi, b0));
+      _mm512_storeu_ps(out + 4 * i + 32, quads(a1, q_lo, b1));
+      _mm512_storeu_ps(out + 4 * i + 48, quads(a1, q_hi, b1));
+    }
+  }
+  return i;
+}
+#endif
+
 template <int BITS>
 inline void unpack(const uint8_t *__restrict p, float *__restrict out, int64_t n) {  // n values, little end first
   if constexpr (BITS == 8) {
@@ -29,8 +65,12 @@ inline void unpack(const uint8_t *__restrict p, float *__restrict out, int64_t n
     for (int64_t i = 0; i < n; ++i) out[i] = p[i];
   } else {
     constexpr int PER = 8 / BITS, MASK = (1 << BITS) - 1;
+    int64_t i0 = 0;
+#if defined(__AVX512F__)
+    i0 = unpack_avx512<BITS>(p, out, n / PER);  // 16 bytes at a time; the rest below
+#endif
 #pragma omp simd
-    for (int64_t i = 0; i < n / PER; ++i) {
+    for (int64_t i = i0; i < n / PER; ++i) {
       const int byte = p[i];
       for (int k = 0; k < PER; ++k) out[i * PER + k] = (byte >> (k * BITS)) & MASK;
     }
@@ -56,6 +96,7 @@ void attend_head(const Layer &L, int64_t b, int64_t h, const float *q, int64_t r
   const float sym = -float(1 << (BITS - 1));  // symmetric: z = -2^(bits-1) s
   const float *rk = L.rk + bh * L.slots * D, *rv = L.rv + bh * L.slots * Dv;
   std::vector<float> scores(rep * N), buf(std::max(D * G, TILE * Dv)), qs(D), zsum(rep * NG, 0.f), w(TILE);
+  std::vector<float> vsf(TILE * NG), vzf(TILE * NG);
   // quantized keys: chunk c's bytes are (D, G) values; score[t] = Σ_d (q[d] s[d]) k[d, t] + Σ_d q[d] z[d]
   for (int64_t c = lo / G; c < n / G; ++c) {
     const int64_t cd = (bh * L.C + c) * D;
@@ -88,13 +129,17 @@ void attend_head(const Layer &L, int64_t b, int64_t h, const float *q, int64_t r
   for (int64_t t0 = lo; t0 < n; t0 += TILE) {
     const int64_t tt = std::min(TILE, n - t0), bt = bh * L.Tq + t0;
     unpack<BITS>(L.vq + bt * VB, buf.data(), tt * Dv);  // (tt, Dv)
+    for (int64_t i = 0; i < tt * NG; ++i) {  // the tile's scales and zero points, (tt, NG), as floats once
+      vsf[i] = float(L.vs[bt * NG + i]);
+      vzf[i] = L.vz ? float(L.vz[bt * NG + i]) : sym * vsf[i];
+    }
     for (int64_t r = 0; r < rep; ++r)
       for (int64_t g = 0; g < NG; ++g) {
         float zs = 0.f;
         for (int64_t t = 0; t < tt; ++t) {
-          const float p = scores[r * N + t0 + t], s = float(L.vs[(bt + t) * NG + g]);
-          zs += p * (L.vz ? float(L.vz[(bt + t) * NG + g]) : sym * s);
-          w[t] = p * s;
+          const float p = scores[r * N + t0 + t];
+          zs += p * vzf[t * NG + g];
+          w[t] = p * vsf[t * NG + g];
         }
         zsum[r * NG + g] += zs;
         dot_span(w.data(), buf.data(), Dv, tt, o_out + r * Dv, g * gv, (g + 1) * gv);
