@@ -109,7 +109,7 @@ def simd_flags(openmp: bool) -> list[str]:
         return common + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
                          "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
     if cap == "AVX2":
-        return common + ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+        return common + ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     return common
 
 
