@@ -1,5 +1,5 @@
-"""A first prefill takes SDPA's causal kernel instead of an explicit mask; it must give the masked result
-and must not be taken where the mask is anything but plain causal."""
+"""A first prefill takes SDPA's causal kernel (banded blocks under a window shorter than the prompt) instead of
+an explicit mask; it must give the masked result and must not be taken where the mask is anything else."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvwall.engine.caches import NoCache, make_cache  # noqa: E402
-from kvwall.engine.layers.attention import attend_reference, causal_prefix, visible  # noqa: E402
+from kvwall.engine.layers.attention import attend_reference, prefix_start, visible  # noqa: E402
 from kvwall.spec.model import MLP, Attention, Layer, ModelSpec  # noqa: E402
 
 SPEC = ModelSpec("t", "llama", 32, 50, (Layer(Attention(6, 2, 16, 16), MLP(32)),))
+LOCAL = ModelSpec("t", "mistral", 32, 50, (Layer(Attention(6, 2, 16, 16, 7), MLP(32)),))  # window 7
 
 
 def qkv(B: int, T: int, seed: int = 0):
@@ -20,35 +21,44 @@ def qkv(B: int, T: int, seed: int = 0):
             torch.randn(B, 2, T, 16, generator=g))
 
 
-@pytest.mark.parametrize("cache_name", ["none", "contiguous", "sliding", "int8:g8", "paged"])
-def test_first_prefill_equals_the_masked_reference(cache_name):
+def cache_for(name: str, spec: ModelSpec, B: int):
+    if name == "none":
+        return NoCache()
+    return make_cache(name, spec, B, 64, **({"residual": 8} if name.startswith("int") else {}))
+
+
+@pytest.mark.parametrize("cache_name,spec", [("none", SPEC), ("contiguous", SPEC), ("int8:g8", SPEC), ("paged", SPEC),
+                                             ("none", LOCAL), ("contiguous", LOCAL), ("sliding", LOCAL)])
+def test_first_prefill_equals_the_masked_reference(cache_name, spec):
+    """40 tokens; with LOCAL the window (7) is shorter than the prompt and the sliding cache is a ring whose
+    (empty) slots come before the new tokens."""
     B, T = 2, 40
-    cache = NoCache() if cache_name == "none" else make_cache(cache_name, SPEC, B, 64, **(
-        {"residual": 8} if cache_name.startswith("int") else {}))
+    window = spec.layers[0].mixer.window
     q, k, v = qkv(B, T)
     pos = torch.arange(T).expand(B, T)
+    cache = cache_for(cache_name, spec, B)
     cache.step(pos)
-    got = cache.attend(0, q, k, v, pos, 0.25, None, None)
-    fresh = NoCache() if cache_name == "none" else make_cache(cache_name, SPEC, B, 64, **(
-        {"residual": 8} if cache_name.startswith("int") else {}))
+    got = cache.attend(0, q, k, v, pos, 0.25, window, None)
+    fresh = cache_for(cache_name, spec, B)
     fresh.step(pos)
     k_all, v_all, k_pos = fresh.update(0, k, v, pos)
-    assert causal_prefix(pos, k_pos, None)  # the fast path was the one taken
-    expected = attend_reference(q, k_all, v_all, visible(pos, k_pos, None), 0.25, None)
+    assert prefix_start(pos, k_pos) is not None  # the fast path was the one taken
+    expected = attend_reference(q, k_all, v_all, visible(pos, k_pos, window), 0.25, None)
     assert (got - expected).abs().max().item() < 1e-5
 
 
 def test_only_a_plain_causal_mask_takes_the_fast_path():
     T = 6
     first = torch.arange(T)[None]
-    assert causal_prefix(first, torch.arange(10)[None], None)  # empty slots after the prefix hold later positions
-    assert causal_prefix(first, torch.cat([first, torch.full((1, 4), -1)], 1), 8)
-    assert not causal_prefix(first + 3, torch.arange(10)[None], None)  # a second chunk: it sees the past too
-    assert not causal_prefix(first, torch.arange(10)[None], 4)  # a window shorter than the prompt
+    assert prefix_start(first, torch.arange(10)[None]) == 0  # empty slots after the prefix hold later positions
+    assert prefix_start(first, torch.cat([first, torch.full((1, 4), -1)], 1)) == 0
+    assert prefix_start(first, torch.cat([torch.full((1, 4), -1), first], 1)) == 4  # a ring's slots, then the new
+    assert prefix_start(first + 3, torch.arange(10)[None]) is None  # a second chunk: it sees the past too
+    assert prefix_start(first, torch.cat([torch.tensor([[2, -1, -1, -1]]), first], 1)) is None  # a held position
     padded = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, -1, -1, -1]])
-    assert not causal_prefix(padded, torch.arange(6)[None], None)  # a right-padded row
-    assert not causal_prefix(first, torch.tensor([[0, 1, 2, 3, 4, 5, 2, -1]]), None)  # a slot repeats a position
-    assert not causal_prefix(first[:, :1], torch.arange(4)[None], None)  # decode keeps its own path
+    assert prefix_start(padded, torch.arange(6)[None]) is None  # a right-padded row
+    assert prefix_start(first, torch.tensor([[0, 1, 2, 3, 4, 5, 2, -1]])) is None  # a slot repeats a position
+    assert prefix_start(first[:, :1], torch.arange(4)[None]) is None  # decode keeps its own path
 
 
 @pytest.mark.parametrize("T", [1, 7])
@@ -64,7 +74,7 @@ def test_a_value_head_narrower_than_the_key_head_is_exact(T):
     expected = attend_reference(q, k, v, mask, 0.2, None)
     got = attend(q, k, v, mask, 0.2, None)
     assert got.shape == (2, 4, T, 8) and (got - expected).abs().max().item() < 1e-5
-    square = attend_causal(q[:, :, -T:], k[:, :, :T], v[:, :, :T], 0.2)
+    square = attend_causal(q[:, :, -T:], k[:, :, :T], v[:, :, :T], 0.2)  # no window
     first = torch.arange(T)[None]
     causal = attend_reference(q[:, :, -T:], k[:, :, :T], v[:, :, :T], visible(first, first, None), 0.2, None)
     assert (square - causal).abs().max().item() < 1e-5

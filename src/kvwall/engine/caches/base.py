@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kvwall.engine.layers.attention import attend, attend_causal, causal_prefix, visible
+from kvwall.engine.layers.attention import attend, attend_causal, prefix_start, visible
 from kvwall.errors import KvwallError
 from kvwall.spec.model import Attention, LatentAttention, ModelSpec
 
@@ -40,9 +40,11 @@ class KVCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
         k_all, v_all, k_pos = self.update(layer, k, v, pos)  # (B, Hkv, S, D) x2, (B|1, S)
-        if not softcap and causal_prefix(pos, k_pos, window):  # a first prefill: plain causal attention
+        s0 = None if softcap else prefix_start(pos, k_pos)
+        if s0 is not None:  # a first prefill: causal (banded by a window) over the new tokens' own keys
             T = pos.shape[1]
-            return attend_causal(q, k_all[:, :, :T].to(q.dtype), v_all[:, :, :T].to(q.dtype), scale)
+            k_new, v_new = k_all[:, :, s0:s0 + T].to(q.dtype), v_all[:, :, s0:s0 + T].to(q.dtype)
+            return attend_causal(q, k_new, v_new, scale, window)
         mask = visible(pos, k_pos, window)  # (B, 1, T, S)
         return attend(q, k_all.to(q.dtype), v_all.to(q.dtype), mask, scale, softcap)  # (B, Hq, T, Dv)
 

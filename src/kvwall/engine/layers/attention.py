@@ -66,21 +66,39 @@ def attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
     return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=rep > 1)
 
 
-def causal_prefix(pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> bool:
-    """True when every row's T new tokens are positions 0..T-1, held in slots 0..T-1, and no other slot holds
-    a position below T: the mask is then the plain causal one (a first prefill, or a full forward)."""
-    T = pos.shape[1]
-    if T == 1 or (window is not None and window < T) or k_pos.shape[-1] < T:
-        return False
+def prefix_start(pos: torch.Tensor, k_pos: torch.Tensor) -> int | None:
+    """A first prefill: every row's T new tokens are positions 0..T-1 held in slots s0..s0+T-1, and no other
+    slot holds a position below T. -> s0 (0 when the cache's slots come first, S - T for a ring's empty slots
+    before the new tokens), or None when the mask is anything else (a later chunk, padding, decode)."""
+    T, S = pos.shape[1], k_pos.shape[-1]
+    if T == 1 or S < T:
+        return None
     first = torch.arange(T, device=pos.device)
-    rest = k_pos[:, T:]
-    return bool((pos == first).all() and (k_pos[:, :T] == first).all() and ((rest < 0) | (rest >= T)).all())
+    if not bool((pos == first).all()):
+        return None
+    for s0 in dict.fromkeys((0, S - T)):
+        rest = torch.cat([k_pos[:, :s0], k_pos[:, s0 + T:]], 1)
+        if bool((k_pos[:, s0:s0 + T] == first).all() and ((rest < 0) | (rest >= T)).all()):
+            return s0
+    return None
 
 
-def attend_causal(q, k, v, scale: float) -> torch.Tensor:
-    """Causal attention of T queries over the same T keys (SDPA's causal kernel skips the masked half)."""
+def attend_causal(q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
+    """T queries over the same T keys (positions 0..T-1), causal: SDPA's causal kernel, which skips the masked
+    half. With a window shorter than T, blocks of `window` queries each attend to the keys their band can
+    reach (2 x window at most): about 2 T window scores instead of T^2, and no T x T mask."""
     rep = q.shape[1] // k.shape[1]
-    return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
+    T = q.shape[2]
+    if window is None or window >= T:
+        return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
+    out = []
+    for b0 in range(0, T, window):
+        b1, k0 = min(T, b0 + window), max(0, b0 - window + 1)
+        qp, kp = torch.arange(b0, b1, device=q.device)[:, None], torch.arange(k0, b1, device=q.device)[None]
+        band = (kp <= qp) & (qp - kp < window)  # (b1 - b0, b1 - k0)
+        out.append(sdpa(q[:, :, b0:b1], k[:, :, k0:b1], v[:, :, k0:b1], attn_mask=band, scale=scale,
+                        enable_gqa=rep > 1))
+    return torch.cat(out, 2)
 
 
 class Attention(nn.Module):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvwall.engine.layers.attention import attend, attend_causal, causal_prefix, visible
+from kvwall.engine.layers.attention import attend, attend_causal, prefix_start, visible
 from kvwall.engine.layers.latent_kernel import mla_decode
 from kvwall.engine.layers.norm import RMSNorm
 from kvwall.engine.layers.rope import apply_rope, apply_rope_interleaved
@@ -66,8 +66,8 @@ class LatentAttention(nn.Module):
         kernel = mla_decode() if absorbed and T == 1 and x.device.type == "cpu" else None
         if kernel is not None:  # decode: one C++ pass over the latent cache
             y = self.absorbed_decode(q_nope, q_pe, c_all, pe_all, k_pos, pos, kernel)  # (B, H, 1, dv)
-        elif not absorbed and causal_prefix(pos, k_pos, None):  # a first prefill: the plain causal mask
-            y = self.naive(q_nope, q_pe, c_all[:, :, :T], pe_all[:, :, :T], None)  # (B, H, T, dv)
+        elif not absorbed and (s0 := prefix_start(pos, k_pos)) is not None:  # a first prefill: plain causal
+            y = self.naive(q_nope, q_pe, c_all[:, :, s0:s0 + T], pe_all[:, :, s0:s0 + T], None)  # (B, H, T, dv)
         else:
             mask = visible(pos, k_pos, None)  # (B, 1, T, S)
             y = (self.absorbed if absorbed else self.naive)(q_nope, q_pe, c_all, pe_all, mask)  # (B, H, T, dv)
