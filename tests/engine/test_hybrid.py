@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tiny_checkpoints import NEMOTRON_H, VOCAB, make_checkpoint  # noqa: E402
+from tiny_checkpoints import NEMOTRON_H, ids, make_checkpoint  # noqa: E402
 
 from kvwall.engine.caches import ModelCache, make_cache  # noqa: E402
 from kvwall.engine.generate import generate  # noqa: E402
@@ -33,10 +33,6 @@ FP32 = Formats(get_format("fp32"), get_format("fp32"), get_format("fp32"))
 #   nemotron_h "M*-EM-": attention on 1; Mamba-2 on 0, 4 (conv 128 + 2·2·16 = 192 channels x 4, 8 heads x 16 x 16)
 BY_HAND = {"jamba": (2 * 2 * 2 * 16 * 4, 2 * 128 * (4 + 8) * 4),
            "nemotron_h": (1 * 2 * 2 * 16 * 4, 2 * (192 * 4 + 8 * 16 * 16) * 4)}  # (KV bytes per token, state bytes)
-
-
-def ids(batch=2, length=40, seed=0):
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from native_kernels import built  # noqa: E402
-from tiny_checkpoints import VOCAB, randomize  # noqa: E402
+from tiny_checkpoints import VOCAB, ids, randomize, transformers_greedy  # noqa: E402
 
 from kvwall.engine.caches import make_cache  # noqa: E402
 from kvwall.engine.generate import generate  # noqa: E402
@@ -51,10 +51,6 @@ def ssm(tmp_path_factory):
     return get
 
 
-def ids(batch=2, length=40, seed=0):
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_full_forward_equals_transformers(family, ssm):
     model, ref = ssm(family)
@@ -83,9 +79,7 @@ def test_prefill_chunk_and_decode_equal_full_forward(family, ssm):
 def test_greedy_32_tokens_equals_transformers_generate(family, ssm):
     model, ref = ssm(family)
     prompt = ids(batch=1, length=12, seed=1)
-    with torch.no_grad():
-        expected = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
-                                min_new_tokens=32)[0, 12:].tolist()
+    expected = transformers_greedy(ref, prompt)
     got = generate(model, [prompt[0].tolist()], max_new_tokens=32).tokens[0]
     assert len(set(expected)) > 1, "a degenerate reference would prove little"
     assert got == expected

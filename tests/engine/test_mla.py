@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tiny_checkpoints import MLA, VOCAB, YARN  # noqa: E402
+from tiny_checkpoints import MLA, YARN, ids, transformers_greedy  # noqa: E402
 
 from kvwall.engine.caches import make_cache  # noqa: E402
 from kvwall.engine.generate import generate  # noqa: E402
@@ -26,10 +26,6 @@ from kvwall.spec.hf import spec_from_config  # noqa: E402
 
 FAMILIES = ["deepseek_v2", "deepseek_v3"]  # v2: plain q_proj, biases, group-limited softmax; v3: q LoRA, YaRN
 FP32 = Formats(get_format("fp32"), get_format("fp32"), get_format("fp32"))
-
-
-def ids(batch=2, length=40, seed=0):
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def decode_token_by_token(model, x, cache):
@@ -90,9 +86,7 @@ def test_greedy_with_naive_path_equals_transformers_generate(family, checkpoint)
     model = load_model(ckpt)
     set_path(model, "naive")
     prompt = ids(batch=1, length=12, seed=1)
-    with torch.no_grad():
-        expected = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
-                                min_new_tokens=32)[0, 12:].tolist()
+    expected = transformers_greedy(ref, prompt)
     assert generate(model, [prompt[0].tolist()], max_new_tokens=32).tokens[0] == expected
 
 

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tiny_checkpoints import FAMILIES, VOCAB, WINDOW, make_checkpoint  # noqa: E402
+from tiny_checkpoints import FAMILIES, WINDOW, ids, make_checkpoint, transformers_greedy  # noqa: E402
 
 from kvwall.engine.caches import make_cache  # noqa: E402
 from kvwall.engine.generate import generate  # noqa: E402
@@ -18,10 +18,6 @@ from kvwall.engine.load import load_model  # noqa: E402
 from kvwall.errors import KvwallError  # noqa: E402
 
 EXACT_CACHES = ["contiguous", "sliding", "paged"]
-
-
-def ids(batch=2, length=40, seed=0):
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -59,9 +55,7 @@ def test_greedy_32_tokens_equals_transformers_generate(family, checkpoint):
     path, ref = checkpoint(family)
     model = load_model(path)
     prompt = ids(batch=1, length=12, seed=1)
-    with torch.no_grad():
-        expected = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
-                                min_new_tokens=32)[0, 12:].tolist()
+    expected = transformers_greedy(ref, prompt)
     got = generate(model, [prompt[0].tolist()], max_new_tokens=32).tokens[0]
     assert len(set(expected)) > 1, "a degenerate reference would prove little"
     assert got == expected

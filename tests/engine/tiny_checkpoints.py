@@ -88,3 +88,17 @@ def make_checkpoint(family: str, path, seed: int = 0, **save_kw):
     randomize(model, seed)
     model.save_pretrained(path, **save_kw)
     return model
+
+
+def ids(batch: int = 2, length: int = 40, seed: int = 0):
+    """Random token ids (batch, length) in the tiny vocabulary."""
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def transformers_greedy(ref, prompt, new_tokens: int = 32) -> list[int]:
+    """transformers' greedy continuation of prompt (1, T): exactly new_tokens ids."""
+    with torch.no_grad():
+        out = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                           do_sample=False, min_new_tokens=new_tokens)
+    return out[0, prompt.shape[1]:].tolist()
+
