@@ -100,6 +100,9 @@ def matvec_bandwidth(total_bytes: int = 512 << 20, runs: int = 5) -> float:
         return sum(w.nbytes for w in mats) / _fastest_time(chain, runs)
 
 
+DECODE_SHAPE = (4, 3, 64, 8192)  # KV heads, query heads per KV head, head dim, cached tokens: the bench's GQA layer
+
+
 def attention_bandwidth(total_bytes: int = 512 << 20, runs: int = 5) -> float:
     """Bytes/s of the engine's decode attention (one token, 12 query heads over 4 KV heads of 64)
     over distinct cold caches of 8,192 tokens, through kvwall.engine.layers.attention.attend."""
@@ -107,7 +110,7 @@ def attention_bandwidth(total_bytes: int = 512 << 20, runs: int = 5) -> float:
 
     from kvwall.engine.layers.attention import attend
 
-    hkv, rep, d, s = 4, 3, 64, 8192
+    hkv, rep, d, s = DECODE_SHAPE
     per = 2 * hkv * s * d * 4
     caches = [(torch.randn(1, hkv, s, d), torch.randn(1, hkv, s, d)) for _ in range(max(2, total_bytes // per))]
     q = torch.randn(1, hkv * rep, 1, d)  # (B, Hq, T, D)
@@ -131,7 +134,7 @@ def quantized_attention_bandwidth(fmt: str, total_bytes: int = 512 << 20, runs: 
     from kvwall.predict.formats import get_format
     from kvwall.spec.model import MLP, Attention, Layer, ModelSpec
 
-    hkv, rep, d, s = 4, 3, 64, 8192
+    hkv, rep, d, s = DECODE_SHAPE
     spec = ModelSpec("calibration", "llama", hkv * rep * d, 2, (Layer(Attention(hkv * rep, hkv, d, d), MLP(d)),))
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(1, hkv, s, d, generator=g), torch.randn(1, hkv, s, d, generator=g)
@@ -154,4 +157,3 @@ def quantized_attention_bandwidth(fmt: str, total_bytes: int = 512 << 20, runs: 
 
     with torch.inference_mode():
         return sum(c.nbytes() for c in caches) / _fastest_time(sweep, runs)
-

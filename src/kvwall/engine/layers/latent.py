@@ -109,7 +109,6 @@ class LatentAttention(nn.Module):
         o_lat = (p @ c[:, 0]).view(B, H, T, self.r)  # (B, H, T, r): the attended latent
         return torch.einsum("bhtr,hvr->bhtv", o_lat, w_uv)  # (B, H, T, dv)
 
-
     def absorbed_decode(self, q_nope, q_pe, c, pe, k_pos, pos, kernel) -> torch.Tensor:
         """The absorbed path for one new token per row through latent_kernel.py -> (B, H, 1, dv)."""
         w_uk, w_uv = self.up_weights()
