@@ -23,7 +23,6 @@ from kvwall.engine.native import CPP_COMMON, compiled
 
 SOURCE = CPP_COMMON + r"""
 #if defined(__AVX512F__)
-#include <immintrin.h>
 // 4- and 2-bit values of `bytes` bytes to floats, 16 bytes per step: widen, mask out each field, convert,
 // then interleave the fields back into element order. -> bytes done (a multiple of 16).
 template <int BITS>

@@ -15,18 +15,12 @@ from __future__ import annotations
 
 import functools
 
-from kvwall.engine.native import build, simd_width
+from kvwall.engine.native import CPP_COMMON, build, simd_width
 
-SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <vector>
+SOURCE = CPP_COMMON + r"""
 #if defined(__x86_64__)
 #include <xmmintrin.h>
 #endif
-
-using Vec = at::vec::Vectorized<float>;
 
 // Vectorised over channels: a block of W channels (one SIMD vector) keeps its N states in registers
 // while it walks the tokens; B_t[n], C_t[n] are broadcast. No horizontal sums. NN > 0 fixes N at
@@ -40,7 +34,7 @@ struct Rows {  // a (B, T, X) tensor whose last dimension is contiguous: element
 template <int NN>
 void scan_block(int64_t b, int64_t e0, int64_t T, int64_t E, int64_t N, Rows pu, Rows pdt,
                 const float *pA, Rows pB, Rows pC, const float *ph, float *py, float *pho) {
-  constexpr int64_t W = Vec::size(), AHEAD = 16;
+  constexpr int64_t AHEAD = 16;
   constexpr int64_t CAP = NN > 0 ? NN : 256;
   const int64_t n_state = NN > 0 ? NN : N;
   Vec hs[CAP], a[CAP];
@@ -77,7 +71,7 @@ void scan_block(int64_t b, int64_t e0, int64_t T, int64_t E, int64_t N, Rows pu,
 // be strided views (the model hands over slices of larger projections) as long as their last dim is dense.
 std::vector<torch::Tensor> selective_scan(torch::Tensor u, torch::Tensor dt, torch::Tensor At,
                                           torch::Tensor Bm, torch::Tensor Cm, torch::Tensor h) {
-  const int64_t B = u.size(0), T = u.size(1), E = u.size(2), N = At.size(0), W = Vec::size();
+  const int64_t B = u.size(0), T = u.size(1), E = u.size(2), N = At.size(0);
   TORCH_CHECK(E % W == 0, "d_inner must be a multiple of ", W);
   TORCH_CHECK(N <= 256, "d_state must be at most 256");
   auto y = torch::empty({B, T, E}, u.options());  // dense (B, T, E), whatever the strides of u
