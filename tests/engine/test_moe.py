@@ -16,7 +16,7 @@ from kvwall.engine.generate import generate  # noqa: E402
 from kvwall.engine.layers.moe import MoE, Router, touched_experts  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
 from kvwall.errors import KvwallError  # noqa: E402
-from kvwall.predict.ops import expected_experts  # noqa: E402
+from kvwall.predict.mixers.moe import expected_experts  # noqa: E402
 from kvwall.spec.hf import spec_from_config  # noqa: E402
 from kvwall.spec.model import MoE as MoESpec, Routing  # noqa: E402
 
@@ -91,7 +91,7 @@ def test_group_limited_routing_stays_in_the_best_groups():
 
 def _uniform_moe(routing: Routing, n_experts=16, top_k=2, hidden=32) -> MoE:
     """Router rows orthonormal and equal-norm: for x ~ N(0, I) every expert's logit is iid, so each token
-    picks a uniformly random top_k subset -- the assumption behind predict.ops.expected_experts."""
+    picks a uniformly random top_k subset -- the assumption behind predict.mixers.moe.expected_experts."""
     moe = MoE(MoESpec(n_experts, top_k, 4, routing=routing), hidden)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():

@@ -5,7 +5,9 @@ import pytest
 from kvwall.predict.devices import get_device
 from kvwall.predict.formats import get_format
 from kvwall.predict.memory import Formats, Parallel, memory
-from kvwall.predict.ops import Step, expected_experts, step_ops
+from kvwall.predict.mixers.moe import expected_experts
+from kvwall.predict.ops import step_ops
+from kvwall.predict.step import Step
 from kvwall.predict.roofline import Roof, compute_bound_batch, decode, expected_tokens, prefill, speculative
 from kvwall.spec.model import MLP, Attention, Layer, ModelSpec
 from kvwall.spec.resolve import load_spec

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvwall.errors import KvwallError
-from kvwall.predict.memory import Formats, Parallel, memory
+from kvwall.predict.memory import NEVER, Formats, Parallel, memory
 from kvwall.spec.model import ModelSpec
 
-NEVER = 1 << 40  # a context no model reaches: if it fits, the cache does not grow with context
 
 
 @dataclass

@@ -107,6 +107,11 @@ def get_format(text: str) -> Format:
     return fmt
 
 
+def keep_16bit(fmt: Format) -> Format:
+    """Embeddings, norms and the LM head stay 16-bit when the weights are quantized below 16 bits."""
+    return fmt if fmt.bits >= 16 else _BASE["bf16"]
+
+
 def checkpoint_format(dtype: str | None) -> Format:
     """The format a checkpoint's torch_dtype names (bf16 when unknown or absent)."""
     if dtype in ("float32", "float16", "bfloat16"):

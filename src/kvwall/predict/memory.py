@@ -19,8 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvwall.errors import KvwallError
-from kvwall.predict.formats import Format, checkpoint_format, get_format
-from kvwall.spec.model import Attention, LatentAttention, Layer, Mamba, Mamba2, ModelSpec
+from kvwall.predict import mixers
+from kvwall.predict.formats import Format, checkpoint_format, get_format, keep_16bit
+from kvwall.spec.model import Layer, ModelSpec
+
+NEVER = 1 << 40  # a context no model reaches: a layer keeping fewer has a window; a batch fitting it never fills
 
 
 @dataclass(frozen=True)
@@ -59,58 +62,20 @@ class Parallel:
         return self.tp * self.pp
 
 
-# -- per layer, per sequence ---------------------------------------------------
-
-def kv_heads_per_gpu(attn: Attention, tp: int) -> int:
-    """K/V heads one GPU holds: split tp ways, or one (replicated) head when tp > n_kv."""
-    if attn.n_q_heads % tp:
-        raise KvwallError(f"tp={tp} does not divide the {attn.n_q_heads} query heads; pick a divisor")
-    if attn.n_kv_heads >= tp:
-        if attn.n_kv_heads % tp:
-            raise KvwallError(f"tp={tp} does not divide the {attn.n_kv_heads} KV heads; pick a divisor")
-        return attn.n_kv_heads // tp
-    if tp % attn.n_kv_heads:
-        raise KvwallError(f"tp={tp} is not a multiple of the {attn.n_kv_heads} KV heads; pick one that is")
-    return 1
-
+# -- per layer, per sequence (each mixer kind owns its rule: predict/mixers) ------
 
 def token_bytes(layer: Layer, kv: Format, tp: int = 1) -> int:
     """Bytes one token of context costs this layer, per sequence, on one GPU."""
-    m = layer.mixer
-    if isinstance(m, Attention):
-        return kv_heads_per_gpu(m, tp) * (kv.vector_bytes(m.head_dim) + kv.vector_bytes(m.v_head_dim))
-    if isinstance(m, LatentAttention):
-        return kv.vector_bytes(m.kv_lora_rank + m.qk_rope_head_dim)
-    return 0
+    return 0 if layer.mixer is None else mixers.of(layer.mixer).token_bytes(layer.mixer, kv, tp)
 
 
 def fixed_bytes(layer: Layer, state: Format, tp: int = 1) -> int:
     """Bytes of state this layer holds per sequence regardless of length (SSM conv + SSM state)."""
-    m = layer.mixer
-    if isinstance(m, Mamba):
-        d = _split(m.d_inner, tp, "Mamba d_inner")
-        return state.bytes(d, m.d_conv) + state.bytes(d, m.d_state)
-    if isinstance(m, Mamba2):
-        heads = _split(m.n_heads, tp, "Mamba-2 heads")
-        groups = m.n_groups // tp if m.n_groups >= tp else 1
-        conv_dim = heads * m.head_dim + 2 * groups * m.d_state
-        return state.bytes(conv_dim, m.d_conv) + state.bytes(heads * m.head_dim, m.d_state)
-    return 0
+    return 0 if layer.mixer is None else mixers.of(layer.mixer).fixed_bytes(layer.mixer, state, tp)
 
 
 def tokens_held(layer: Layer, context: int) -> int:
-    m = layer.mixer
-    if isinstance(m, Attention) and m.window:
-        return min(context, m.window)
-    if isinstance(m, (Attention, LatentAttention)):
-        return context
-    return 0
-
-
-def _split(n: int, tp: int, what: str) -> int:
-    if n % tp:
-        raise KvwallError(f"tp={tp} does not divide the {n} {what}; pick a divisor")
-    return n // tp
+    return 0 if layer.mixer is None else mixers.of(layer.mixer).tokens_held(layer.mixer, context)
 
 
 def round_to_blocks(tokens: int, block: int | None) -> int:
@@ -123,35 +88,15 @@ def _param_bytes(params: float, fmt: Format) -> int:
     return int(-(-params * fmt.bytes_per_element() // 1))
 
 
-def _keep16(fmt: Format) -> Format:
-    """Embeddings, norms and heads stay 16-bit when the weights are quantized below 16 bits."""
-    return fmt if fmt.bits >= 16 else get_format("bf16")
-
-
 def layer_weight_bytes(layer: Layer, spec: ModelSpec, fmt: Format, tp: int = 1) -> int:
-    """One GPU's share of a layer's weights: matrices split tp ways, norms replicated,
-    K/V projections replicated when tp > kv heads, MLA's shared latent projection replicated."""
-    h = spec.hidden
-    mats = 0.0
-    m = layer.mixer
-    if isinstance(m, Attention):
-        kvh = kv_heads_per_gpu(m, tp)
-        full = m.params(h)
-        kv_params = h * m.n_kv_heads * (m.head_dim + m.v_head_dim)
-        mats += (full - kv_params) / tp + kv_params * kvh / m.n_kv_heads
-    elif isinstance(m, LatentAttention):
-        shared = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
-        mats += (m.params(h) - shared) / tp + shared
-    elif m is not None:
-        mats += m.params(h) / tp
-    if layer.ffn is not None:
-        mats += layer.ffn.params(h) / tp
-    return _param_bytes(mats, fmt) + _param_bytes(layer.norm_params, _keep16(fmt))
+    """One GPU's share of a layer's weights: each mixer's sharding rule for its matrices, norms replicated."""
+    mats = sum(mixers.of(m).shard_params(m, spec.hidden, tp) for m in (layer.mixer, layer.ffn) if m is not None)
+    return _param_bytes(mats, fmt) + _param_bytes(layer.norm_params, keep_16bit(fmt))
 
 
 def embedding_bytes(spec: ModelSpec, fmt: Format, tp: int = 1) -> tuple[int, int]:
     """(input embedding, LM head + final norm) bytes on one GPU; vocab split tp ways."""
-    f16 = _keep16(fmt)
+    f16 = keep_16bit(fmt)
     emb = _param_bytes(spec.embedding_params() / tp + spec.extra_params, f16)
     head = _param_bytes(spec.lm_head_params() / tp, f16) + _param_bytes(spec.final_norm_params, f16)
     return emb, head
@@ -274,9 +219,8 @@ def memory(spec: ModelSpec, *, batch: int = 1, context: int = 4096, formats: For
         held = tokens_held(layer, context)
         fb = fixed_bytes(layer, formats.state, par.tp)
         cache = batch * (tb * round_to_blocks(held, block_size) + fb)
-        kind = layer.mixer.kind if layer.mixer is not None else (layer.ffn.kind if layer.ffn else "identity")
-        if isinstance(layer.mixer, Attention) and layer.mixer.window:
-            kind = "sliding"
+        kind = mixers.of(layer.mixer).label(layer.mixer) if layer.mixer is not None else (
+            layer.ffn.kind if layer.ffn else "identity")
         layers.append(LayerMemory(i, kind, layer_weight_bytes(layer, spec, formats.weights, par.tp), tb, held, cache, fb))
     emb, head = embedding_bytes(spec, formats.weights, par.tp)
     return MemoryReport(spec, batch, context, formats, par, block_size, layers, emb, head,
@@ -290,8 +234,7 @@ def cache_bytes_per_token(spec: ModelSpec, kv: Format) -> int:
 
 def growth_bytes_per_token(spec: ModelSpec, kv: Format) -> int:
     """Per-token cache bytes once every sliding layer holds its full window (full-attention layers only)."""
-    return sum(token_bytes(layer, kv) for layer in spec.layers
-               if not (isinstance(layer.mixer, Attention) and layer.mixer.window))
+    return sum(token_bytes(layer, kv) for layer in spec.layers if tokens_held(layer, NEVER) == NEVER)
 
 
 def state_bytes(spec: ModelSpec, state: Format) -> int:
@@ -301,34 +244,19 @@ def state_bytes(spec: ModelSpec, state: Format) -> int:
 
 # -- KIVI-style quantized cache ------------------------------------------------
 
-def kivi_quantized_tokens(held: int, group: int, residual: int) -> int:
-    """Tokens a KIVI-style cache holds quantized: whole key chunks of `group` tokens, leaving the newest
-    `residual` .. `residual + group - 1` tokens in full precision (all of them below `residual`)."""
-    assert group > 0 and residual >= 0, (group, residual)
-    return max(0, (held - residual) // group) * group
-
-
 def kivi_cache_bytes(spec: ModelSpec, *, batch: int, context: int, kv: Format, residual: int,
                      residual_format: Format) -> int:
     """Bytes of a KIVI-style quantized KV cache (the engine's QuantizedCache) for `batch` sequences of `context`.
 
-    Per attention layer and sequence, with g = kv.group and q = kivi_quantized_tokens(held, g, residual):
-    keys are quantized per channel in chunks of g tokens (one g-element vector per channel per chunk:
-    ``kv.vector_bytes(g)``), values per token along v_head_dim (``kv.vector_bytes(v_head_dim)``), and the
-    held - q newest tokens stay in residual_format. Unlike ``token_bytes`` the key groups run along the
-    token axis, so this differs from memory() with kv=int* by the residual and by the key grouping.
+    Per attention layer and sequence: ``mixers.attention.kivi_bytes`` (keys quantized per channel in chunks
+    of kv.group tokens, values per token, the newest tokens in residual_format). Unlike ``token_bytes`` the
+    key groups run along the token axis, so this differs from memory() with kv=int* by the residual and by
+    the key grouping. Other mixers hold nothing here (the engine's quantized cache takes attention only).
     """
     assert kv.group is not None and not kv.is_float(), kv
     total = 0
     for layer in spec.layers:
-        m = layer.mixer
-        if not isinstance(m, Attention):
-            continue
-        held = tokens_held(layer, context)
-        q = kivi_quantized_tokens(held, kv.group, residual)
-        keys = m.n_kv_heads * m.head_dim * (q // kv.group) * kv.vector_bytes(kv.group)
-        values = m.n_kv_heads * q * kv.vector_bytes(m.v_head_dim)
-        fp = m.n_kv_heads * (held - q) * (residual_format.vector_bytes(m.head_dim)
-                                          + residual_format.vector_bytes(m.v_head_dim))
-        total += keys + values + fp
+        rules = mixers.of(layer.mixer) if layer.mixer is not None else None
+        if hasattr(rules, "kivi_bytes"):
+            total += rules.kivi_bytes(layer.mixer, tokens_held(layer, context), kv, residual, residual_format)
     return batch * total

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 from kvwall.predict.devices import Device
 from kvwall.predict.memory import Formats, Parallel, pipeline_stages
-from kvwall.predict.ops import ACT_BYTES, Op, Step, step_ops
+from kvwall.predict.ops import step_ops
+from kvwall.predict.step import ACT_BYTES, CACHE, LINK, Op, Step
 from kvwall.spec.model import ModelSpec
 
 
@@ -119,7 +120,8 @@ def run_step(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Parallel
     ops = step_ops(spec, step, fm, par.tp, mla_absorbed)
     if par.pp > 1:
         pipeline_stages(spec.n_layers, par.pp)  # validates pp against the layer count
-        ops.append(Op("pipeline send", None, link_bytes=(par.pp - 1) * step.tokens * spec.hidden * ACT_BYTES))
+        ops.append(Op("pipeline send", None, link_bytes=(par.pp - 1) * step.tokens * spec.hidden * ACT_BYTES,
+                      kind=LINK))
     overhead = step_overhead(spec, roof.device)
     per_op, total = [], overhead
     for op in ops:
@@ -150,9 +152,6 @@ def decode(spec, context: int, batch: int, fm: Formats, roof: Roof, par: Paralle
     return run_step(spec, Step(batch, context - 1, 1), fm, roof, par, name="decode", mla_absorbed=mla_absorbed)
 
 
-CACHE_OPS = ("attention", "latent attention", "kv_b_proj (up-project cache)")
-
-
 def compute_bound_batch(spec, context: int, fm: Formats, roof: Roof, par: Parallel | None = None,
                         scope: str = "step", limit: int = 1 << 16) -> int | None:
     """Smallest decode batch at which FLOP time reaches memory time, or None if not by `limit`.
@@ -163,7 +162,7 @@ def compute_bound_batch(spec, context: int, fm: Formats, roof: Roof, par: Parall
     """
     def compute_bound(b: int) -> bool:
         r = decode(spec, context, b, fm, roof, par)
-        ops = r.ops if scope == "step" else [o for o in r.ops if o.name not in CACHE_OPS]
+        ops = r.ops if scope == "step" else [o for o in r.ops if o.kind != CACHE]
         return sum(o.flops for o in ops) / roof.peak >= sum(o.bytes / roof.op_bandwidth(o) for o in ops)
 
     if not compute_bound(limit):

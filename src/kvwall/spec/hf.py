@@ -1,7 +1,7 @@
 """Hugging Face ``config.json`` -> ModelSpec.
 
 This is the only module that knows Hugging Face field names. One parser per
-family; a new architecture is a new function registered in ``PARSERS``.
+family; a new architecture is a new function plus one entry in ``kvwall.spec.families``.
 """
 
 from __future__ import annotations
@@ -528,44 +528,23 @@ def _nemotron_pattern(c: Config) -> str:
     return "".join(_NEMOTRON_BLOCKS[t] for t in types)
 
 
-PARSERS: dict[str, Callable[[Config, str], ModelSpec]] = {
-    "gpt2": parse_gpt2,
-    "llama": parse_llama,
-    "mistral": parse_llama,
-    "mixtral": parse_mixtral,
-    "qwen2": parse_qwen2,
-    "qwen3": parse_qwen3,
-    "qwen2_moe": parse_qwen_moe,
-    "qwen3_moe": parse_qwen_moe,
-    "phi3": parse_phi3,
-    "gemma2": parse_gemma2,
-    "gemma3_text": parse_gemma3_text,
-    "gemma3": parse_gemma3,
-    "deepseek_v2": parse_deepseek,
-    "deepseek_v3": parse_deepseek,
-    "mamba": parse_mamba,
-    "falcon_mamba": parse_mamba,
-    "mamba2": parse_mamba2,
-    "jamba": parse_jamba,
-    "nemotron_h": parse_nemotron_h,
-}
-
-
 def spec_from_config(data: Any, name: str = "model", where: str = "config.json") -> ModelSpec:
     """Parse a config.json dict into a ModelSpec (raises KvwallError with a one-line reason)."""
     if not isinstance(data, dict):
         raise KvwallError(f"{where} is not a JSON object; a Hugging Face config.json is")
+    from kvwall.spec.families import family, supported
+
     c = Config(data, where)
     model_type = data.get("model_type")
     if model_type is None and "d_model" in data and "n_layer" in data:
-        return parse_mamba_ssm(c, name)
+        model_type = "mamba_ssm"
     if model_type is None:
-        raise KvwallError(f"{where} has no 'model_type'; supported: {', '.join(sorted(PARSERS))}")
-    parser = PARSERS.get(model_type)
-    if parser is None:
+        raise KvwallError(f"{where} has no 'model_type'; supported: {', '.join(supported())}")
+    fam = family(model_type)
+    if fam is None:
         raise KvwallError(f"model_type {model_type!r} in {where} is not supported; supported: "
-                          f"{', '.join(sorted(PARSERS))}")
+                          f"{', '.join(supported())}")
     try:
-        return parser(c, name)
+        return fam.parse(c, name)
     except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a field of the wrong type
         raise KvwallError(f"{where}: a field has an unexpected type or value ({exc}); check the config") from None

@@ -8,7 +8,7 @@
                                            (Nemotron-H: plain MLPs down(relu(up x)^2))
 
 Each forward records `touched`: how many distinct experts its tokens used (the experts whose
-weights the step had to read), the number predict.ops.expected_experts estimates.
+weights the step had to read), the number predict.mixers.moe.expected_experts estimates.
 """
 
 from __future__ import annotations

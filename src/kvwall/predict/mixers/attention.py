@@ -1,0 +1,85 @@
+"""Softmax attention (MHA / GQA / MQA, optional sliding window): K and V for every token it keeps.
+
+Per token and sequence: ``n_kv_heads x (head_dim + v_head_dim)`` elements; a sliding layer keeps at
+most ``window`` tokens. Tensor parallel splits the query heads and the K/V heads; when tp exceeds
+the K/V heads each GPU holds one (replicated) K/V head, and its K/V projection is replicated too.
+"""
+
+from __future__ import annotations
+
+from kvwall.errors import KvwallError
+from kvwall.predict.formats import Format
+from kvwall.predict.step import ACT_BYTES, CACHE, Op, Step, matmul
+from kvwall.spec.model import Attention
+
+
+def kv_heads_per_gpu(m: Attention, tp: int) -> int:
+    """K/V heads one GPU holds: split tp ways, or one (replicated) head when tp > n_kv."""
+    if m.n_q_heads % tp:
+        raise KvwallError(f"tp={tp} does not divide the {m.n_q_heads} query heads; pick a divisor")
+    if m.n_kv_heads >= tp:
+        if m.n_kv_heads % tp:
+            raise KvwallError(f"tp={tp} does not divide the {m.n_kv_heads} KV heads; pick a divisor")
+        return m.n_kv_heads // tp
+    if tp % m.n_kv_heads:
+        raise KvwallError(f"tp={tp} is not a multiple of the {m.n_kv_heads} KV heads; pick one that is")
+    return 1
+
+
+def token_bytes(m: Attention, kv: Format, tp: int = 1) -> int:
+    return kv_heads_per_gpu(m, tp) * (kv.vector_bytes(m.head_dim) + kv.vector_bytes(m.v_head_dim))
+
+
+def tokens_held(m: Attention, context: int) -> int:
+    return min(context, m.window) if m.window else context
+
+
+def fixed_bytes(m: Attention, state: Format, tp: int = 1) -> int:
+    return 0
+
+
+def shard_params(m: Attention, hidden: int, tp: int) -> float:
+    """Q and O split tp ways; K/V split, or replicated per GPU when tp exceeds the K/V heads."""
+    kv_params = hidden * m.n_kv_heads * (m.head_dim + m.v_head_dim)
+    return (m.params(hidden) - kv_params) / tp + kv_params * kv_heads_per_gpu(m, tp) / m.n_kv_heads
+
+
+def label(m: Attention) -> str:
+    return "sliding" if m.window else "attention"
+
+
+def ops(i: int, m: Attention, spec, st: Step, fm, tp: int, absorbed: bool) -> list[Op]:
+    h, T = spec.hidden, st.tokens
+    q_heads = m.n_q_heads // tp
+    kvh = kv_heads_per_gpu(m, tp)
+    tb = token_bytes(m, fm.kv, tp)
+    qkv_out = q_heads * m.head_dim + kvh * (m.head_dim + m.v_head_dim)
+    core = Op("attention", i, flops=2 * st.batch * q_heads * (m.head_dim + m.v_head_dim) * st.pairs(m.window),
+              cache_read=st.batch * st.held(m.window) * tb,
+              cache_write=st.batch * min(st.new, m.window or st.new) * tb,
+              act_bytes=T * q_heads * (m.head_dim + m.v_head_dim) * ACT_BYTES,
+              kernel="attention" if fm.kv.is_float() else f"attention:{fm.kv.name}", kind=CACHE)
+    return [matmul("qkv_proj", i, T, h, qkv_out, fm.weights), core,
+            matmul("o_proj", i, T, q_heads * m.v_head_dim, h, fm.weights)]
+
+
+def kivi_quantized_tokens(held: int, group: int, residual: int) -> int:
+    """Tokens a KIVI-style cache holds quantized: whole key chunks of `group` tokens, leaving the newest
+    `residual` .. `residual + group - 1` tokens in full precision (all of them below `residual`)."""
+    assert group > 0 and residual >= 0, (group, residual)
+    return max(0, (held - residual) // group) * group
+
+
+def kivi_bytes(m: Attention, held: int, kv: Format, residual: int, residual_format: Format) -> int:
+    """One sequence's bytes in a KIVI-style quantized cache (the engine's QuantizedCache) for this layer.
+
+    With g = kv.group and q = kivi_quantized_tokens(held, g, residual): keys are quantized per channel in
+    chunks of g tokens (one g-element vector per channel per chunk: ``kv.vector_bytes(g)``), values per
+    token along v_head_dim, and the held - q newest tokens stay in residual_format.
+    """
+    q = kivi_quantized_tokens(held, kv.group, residual)
+    keys = m.n_kv_heads * m.head_dim * (q // kv.group) * kv.vector_bytes(kv.group)
+    values = m.n_kv_heads * q * kv.vector_bytes(m.v_head_dim)
+    fp = m.n_kv_heads * (held - q) * (residual_format.vector_bytes(m.head_dim)
+                                      + residual_format.vector_bytes(m.v_head_dim))
+    return keys + values + fp

@@ -1,0 +1,19 @@
+"""Dense feed-forward (gated: gate, up, down; plain: up, down). Tensor parallel splits d_ff."""
+
+from __future__ import annotations
+
+from kvwall.predict.step import ACT_BYTES, Op, Step, matmul
+from kvwall.spec.model import MLP
+
+
+def shard_params(f: MLP, hidden: int, tp: int) -> float:
+    return f.params(hidden) / tp
+
+
+def ops(i: int, f: MLP, spec, st: Step, fm, tp: int, name: str = "mlp") -> list[Op]:
+    mats = 3 if f.gated else 2
+    op = matmul(name, i, st.tokens, spec.hidden, f.d_ff / tp, fm.weights)
+    op.flops *= mats
+    op.weight_bytes *= mats
+    op.act_bytes = st.tokens * (2 * spec.hidden + (mats - 1) * f.d_ff / tp) * ACT_BYTES
+    return [op]
