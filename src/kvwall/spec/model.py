@@ -63,6 +63,8 @@ class Attention:
     softcap: float | None = None  # attention logit soft-capping (Gemma 2): cap * tanh(s / cap)
 
     kind = "attention"
+    keeps_tokens = True  # the cache grows with the context (up to the window)
+    has_state = False  # a fixed-size state per sequence
 
     def params(self, hidden: int) -> int:
         q = hidden * self.n_q_heads * self.head_dim
@@ -107,6 +109,8 @@ class LatentAttention:
     scale: float | None = None  # softmax scale; None: qk_head_dim ** -0.5 (YaRN multiplies in mscale^2)
 
     kind = "latent"
+    keeps_tokens = True
+    has_state = False
 
     @property
     def qk_head_dim(self) -> int:
@@ -147,6 +151,8 @@ class Mamba:
     inner_norm_eps: float = 1e-6  # eps of those inner norms (either kind)
 
     kind = "mamba"
+    keeps_tokens = False
+    has_state = True
 
     def params(self, hidden: int) -> int:
         d, n, r = self.d_inner, self.d_state, self.dt_rank
@@ -182,6 +188,8 @@ class Mamba2:
     dt_limit: tuple[float, float] = (0.0, math.inf)  # the step size Δ is clamped to this range
 
     kind = "mamba2"
+    keeps_tokens = False
+    has_state = True
 
     @property
     def d_inner(self) -> int:
@@ -223,6 +231,9 @@ class MLP:
         mats = 3 if self.gated else 2
         bias = ((2 if self.gated else 1) * self.d_ff + hidden) if self.bias else 0
         return mats * hidden * self.d_ff + bias
+
+    def active_params(self, hidden: int) -> int:
+        return self.params(hidden)
 
     def describe(self) -> str:
         return f"MLP {self.d_ff}{' gated' if self.gated else ''}"
@@ -305,9 +316,9 @@ class Layer:
         return p
 
     def active_params(self, hidden: int) -> int:
-        if isinstance(self.ffn, MoE):
-            return self.params(hidden) - self.ffn.params(hidden) + self.ffn.active_params(hidden)
-        return self.params(hidden)
+        if self.ffn is None:
+            return self.params(hidden)
+        return self.params(hidden) - self.ffn.params(hidden) + self.ffn.active_params(hidden)
 
     def describe(self) -> str:
         parts = [m.describe() for m in (self.mixer, self.ffn) if m is not None]
@@ -380,7 +391,8 @@ class ModelSpec:
             return "ssm"
         if kinds == {"latent"}:
             return "mla"
-        windows = {layer.mixer.window for layer in self.layers if isinstance(layer.mixer, Attention)}
+        mixers = [layer.mixer for layer in self.layers if layer.mixer is not None]
+        windows = {m.window for m in mixers if m.kind == "attention"}
         if None not in windows:
             return "sliding"
         if len(windows) > 1:
@@ -400,7 +412,7 @@ class ModelSpec:
         layers = []
         for layer in self.layers:
             m = layer.mixer
-            if isinstance(m, Attention):
+            if m is not None and m.kind == "attention":
                 m = replace(m, n_kv_heads=n_kv)
             layers.append(replace(layer, mixer=m))
         return replace(self, layers=tuple(layers))
@@ -410,13 +422,14 @@ class ModelSpec:
         layers = []
         for layer in self.layers:
             m = layer.mixer
-            if isinstance(m, Attention):
+            if m is not None and m.kind == "attention":
                 m = replace(m, window=window)
             layers.append(replace(layer, mixer=m))
         return replace(self, layers=tuple(layers))
 
     def attention_layers(self) -> list[int]:
-        return [i for i, layer in enumerate(self.layers) if isinstance(layer.mixer, (Attention, LatentAttention))]
+        """Layers whose cache grows with the context (softmax or latent attention)."""
+        return [i for i, layer in enumerate(self.layers) if layer.mixer is not None and layer.mixer.keeps_tokens]
 
 
 def ceil_div(a: int, b: int) -> int:
