@@ -44,3 +44,18 @@ def test_paging_can_only_lower_the_fit():
 @pytest.mark.parametrize("text, expected", [(None, 8), ("25%", 20), ("0", 0), ("10B", 10)])
 def test_parse_reserve(text, expected):
     assert parse_reserve(text, 80) == expected
+
+
+def test_placement_is_the_smallest_tp_that_holds_weights_and_cache():
+    from kvwall.predict.fit import placement
+
+    spec = load_spec("llama-3-70b")  # 70,553,706,496 parameters: 141.1 GB in bf16
+    weights = 2 * spec.params()
+    # 80 GB per GPU, 8 GB reserve: tp 2 holds ~70.6 GB of weights (+ replicated norms) and a 4k cache of
+    # 320 KiB x 4096 / 2 = 640 MiB per GPU -> fits; one GPU cannot hold 141 GB
+    p = placement(spec, 80 * 10**9, batch=1, context=4096)
+    assert p.tp == 2 and p.fits and weights > 72e9
+    # at 128k x batch 8 the cache is 320 KiB x 131072 x 8 = 320 GiB: tp 8 gives 40 GiB + 17.6 GB per GPU
+    assert placement(spec, 80 * 10**9, batch=8, context=131072).tp == 8
+    assert not placement(spec, 80 * 10**9, batch=64, context=131072).fits  # 2.5 TiB of cache
+    assert placement(load_spec("llama-3-8b"), 80 * 10**9).tp == 1

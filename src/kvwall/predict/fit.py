@@ -108,3 +108,46 @@ def fit(spec: ModelSpec, memory_bytes: int, *, batch: int | None = None, context
                 hi *= 2
             res.max_batch = _largest(lambda n: fits(n, context), hi, hi * 2)
     return res
+
+
+# -- placement: the smallest tensor-parallel group a deployment fits on -------------------------------------
+
+TP_DEGREES = (1, 2, 4, 8)  # one node's worth of GPUs
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where `batch` sequences of `context` tokens fit: the smallest tp (None: not on 8 GPUs of this device)."""
+
+    tp: int | None
+    batch: int
+    context: int
+
+    @property
+    def fits(self) -> bool:
+        return self.tp is not None
+
+    @property
+    def gpus(self) -> int | None:
+        return self.tp
+
+    def label(self) -> str:
+        return f"tp {self.tp}" if self.fits else f"does not fit {TP_DEGREES[-1]} GPUs"
+
+    def as_dict(self) -> dict:
+        return {"fits": self.fits, "tp": self.tp, "gpus": self.gpus}
+
+
+def placement(spec: ModelSpec, memory_bytes: int, *, batch: int = 1, context: int = 4096,
+              formats: Formats | None = None, reserve_bytes: int | None = None) -> Placement:
+    """The smallest tensor-parallel degree in TP_DEGREES whose busiest GPU holds its weights and cache
+    (with the reserve); degrees the model's heads cannot be split into are skipped."""
+    reserve = memory_bytes // 10 if reserve_bytes is None else reserve_bytes
+    for tp in TP_DEGREES:
+        try:
+            need = _need(spec, batch, context, formats or Formats.for_spec(spec), Parallel(tp), None)[1]
+        except KvwallError:  # tp does not divide the heads: try the next degree
+            continue
+        if need <= memory_bytes - reserve:
+            return Placement(tp, batch, context)
+    return Placement(None, batch, context)
