@@ -10,19 +10,22 @@ A sequence mixer module (attention, latent, mamba, mamba2) answers, for one laye
     label(m)                   the kind of memory it has, for per-layer tables
 
 A channel mixer module (mlp, moe) answers shard_params and ops. memory.py, ops.py and roofline.py
-iterate over layers and ask; a new mixer kind is one module here plus one line in ``SEQUENCE``/``CHANNEL``.
+iterate over layers and ask; the module is found by the spec's ``kind`` (``kind = "mamba"`` ->
+``mixers/mamba.py``), so a new mixer kind is one new module here and nothing else on the predict side.
 """
 
 from __future__ import annotations
 
+import importlib
+from functools import lru_cache
 from types import ModuleType
 
-from kvwall.predict.mixers import attention, latent, mamba, mamba2, mlp, moe
 
-SEQUENCE: dict[str, ModuleType] = {"attention": attention, "latent": latent, "mamba": mamba, "mamba2": mamba2}
-CHANNEL: dict[str, ModuleType] = {"mlp": mlp, "moe": moe}
+@lru_cache(maxsize=None)
+def _module(kind: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}.{kind}")
 
 
 def of(m) -> ModuleType:
     """The module that owns a mixer spec's costs, by its kind."""
-    return SEQUENCE.get(m.kind) or CHANNEL[m.kind]
+    return _module(m.kind)
