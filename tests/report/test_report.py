@@ -30,8 +30,20 @@ def test_report_out_is_a_file(tmp_path):
     assert main(["report", "--no-measure", "--out", str(f)]) == 2
 
 
-def test_report_quick_measures(tmp_path, capsys, monkeypatch):
-    """With the engine installed, --quick adds the measured section and its figure (bench shrunk for the test)."""
+def _fresh_profile(home, hours_old: float = 0.0) -> None:
+    import datetime
+
+    from kvwall.measure import machine
+
+    when = datetime.datetime.now().astimezone() - datetime.timedelta(hours=hours_old)
+    (home / "local-device.json").write_text(json.dumps({
+        "memory_bytes": 8 * 2**30, "memory_bandwidth_Bps": 20e9, "peak_flops": {"fp32": 1e11}, "source": "test",
+        "measured": {"date": when.isoformat(timespec="seconds"), "hostname": machine.hostname()}}))
+
+
+def test_report_measures_by_default(tmp_path, capsys, monkeypatch):
+    """With the engine installed, the default report adds the measured section and its figure (bench shrunk for
+    the test), says first what it will measure, and reuses a fresh profile (no calibration)."""
     import pytest
 
     pytest.importorskip("torch")
@@ -39,13 +51,40 @@ def test_report_quick_measures(tmp_path, capsys, monkeypatch):
 
     home = tmp_path / "home"
     home.mkdir()
-    (home / "local-device.json").write_text(json.dumps({"memory_bytes": 8 * 2**30, "memory_bandwidth_Bps": 20e9,
-                                                        "peak_flops": {"fp32": 1e11}, "source": "test"}))
+    _fresh_profile(home, hours_old=1)
     monkeypatch.setenv("KVWALL_HOME", str(home))
     monkeypatch.setattr(measured, "QUICK", {"contexts": [128], "steps": 1, "prefill_max": 128})
     monkeypatch.setattr("kvwall.measure.archs.QUICK", ["gqa"])
+    monkeypatch.setattr("kvwall.measure.calibrate.calibrate", lambda **kw: pytest.fail("a fresh profile is reused"))
     out = tmp_path / "rep"
-    assert main(["report", "--quick", "--out", str(out), "--json"]) == 0
+    assert main(["report", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "measuring gqa at 128 tokens on this machine: about" in said
+    out = tmp_path / "rep2"
+    assert main(["report", "--out", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["measured"] is True
     html = (out / "report.html").read_text()
     assert "<figure id='measured-vs-predicted'>" in html and "Measured on" in html
+
+
+def test_a_stale_or_foreign_profile_is_measured_again(tmp_path, monkeypatch):
+    from kvwall.measure import calibrate as cal
+
+    home = tmp_path
+    path = home / "local-device.json"
+    _fresh_profile(home, hours_old=30)
+    age = cal.profile_age_s(path)
+    assert 29.9 * 3600 < age < 30.1 * 3600
+    saved = []
+    monkeypatch.setattr(cal, "calibrate", lambda quick: type("C", (), {"profile": lambda self: {"new": quick}})())
+    monkeypatch.setattr(cal, "save_profile", lambda profile, p: saved.append((profile, p)))
+    said = []
+    cal.fresh_profile(path, say=said.append)
+    assert saved == [({"new": True}, path)] and "30 h old" in said[0]
+    _fresh_profile(home, hours_old=2)
+    cal.fresh_profile(path, say=said.append)
+    assert len(saved) == 1  # fresh: kept
+    data = json.loads(path.read_text())
+    data["measured"]["hostname"] = "another-machine"
+    path.write_text(json.dumps(data))
+    assert cal.profile_age_s(path) is None

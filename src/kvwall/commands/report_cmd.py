@@ -12,13 +12,16 @@ from kvwall import __version__
 from kvwall.commands import common
 from kvwall.errors import KvwallError
 from kvwall.report.tables import console, print_json
+from kvwall.units import fmt_tokens
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="write report.html and report.md: the memory wall, predicted and measured")
     p.add_argument("--out", default="kvwall-report", help="output folder (default ./kvwall-report/)")
     p.add_argument("--no-measure", action="store_true", help="skip the measured section")
-    p.add_argument("--quick", action="store_true", help="a short measured section (under 2 minutes)")
+    p.add_argument("--full", action="store_true",
+                   help="measure every architecture at 1k-32k (about 5-10 minutes) instead of a few at 1k and 4k")
+    p.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # the default since --full; kept for scripts
     common.add_json(p)
     p.set_defaults(func=cmd_report)
 
@@ -49,9 +52,7 @@ def cmd_report(args) -> int:
                    f"{platform.python_implementation()} {platform.python_version()}); every number below comes "
                    "from kvwall's predictor or from measurement in this run")
     steps = _sections()
-    measured = None
-    if not args.no_measure:
-        measured = _measured_step(args.quick)
+    measured = None if args.no_measure else _measured_step(args.full, quiet=args.json)
     with Progress(console=console(), transient=True, disable=args.json) as progress:
         task = progress.add_task("report", total=len(steps) + (1 if measured else 0))
         for name, build in steps:
@@ -76,12 +77,20 @@ def cmd_report(args) -> int:
     return 0
 
 
-def _measured_step(quick: bool):
-    """The measured section's builder, or None when the engine (torch) is not installed."""
+def _measured_step(full: bool, quiet: bool):
+    """The measured section's builder, or None when the engine (torch) is not installed. Says first what
+    it will measure and about how long that takes."""
     try:
         import torch  # noqa: F401
 
         from kvwall.report import measured
     except ImportError:
         return None
-    return lambda out, progress: measured.section(out, quick=quick, progress=progress)
+    say = None if quiet else (lambda text: console().print(text))
+    plan, device, seconds = measured.plan(full, say)
+    if say:
+        names = ", ".join(a.name for a in plan.archs)
+        ctx = ", ".join(fmt_tokens(c) for c in plan.contexts)
+        say(f"measuring {names} at {ctx} tokens on this machine: about {seconds:.0f} s"
+            + ("" if full else " (--full: every architecture at 1k-32k)"))
+    return lambda out, progress: measured.section(out, (plan, device), progress=progress)

@@ -128,6 +128,23 @@ def run(plan: Plan, device: Device, on_point: Callable[[dict], None] | None = No
     return results
 
 
+PROCESS_S = 4.0  # one worker's start: python, torch, building the model (about 3-5 s on the 2-core machine)
+
+
+def estimate_seconds(plan: Plan, device: Device) -> float:
+    """A rough wall time for the plan, from the roofline on this machine's profile: each worker's start, and
+    per point its prefill (counted twice: measured prefill runs 1.4-2.3x the prediction here) and its
+    warm-up and timed decode steps."""
+    total = 0.0
+    for arch in plan.archs:
+        spec = arch_spec(arch)
+        total += PROCESS_S
+        for ctx in plan.contexts:
+            p = predict(arch, spec, ctx, device, plan.prefill_max, ctx)
+            total += 2 * p.get("prefill_pred_s", 0.0) + (plan.warmup + plan.steps) * p["decode_pred_s"]
+    return total
+
+
 def _worker(job: dict):
     proc = subprocess.Popen([sys.executable, "-m", "kvwall.measure.bench_worker", json.dumps(job)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -230,6 +230,34 @@ def _machine_info(s: Settings) -> dict:
     }
 
 
+FRESH_S = 24 * 3600  # a profile older than this (or from another host) is measured again before a report
+
+
+def profile_age_s(path: Path) -> float | None:
+    """Seconds since the profile at `path` was measured on this host; None when it is missing, unreadable or
+    from another machine (then it says nothing about this one)."""
+    try:
+        measured = json.loads(Path(path).read_text())["measured"]
+        when = datetime.datetime.fromisoformat(measured["date"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if measured.get("hostname") != machine.hostname():
+        return None
+    return (datetime.datetime.now(when.tzinfo) - when).total_seconds()
+
+
+def fresh_profile(path: Path, max_age_s: float = FRESH_S, say: Callable[[str], None] | None = None) -> Path:
+    """The profile at `path`, measured again (quick) first when it is missing, stale or from another host."""
+    age = profile_age_s(path)
+    if age is None or not 0 <= age <= max_age_s:
+        why = "there is none" if not Path(path).is_file() else (
+            "it is from another machine or damaged" if age is None else f"it is {age / 3600:.0f} h old")
+        if say:
+            say(f"calibrating this machine first (`kvwall calibrate --quick`, about 10 s): {why}")
+        save_profile(calibrate(quick=True).profile(), path)
+    return path
+
+
 def check_target(path: Path) -> Path:
     """Fail early (before a minute of measuring) if the profile could not be written to ``path``."""
     path = Path(path).expanduser()

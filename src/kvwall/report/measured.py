@@ -10,18 +10,30 @@ from pathlib import Path
 from kvwall.report.document import Figure, Section, Table
 from kvwall.units import fmt_bytes, fmt_tokens
 
-QUICK = {"contexts": [1024, 4096], "steps": 4, "prefill_max": 1024}
-FULL = {"contexts": [1024, 4096, 16384, 32768], "steps": 8, "prefill_max": 4096}
+QUICK = {"contexts": [1024, 4096], "steps": 4, "prefill_max": 1024}  # the default: a few archs, two contexts
+FULL = {"contexts": [1024, 4096, 16384, 32768], "steps": 8, "prefill_max": 4096}  # --full: every arch
 
 
-def section(out: Path, quick: bool = False, progress=None) -> Section:
-    from kvwall.commands.bench_cmd import local_profile, plot_results, resolve_archs
+def plan(full: bool = False, say=None):
+    """(plan, device, estimated seconds) of the measured section; calibrates first when the profile is stale."""
+    from kvwall.commands.bench_cmd import resolve_archs
+    from kvwall.measure import bench
+    from kvwall.measure.calibrate import fresh_profile
+    from kvwall.predict.devices import local_device, profile_path
+
+    settings = FULL if full else QUICK
+    fresh_profile(profile_path(), say=say)
+    device = local_device()
+    p = bench.Plan(resolve_archs([], not full), settings["contexts"], steps=settings["steps"],
+                   prefill_max=settings["prefill_max"])
+    return p, device, bench.estimate_seconds(p, device)
+
+
+def section(out: Path, plan_device, progress=None) -> Section:
+    from kvwall.commands.bench_cmd import plot_results
     from kvwall.measure import bench
 
-    settings = QUICK if quick else FULL
-    device = local_profile(quiet=True)
-    plan = bench.Plan(resolve_archs([], quick), settings["contexts"], steps=settings["steps"],
-                      prefill_max=settings["prefill_max"])
+    plan, device = plan_device
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     t0 = time.time()
     results = bench.run(plan, device)
@@ -33,7 +45,7 @@ def section(out: Path, quick: bool = False, progress=None) -> Section:
              fmt_bytes(r["cache_pred_bytes"]), fmt_bytes(r["peak_rss_bytes"])] for r in results]
     where = (f"Measured on {platform.node()} ({os.cpu_count()} cores, {platform.machine()}) on {started}, in "
              f"{time.time() - t0:.0f} s; calibrated read bandwidth {device.bandwidth / 1e9:.1f} GB/s, engine dispatch "
-             f"cost {device.layer_overhead_s * 1e3:.2f} ms per layer per step.")
+             f"cost {device.layer_overhead_s * 1e3:.2f} ms per layer per step (profile: {device.source}).")
     verdict = (f"{s['within_goal']} of {s['bandwidth_bound_points']} bandwidth-bound points are within "
                f"{s['goal'] * 100:.0f}% of the prediction." +
                (f" Outside: {', '.join(s['outside_goal'])}." if s["outside_goal"] else ""))
