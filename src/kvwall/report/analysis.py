@@ -6,8 +6,8 @@ from pathlib import Path
 
 from kvwall import catalog
 from kvwall.predict.devices import get_device
-from kvwall.predict.fit import fit
-from kvwall.predict.memory import Formats, cache_bytes_per_token, growth_bytes_per_token, memory, state_bytes
+from kvwall.predict.fit import fit, placement
+from kvwall.predict.memory import Formats, Parallel, cache_bytes_per_token, growth_bytes_per_token, memory, state_bytes
 from kvwall.predict.roofline import Roof, decode, prefill
 from kvwall.report import plots
 from kvwall.report.document import Figure, Section, Table
@@ -28,11 +28,7 @@ def memory_section(out: Path) -> Section:
     rows = []
     for name, spec in specs:
         fm = Formats.for_spec(spec)
-        longest = []
-        for d in DEVICES:
-            f = fit(spec, get_device(d).memory_bytes, batch=1, formats=fm)
-            longest.append("weights do not fit" if not f.weights_fit else "any" if f.unbounded
-                           else f"{f.max_context:,}")
+        longest = [_longest(spec, fm, get_device(d).memory_bytes) for d in DEVICES]
         rows.append([spec.name, spec.family(), fmt_bytes(cache_bytes_per_token(spec, fm.kv)),
                      fmt_bytes(growth_bytes_per_token(spec, fm.kv)), fmt_bytes(state_bytes(spec, fm.state)),
                      fmt_bytes(memory(spec, context=131072, formats=fm).cache_bytes), *longest])
@@ -65,12 +61,12 @@ def speed_section(out: Path) -> Section:
     series, rows = {}, []
     for name, spec in specs:
         fm = Formats.for_spec(spec)
-        series[spec.name] = [(c, decode(spec, c, 1, fm, roof).time_s * 1e3) for c in CONTEXTS]
-        cells = []
-        for d in DEVICES:
-            r = Roof(get_device(d))
-            cells += [f"{1 / decode(spec, c, 1, fm, r).time_s:,.1f}" for c in (4096, 131072)]
-        rows.append([spec.name, f"{prefill(spec, 2048, 1, fm, roof).time_s * 1e3:,.1f}", *cells])
+        series[spec.name] = [(c, decode(spec, c, 1, fm, roof, _par(spec, fm, roof, c)).time_s * 1e3)
+                             for c in CONTEXTS if _par(spec, fm, roof, c)]
+        cells = [_tok_s(spec, fm, Roof(get_device(d)), c) for d in DEVICES for c in (4096, 131072)]
+        par = _par(spec, fm, roof, 2048)
+        ttft = f"{prefill(spec, 2048, 1, fm, roof, par).time_s * 1e3:,.1f}{_on(par)}" if par else "does not fit 8"
+        rows.append([spec.name, ttft, *cells])
     fig = plots.lines(series, "context (tokens)", "decode time per token (ms)",
                       "The memory wall on H100: predicted decode time vs context (batch 1)",
                       out / "decode-vs-context.png", logy=True)
@@ -95,8 +91,35 @@ def speed_section(out: Path) -> Section:
                         "roofline")],
         assumptions=["compute and bandwidth efficiency 1.0 (datasheet peaks): a lower bound on time",
                      "bf16 math; ops do not overlap; MLA decode in absorbed form; MoE reads the experts a step "
-                     "touches", "weights that do not fit one GPU are still timed as if they did (what-if)"],
+                     "touches", "each model runs on the smallest tensor-parallel group (1, 2, 4 or 8 GPUs, shown as "
+                     "'tp N') that holds its weights and the sequence's cache with 10 % in reserve; 'does not fit "
+                     "8' where 8 GPUs are not enough", "tok/s is per sequence; with tp > 1 each step also pays the "
+                     "all-reduces over the device's interconnect"],
     )
+
+
+def _par(spec, fm, roof: Roof, context: int) -> Parallel | None:
+    """The smallest tensor-parallel group of this device that holds the weights and one sequence's cache."""
+    p = placement(spec, roof.device.memory_bytes, batch=1, context=context, formats=fm)
+    return Parallel(p.tp) if p.fits else None
+
+
+def _on(par: Parallel) -> str:
+    return f" (tp {par.tp})" if par.tp > 1 else ""
+
+
+def _tok_s(spec, fm, roof: Roof, context: int) -> str:
+    par = _par(spec, fm, roof, context)
+    return f"{1 / decode(spec, context, 1, fm, roof, par).time_s:,.1f}{_on(par)}" if par else "does not fit 8"
+
+
+def _longest(spec, fm, memory_bytes: int) -> str:
+    """Longest context for batch 1 on the smallest tensor-parallel group that holds the weights."""
+    p = placement(spec, memory_bytes, batch=1, context=1, formats=fm)
+    if not p.fits:
+        return "weights do not fit 8"
+    f = fit(spec, memory_bytes, batch=1, formats=fm, parallel=Parallel(p.tp))
+    return ("any" if f.unbounded else f"{f.max_context:,}") + (f" (tp {p.tp})" if p.tp > 1 else "")
 
 
 def balance_section(out: Path) -> Section:
