@@ -1,4 +1,4 @@
-"""Shipped data: real models' config.json files and the accelerator table.
+"""Shipped data: real models' config.json files, the accelerator table and published measurements.
 
 Each ``models/<name>.json`` is a Hugging Face config.json as published, plus
 keys starting with ``_`` that say where the copy was seen (``_hub_id``,
@@ -15,6 +15,7 @@ HERE = Path(__file__).parent
 MODELS_DIR = HERE / "models"
 DEVICES_FILE = HERE / "devices.json"
 ENERGY_FILE = HERE / "energy.json"
+MEASUREMENTS_FILE = HERE / "measurements.json"
 
 # The source documents' lineup, one model per idea: MHA, GQA, GQA at scale, MLA, local/global, SSM, hybrid.
 LINEUP = ["gpt2-xl", "llama-3-8b", "llama-3-70b", "deepseek-v3", "gemma-3-27b", "mamba-2.8b", "jamba-v0.1"]
@@ -54,3 +55,9 @@ def devices_table() -> dict:
 @lru_cache(maxsize=None)
 def energy_table() -> dict:
     return json.loads(ENERGY_FILE.read_text())
+
+
+@lru_cache(maxsize=None)
+def measurements() -> tuple[dict, ...]:
+    """Published inference measurements (measurements.json rows), each with its source; see the file's _about."""
+    return tuple(json.loads(MEASUREMENTS_FILE.read_text())["rows"])
