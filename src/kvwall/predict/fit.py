@@ -16,6 +16,28 @@ from kvwall.spec.model import ModelSpec
 NEVER = 1 << 40  # a context no model reaches: if it fits, the cache does not grow with context
 
 
+def default_reserve(memory_bytes: int) -> int:
+    """Memory kept free per GPU unless told otherwise (activations, CUDA context, allocator slack): 10 %."""
+    return memory_bytes // 10
+
+
+@dataclass
+class Headroom:
+    """Whether a given use of memory fits one GPU next to the reserve."""
+    memory_bytes: int
+    reserve_bytes: int
+    free_bytes: int  # negative: short by that much
+
+    @property
+    def fits(self) -> bool:
+        return self.free_bytes >= 0
+
+
+def headroom(memory_bytes: int, used_bytes: int, reserve_bytes: int | None = None) -> Headroom:
+    reserve = default_reserve(memory_bytes) if reserve_bytes is None else reserve_bytes
+    return Headroom(memory_bytes, reserve, memory_bytes - reserve - used_bytes)
+
+
 @dataclass
 class FitResult:
     memory_bytes: int  # per GPU
@@ -42,7 +64,7 @@ def parse_reserve(text: str | None, memory_bytes: int) -> int:
     from kvwall.units import parse_bytes
 
     if text is None:
-        return memory_bytes // 10
+        return default_reserve(memory_bytes)
     text = str(text).strip()
     if text.endswith("%"):
         try:
@@ -79,7 +101,7 @@ def fit(spec: ModelSpec, memory_bytes: int, *, batch: int | None = None, context
     """Give a batch to get the longest context, or a context to get the largest batch."""
     formats = formats or Formats.for_spec(spec)
     parallel = parallel or Parallel()
-    reserve = memory_bytes // 10 if reserve_bytes is None else reserve_bytes
+    reserve = default_reserve(memory_bytes) if reserve_bytes is None else reserve_bytes
     budget = memory_bytes - reserve
     if budget <= 0:
         raise KvwallError("the reserve takes all of the memory; lower --reserve")
