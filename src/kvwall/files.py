@@ -25,8 +25,8 @@ def user_path(text: str | os.PathLike, option: str) -> Path:
     raw = os.fspath(text)
     if not str(raw).strip():
         raise KvwallError(f"{option} is empty; give a path")
-    path = Path(raw).expanduser()
-    if str(path).startswith("~"):  # expanduser leaves ~name alone when there is no such user
+    path = Path(os.path.expanduser(raw))  # (Path.expanduser raises RuntimeError for an unknown user)
+    if str(path).startswith("~"):  # os.path.expanduser leaves ~name alone when there is no such user
         user = str(path).split("/", 1)[0][1:]
         raise KvwallError(f"{option} {raw}: there is no user {user!r} on this machine for '~{user}'; "
                           "give a full path")

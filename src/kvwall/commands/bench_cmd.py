@@ -41,8 +41,8 @@ def cmd_bench(args) -> int:
     common.need_torch("kvwall bench runs the engine")
     if args.steps < 1:
         raise KvwallError("--steps must be at least 1")
-    save = check_output(args.save, option="--save") if args.save else None
-    plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot else None
+    save = check_output(args.save, option="--save") if args.save is not None else None
+    plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
     from kvwall.measure import bench
 
     archs = bench.resolve_archs(args.archs, args.quick)

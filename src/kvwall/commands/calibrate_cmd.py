@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_calibrate(args) -> int:
     from kvwall.measure.calibrate import calibrate, check_target, save_profile
 
-    path = check_target(Path(args.out) if args.out else profile_path())
+    path = check_target(args.out if args.out is not None else profile_path())
     with _progress() as report:
         cal = calibrate(quick=args.quick, progress=report)
     profile = cal.profile()

@@ -125,7 +125,7 @@ def cmd_roofline(args) -> int:
 
 def _plot_path(args):
     """--plot checked before any work: a bad path is one line, not a traceback after the analysis."""
-    return check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot else None
+    return check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
 
 
 def _fit_note(fits: bool, model: str, device: str) -> list[str]:

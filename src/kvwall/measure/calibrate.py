@@ -229,7 +229,7 @@ def _machine_info(s: Settings) -> dict:
     }
 
 
-def check_target(path: Path) -> Path:
+def check_target(path: str | Path) -> Path:
     """Fail early (before a minute of measuring) if the profile could not be written to ``path``."""
     return check_output(path, option="--out", make_parents=True, what="the profile")
 
