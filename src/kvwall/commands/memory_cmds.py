@@ -8,8 +8,8 @@ from kvwall import catalog
 from kvwall.commands import common
 from kvwall.errors import KvwallError
 from kvwall.predict import devices as dev
-from kvwall.predict.fit import default_reserve, fit, headroom, parse_reserve
-from kvwall.predict.memory import cache_bytes_per_token, growth_bytes_per_token, memory, state_bytes
+from kvwall.predict.fit import compare_entry, default_reserve, fit, headroom, parse_reserve
+from kvwall.predict.memory import cache_bytes_per_token, memory, state_bytes
 from kvwall.report.tables import console, table
 from kvwall.spec.resolve import load_spec
 from kvwall.units import fmt_bytes, fmt_count, fmt_tokens, parse_bytes, parse_token_list, parse_tokens
@@ -259,17 +259,7 @@ def cmd_compare(args) -> int:
     out = []
     for name in args.models or LINEUP:
         spec, fm, notes = common.model_and_formats(name, args)
-        per_ctx = {str(ctx): memory(spec, batch=args.batch, context=ctx, formats=fm).cache_bytes for ctx in contexts}
-        f = fit(spec, mem_bytes, batch=args.batch, formats=fm)
-        out.append({
-            "model": spec.name, "family": spec.family(), "params": spec.params(), "formats": fm.as_dict(),
-            "cache_bytes_per_token": cache_bytes_per_token(spec, fm.kv),
-            "growth_bytes_per_token": growth_bytes_per_token(spec, fm.kv),
-            "state_bytes_per_sequence": state_bytes(spec, fm.state), "cache_bytes": per_ctx,
-            "weight_bytes": f.weight_bytes, "weights_fit": f.weights_fit,
-            "max_context": None if f.unbounded else f.max_context, "max_context_unbounded": f.unbounded,
-            "model_max_context": spec.max_context, "notes": notes,
-        })
+        out.append(compare_entry(spec, fm, contexts, args.batch, mem_bytes) | {"notes": notes})
     data = {"batch": args.batch, "memory_bytes": mem_bytes, "memory_target": where,
             "reserve_bytes": default_reserve(mem_bytes), "contexts": contexts, "models": out}
     return common.emit(args, data, _print_compare)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvwall.errors import KvwallError
-from kvwall.predict.memory import Formats, Parallel, memory
+from kvwall.predict.memory import (Formats, Parallel, cache_bytes_per_token, growth_bytes_per_token, memory,
+                                   state_bytes)
 from kvwall.spec.model import ModelSpec
 
 NEVER = 1 << 40  # a context no model reaches: if it fits, the cache does not grow with context
@@ -131,3 +132,18 @@ def fit(spec: ModelSpec, memory_bytes: int, *, batch: int | None = None, context
                 hi *= 2
             res.max_batch = _largest(lambda n: fits(n, context), hi, hi * 2)
     return res
+
+
+def compare_entry(spec: ModelSpec, formats: Formats, contexts: list[int], batch: int, memory_bytes: int) -> dict:
+    """One model's row of `kvwall compare`: cache per token and at each context, and the longest context that fits."""
+    f = fit(spec, memory_bytes, batch=batch, formats=formats)
+    return {
+        "model": spec.name, "family": spec.family(), "params": spec.params(), "formats": formats.as_dict(),
+        "cache_bytes_per_token": cache_bytes_per_token(spec, formats.kv),
+        "growth_bytes_per_token": growth_bytes_per_token(spec, formats.kv),
+        "state_bytes_per_sequence": state_bytes(spec, formats.state),
+        "cache_bytes": {str(c): memory(spec, batch=batch, context=c, formats=formats).cache_bytes for c in contexts},
+        "weight_bytes": f.weight_bytes, "weights_fit": f.weights_fit,
+        "max_context": None if f.unbounded else f.max_context, "max_context_unbounded": f.unbounded,
+        "model_max_context": spec.max_context,
+    }
