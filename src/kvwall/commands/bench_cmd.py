@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
-from pathlib import Path
 
 from kvwall.commands import common
 from kvwall.errors import KvwallError
-from kvwall.report.tables import console, print_json, table
+from kvwall.files import PLOT_EXTS, check_output, write_text
+from kvwall.report.measured import plot_results
+from kvwall.report.tables import console, table
 from kvwall.units import fmt_bytes, fmt_tokens, parse_token_list, parse_tokens
 
 DEFAULT_CONTEXTS = "1k,4k,16k,32k"
@@ -33,70 +32,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench)
 
 
-def resolve_archs(names: list[str], quick: bool):
-    from kvwall.measure.archs import ARCHS, DEFAULT, QUICK, checkpoint_arch
-
-    out = []
-    for name in names or (QUICK if quick else DEFAULT):
-        if name in ARCHS:
-            out.append(ARCHS[name])
-        elif Path(name).is_dir():
-            out.append(checkpoint_arch(name))
-        else:
-            raise KvwallError(f"unknown architecture {name!r}; known: {', '.join(ARCHS)}, or a model directory")
-    return out
-
-
-def local_profile(quiet: bool):
-    """The `local` device; calibrates first (quick) when this machine has no profile yet."""
-    from kvwall.predict.devices import local_device, profile_path
-
-    if not profile_path().is_file():
-        from kvwall.measure.calibrate import calibrate, save_profile
-
-        if not quiet:
-            console().print(f"no profile of this machine at {profile_path()}: running `kvwall calibrate --quick` first")
-        save_profile(calibrate(quick=True).profile(), profile_path())
-    return local_device()
-
-
 def cmd_bench(args) -> int:
     from kvwall.measure.archs import ARCHS
 
     if args.list:
-        rows = [[a.name, a.cache, a.about] for a in ARCHS.values()]
-        if args.json:
-            print_json([{"name": r[0], "cache": r[1], "about": r[2]} for r in rows])
-        else:
-            console().print(table("bench architectures (~120-145M parameters, random weights)",
-                                  ["name", "cache", "what"], rows))
-        return 0
+        return common.emit(args, [{"name": a.name, "cache": a.cache, "about": a.about} for a in ARCHS.values()],
+                           _print_archs)
     common.need_torch("kvwall bench runs the engine")
     if args.steps < 1:
         raise KvwallError("--steps must be at least 1")
+    save = check_output(args.save, option="--save") if args.save is not None else None
+    plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
     from kvwall.measure import bench
 
-    archs = resolve_archs(args.archs, args.quick)
+    archs = bench.resolve_archs(args.archs, args.quick)
     contexts = sorted(set(parse_token_list(args.context or (QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS))))
     plan = bench.Plan(archs, contexts, steps=args.steps, prefill_max=parse_tokens(args.prefill_max, "prefill max"),
                       threads=args.threads)
-    device = local_profile(args.json)
+    device = bench.local_profile(None if args.json else console().print)
     started = time.time()
     results = _run_with_progress(plan, device, quiet=args.json)
-    data = {"machine": {"host": platform.node(), "cpu_count": os.cpu_count(), "bandwidth_Bps": device.bandwidth,
-                        "peak_flops": device.peak_flops, "profile_source": device.source},
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seconds": round(time.time() - started, 1),
-            "steps": plan.steps, "results": results, "skipped": plan.skipped, "summary": bench.summary(results, archs)}
-    if args.save:
-        _write_json(Path(args.save), data)
-    if args.plot:
-        plot_results(results, device, args.plot)
+    data = bench.bench_data(plan, device, results, time.time() - started)
+    if save:
+        write_text(save, json.dumps(data, indent=2))
+    if plot:
+        plot_results(results, device, plot)
         data["plot"] = args.plot
-    if args.json:
-        print_json(data)
-    else:
-        print_results(data)
-    return 0
+    return common.emit(args, data, print_results)
+
+
+def _print_archs(rows: list[dict]) -> None:
+    console().print(table("bench architectures (~120-145M parameters, random weights)", ["name", "cache", "what"],
+                          [[r["name"], r["cache"], r["about"]] for r in rows]))
 
 
 def _run_with_progress(plan, device, quiet: bool) -> list[dict]:
@@ -143,24 +110,3 @@ def print_results(data: dict) -> None:
     if data.get("plot"):
         c.print(f"plot written to {data['plot']}")
 
-
-def plot_results(results: list[dict], device, path: str) -> None:
-    from kvwall.report import plots
-
-    series, dashed = {}, set()
-    for r in results:
-        series.setdefault(r["arch"], []).append((r["context"], r["decode_s"] * 1e3))
-        key = f"{r['arch']} (predicted)"
-        series.setdefault(key, []).append((r["context"], r["decode_pred_s"] * 1e3))
-        dashed.add(key)
-    plots.lines(series, "context (tokens)", "decode time per token (ms)",
-                f"Measured (solid) vs predicted (dashed) decode time on this machine "
-                f"({device.bandwidth / 1e9:.0f} GB/s)", path, logy=True, dashed=dashed)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    if not path.parent.is_dir():
-        raise KvwallError(f"cannot write {path}: the folder {path.parent} does not exist")
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvwall.commands import common
 from kvwall.predict.devices import profile_path
-from kvwall.report.tables import console, print_json, table
+from kvwall.report.tables import console, table
 
 
 CAPTION = ("read: bytes read once; copy: read + write; GEMV: matrix bytes / time. others: share of the CPUs "
@@ -27,14 +27,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_calibrate(args) -> int:
     from kvwall.measure.calibrate import calibrate, check_target, save_profile
 
-    path = check_target(Path(args.out) if args.out else profile_path())
+    path = check_target(args.out if args.out is not None else profile_path())
     with _progress() as report:
         cal = calibrate(quick=args.quick, progress=report)
     profile = cal.profile()
     save_profile(profile, path)
-    if args.json:
-        print_json(profile | {"profile_path": str(path)})
-        return 0
+    return common.emit(args, profile | {"profile_path": str(path)}, lambda data: _print_calibration(cal, profile, path))
+
+
+def _print_calibration(cal, profile: dict, path: Path) -> None:
     c = console()
     info = cal.info
     llc = f"{info['llc_bytes'] / 2**20:,.0f} MiB" if info.get("llc_bytes") else "unknown"
@@ -54,7 +55,6 @@ def cmd_calibrate(args) -> int:
         warn = note.startswith("other processes")
         c.print(f"[yellow]warning[/yellow]: {note}" if warn else f"note: {note}")
     c.print(f"took {cal.elapsed_s:.1f} s; saved to {path}; use it with [bold]--device local[/bold]")
-    return 0
 
 
 def _ms(seconds: float) -> str:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any, Callable
 
 from kvwall.errors import KvwallError
 from kvwall.predict.memory import Formats, Parallel
+from kvwall.report.tables import print_json
 from kvwall.spec.model import Attention, ModelSpec
 from kvwall.spec.resolve import load_spec
 from kvwall.units import parse_tokens
@@ -36,6 +38,16 @@ def add_parallel(p: argparse.ArgumentParser) -> None:
 
 def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (all sizes in bytes) instead of a table")
+
+
+def emit(args: argparse.Namespace, data: Any, render: Callable[[Any], int | None]) -> int:
+    """The one way a command prints its result: JSON with --json, else ``render(data)``'s tables.
+
+    Returns the exit status: 0, or what ``render`` returns (`fit` says 1 when the weights do not fit)."""
+    if getattr(args, "json", False):
+        print_json(data)
+        return 0
+    return render(data) or 0
 
 
 def reshape(spec: ModelSpec, args: argparse.Namespace) -> tuple[ModelSpec, list[str]]:

@@ -84,14 +84,14 @@ def cmd_verify(args) -> int:
     result = {"checkpoint": str(path), "model_type": model.spec.model_type, "tokens": len(ids),
               "max_abs_logit_diff": diff, "tolerance": args.tolerance, "pass": ok,
               "transformers": transformers.__version__}
-    if args.json:
-        from kvwall.report.tables import print_json
-
-        print_json(result)
-    else:
-        print(f"{path.name} ({model.spec.model_type}), {len(ids)} tokens: max |logit diff| {diff:.3g} "
-              f"vs transformers {transformers.__version__} -> {'PASS' if ok else 'FAIL'} (tolerance {args.tolerance:g})")
+    common.emit(args, result, _print_verify)
     return 0 if ok else 1
+
+
+def _print_verify(r: dict) -> None:
+    print(f"{Path(r['checkpoint']).name} ({r['model_type']}), {r['tokens']} tokens: max |logit diff| "
+          f"{r['max_abs_logit_diff']:.3g} vs transformers {r['transformers']} -> {'PASS' if r['pass'] else 'FAIL'} "
+          f"(tolerance {r['tolerance']:g})")
 
 
 # -- generate ------------------------------------------------------------------
@@ -123,12 +123,12 @@ def cmd_generate(args) -> int:
     result = {"checkpoint": str(path), "cache": args.cache, "prompt_ids": ids, "ids": new, "text": text,
               "prefill_s": out.prefill_s, "decode_s": out.decode_s, "decode_steps": out.decode_steps,
               "decode_tokens_per_s": out.decode_tok_s, "total_s": wall, "cache_bytes": out.cache_bytes}
-    if args.json:
-        from kvwall.report.tables import print_json
+    return common.emit(args, result, _print_generate)
 
-        print_json(result)
-        return 0
-    sys.stdout.write((text if text is not None else ",".join(map(str, new))) + "\n")
-    print(f"[{len(new)} tokens, prefill {out.prefill_s * 1e3:.1f} ms, decode {out.decode_tok_s:.1f} tok/s, "
-          f"{args.cache} cache {fmt_bytes(out.cache_bytes)}]", file=sys.stderr)
-    return 0
+
+def _print_generate(r: dict) -> None:
+    """The text (or ids) on stdout; the speed and cache size on stderr, so that stdout pipes cleanly."""
+    new = r["ids"]
+    sys.stdout.write((r["text"] if r["text"] is not None else ",".join(map(str, new))) + "\n")
+    print(f"[{len(new)} tokens, prefill {r['prefill_s'] * 1e3:.1f} ms, decode {r['decode_tokens_per_s']:.1f} tok/s, "
+          f"{r['cache']} cache {fmt_bytes(r['cache_bytes'])}]", file=sys.stderr)

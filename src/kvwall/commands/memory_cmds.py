@@ -8,9 +8,9 @@ from kvwall import catalog
 from kvwall.commands import common
 from kvwall.errors import KvwallError
 from kvwall.predict import devices as dev
-from kvwall.predict.fit import fit, parse_reserve
-from kvwall.predict.memory import cache_bytes_per_token, growth_bytes_per_token, memory, state_bytes
-from kvwall.report.tables import console, print_json, table
+from kvwall.predict.fit import compare_entry, default_reserve, fit, headroom, parse_reserve
+from kvwall.predict.memory import cache_bytes_per_token, memory, state_bytes
+from kvwall.report.tables import console, table
 from kvwall.spec.resolve import load_spec
 from kvwall.units import fmt_bytes, fmt_count, fmt_tokens, parse_bytes, parse_token_list, parse_tokens
 
@@ -81,24 +81,26 @@ def cmd_models(args) -> int:
             "params": spec.params(), "active_params": spec.active_params(), "layers": spec.n_layers,
             "max_context": spec.max_context, "source": cfg.get("_source"), "unconfirmed": cfg.get("_unconfirmed", []),
         })
-    if args.json:
-        print_json(rows)
-        return 0
+    return common.emit(args, rows, _print_models)
+
+
+def _print_models(rows: list[dict]) -> None:
     t = table("kvwall catalog: real models' config.json (sources: kvwall/catalog/models/*.json)",
               ["name", "hub id", "type", "family", "params", "active", "layers", "max ctx"],
               [[r["name"], r["hub_id"], r["model_type"], r["family"], fmt_count(r["params"]),
                 fmt_count(r["active_params"]), r["layers"], fmt_tokens(r["max_context"]) if r["max_context"] else "-"]
                for r in rows])
     console().print(t)
-    return 0
 
 
 def cmd_devices(args) -> int:
     devs = [dev.get_device(n) for n in dev.device_names()]
-    if args.json:
-        print_json({"devices": [d.as_dict() | {"balance_bf16": _balance(d, "bf16"), "balance_fp8": _balance(d, "fp8")}
-                                for d in devs], "balance_trend": balance_trend()})
-        return 0
+    data = {"devices": [d.as_dict() | {"balance_bf16": _balance(d, "bf16"), "balance_fp8": _balance(d, "fp8")}
+                        for d in devs], "balance_trend": dev.balance_trend()}
+    return common.emit(args, data, lambda data: _print_devices(devs, data["balance_trend"]))
+
+
+def _print_devices(devs: list[dev.Device], trend: list[dict]) -> None:
     rows = []
     for d in devs:
         rows.append([d.name, d.year or "-", f"{d.memory_bytes / 1e9:g} GB", f"{d.bandwidth / 1e9:,.0f} GB/s",
@@ -110,29 +112,11 @@ def cmd_devices(args) -> int:
                "link (bidir)"], rows, caption="Sources and unconfirmed figures: `kvwall devices --json`.")
     c = console()
     c.print(t)
-    trend = balance_trend()
     c.print(table("Compute outgrows bandwidth: dense 16-bit peak vs memory bandwidth across generations",
                   ["device", "year", "TFLOP/s", "x V100", "GB/s", "x V100", "balance FLOP/B"],
                   [[r["device"], r["year"], f"{r['flops'] / 1e12:,.0f}", f"{r['flops_growth']:.1f}x",
                     f"{r['bandwidth'] / 1e9:,.0f}", f"{r['bandwidth_growth']:.1f}x", f"{r['balance']:,.0f}"]
                    for r in trend]))
-    return 0
-
-
-TREND = ["v100-sxm", "a100-80gb", "h100-sxm", "h200", "b200"]
-
-
-def balance_trend() -> list[dict]:
-    """V100 -> B200: 16-bit tensor peak (bf16, or fp16 on V100) vs bandwidth, relative to the first."""
-    rows = []
-    for name in TREND:
-        d = dev.get_device(name)
-        rows.append({"device": name, "year": d.year, "flops": d.flops("bf16"), "bandwidth": d.bandwidth,
-                     "balance": d.balance("bf16")})
-    for r in rows:
-        r["flops_growth"] = r["flops"] / rows[0]["flops"]
-        r["bandwidth_growth"] = r["bandwidth"] / rows[0]["bandwidth"]
-    return rows
 
 
 def _peak(d: dev.Device, dtype: str) -> float | None:
@@ -166,9 +150,10 @@ def cmd_show(args) -> int:
         "layer_groups": [{"layer": desc, "indices": idx} for desc, idx in spec.layer_groups()],
         "notes": list(spec.notes) + notes,
     }
-    if args.json:
-        print_json(data)
-        return 0
+    return common.emit(args, data, lambda data: _print_show(data, spec, fm))
+
+
+def _print_show(data: dict, spec, fm) -> None:
     c = console()
     c.print(f"[bold]{spec.name}[/bold]  ({spec.model_type}, {spec.family()})  hidden {spec.hidden}, vocab {spec.vocab}, "
             f"{spec.n_layers} layers, embeddings {'tied' if spec.tied_embeddings else 'untied'}, "
@@ -182,7 +167,6 @@ def cmd_show(args) -> int:
     c.print(t)
     for note in data["notes"]:
         c.print(f"note: {note}")
-    return 0
 
 
 def _ranges(idx: list[int]) -> str:
@@ -210,13 +194,15 @@ def cmd_memory(args) -> int:
     w, cache = rep.per_gpu()
     device = dev.get_device(args.device) if args.device else None
     if device:
-        reserve = device.memory_bytes // 10
-        free = device.memory_bytes - reserve - w - cache
-        data["device"] = {"name": device.name, "memory_bytes": device.memory_bytes, "reserve_bytes": reserve,
-                          "fits": free >= 0, "free_bytes": free}
-    if args.json:
-        print_json(data)
-        return 0
+        room = headroom(device.memory_bytes, w + cache)
+        data["device"] = {"name": device.name, "memory_bytes": device.memory_bytes, "reserve_bytes": room.reserve_bytes,
+                          "fits": room.fits, "free_bytes": room.free_bytes}
+    return common.emit(args, data, lambda data: _print_memory(data, rep, spec, fm, device, args))
+
+
+def _print_memory(data: dict, rep, spec, fm, device, args) -> None:
+    w, cache = rep.per_gpu()
+    ctx = rep.context
     c = console()
     par = f", tp={rep.parallel.tp} pp={rep.parallel.pp}" if rep.parallel.gpus > 1 else ""
     c.print(f"[bold]{spec.name}[/bold]: batch {args.batch} x {fmt_tokens(ctx)} tokens; weights {fm.weights.label}, "
@@ -246,7 +232,6 @@ def cmd_memory(args) -> int:
                       _kinds(rep.layers)))
     for note in data["notes"]:
         c.print(f"note: {note}")
-    return 0
 
 
 def _kinds(layers) -> list[list]:
@@ -274,24 +259,16 @@ def cmd_compare(args) -> int:
     out = []
     for name in args.models or LINEUP:
         spec, fm, notes = common.model_and_formats(name, args)
-        per_ctx = {str(ctx): memory(spec, batch=args.batch, context=ctx, formats=fm).cache_bytes for ctx in contexts}
-        f = fit(spec, mem_bytes, batch=args.batch, formats=fm)
-        out.append({
-            "model": spec.name, "family": spec.family(), "params": spec.params(), "formats": fm.as_dict(),
-            "cache_bytes_per_token": cache_bytes_per_token(spec, fm.kv),
-            "growth_bytes_per_token": growth_bytes_per_token(spec, fm.kv),
-            "state_bytes_per_sequence": state_bytes(spec, fm.state), "cache_bytes": per_ctx,
-            "weight_bytes": f.weight_bytes, "weights_fit": f.weights_fit,
-            "max_context": None if f.unbounded else f.max_context, "max_context_unbounded": f.unbounded,
-            "model_max_context": spec.max_context, "notes": notes,
-        })
-    data = {"batch": args.batch, "memory_bytes": mem_bytes, "memory_target": where, "reserve_bytes": mem_bytes // 10,
-            "contexts": contexts, "models": out}
-    if args.json:
-        print_json(data)
-        return 0
+        out.append(compare_entry(spec, fm, contexts, args.batch, mem_bytes) | {"notes": notes})
+    data = {"batch": args.batch, "memory_bytes": mem_bytes, "memory_target": where,
+            "reserve_bytes": default_reserve(mem_bytes), "contexts": contexts, "models": out}
+    return common.emit(args, data, _print_compare)
+
+
+def _print_compare(data: dict) -> None:
+    contexts = data["contexts"]
     rows = []
-    for r in out:
+    for r in data["models"]:
         if not r["weights_fit"]:
             longest = "weights do not fit"
         elif r["max_context_unbounded"]:
@@ -304,14 +281,13 @@ def cmd_compare(args) -> int:
                      fmt_bytes(r["state_bytes_per_sequence"]) if r["state_bytes_per_sequence"] else "-",
                      *[fmt_bytes(r["cache_bytes"][str(c)]) for c in contexts],
                      longest])
-    title = (f"Cache for batch {args.batch} (KV/state in each model's 16-bit type unless --kv-format); "
-             f"longest context next to the weights on {where}")
+    title = (f"Cache for batch {data['batch']} (KV/state in each model's 16-bit type unless --kv-format); "
+             f"longest context next to the weights on {data['memory_target']}")
     caption = ("cache/token: bytes each token adds while every layer still keeps it; past windows: what each token adds "
                "once sliding layers are full. max ctx: the model's trained maximum (contexts past it are what-ifs). "
                "10% of memory kept in reserve for activations and runtime.")
     console().print(table(title, ["model", "family", "params", "max ctx", "cache/token", "past windows", "fixed state",
                                   *[f"@{fmt_tokens(c)}" for c in contexts], "longest ctx"], rows, caption=caption))
-    return 0
 
 
 def _memory_target(device: str | None, mem: str | None) -> tuple[int, str]:
@@ -336,10 +312,13 @@ def cmd_fit(args) -> int:
               reserve_bytes=parse_reserve(args.reserve, mem_bytes), block_size=args.block_size)
     data = res.as_dict() | {"model": spec.name, "device": where, "formats": fm.as_dict(), "tp": par.tp, "pp": par.pp,
                             "model_max_context": spec.max_context, "notes": list(spec.notes) + notes}
-    if args.json:
-        print_json(data)
-        return 0
+    return common.emit(args, data, lambda data: _print_fit(data, res, spec, fm, par))
+
+
+def _print_fit(data: dict, res, spec, fm, par) -> int:
+    """The verdict in words; 1 when the weights do not fit (the exit status of `kvwall fit`)."""
     c = console()
+    where, mem_bytes, ctx = data["device"], res.memory_bytes, res.context
     gpus = f" x {par.gpus} GPUs (tp={par.tp}, pp={par.pp})" if par.gpus > 1 else ""
     c.print(f"[bold]{spec.name}[/bold] on {where}{gpus}; weights {fm.weights.label}, KV {fm.kv.label}")
     c.print(f"per GPU: {mem_bytes / 1e9:g} GB = {fmt_bytes(mem_bytes)} memory - {fmt_bytes(res.reserve_bytes)} reserve - "
@@ -348,7 +327,7 @@ def cmd_fit(args) -> int:
         c.print("[red]weights do not fit[/red]: use more GPUs (--tp/--pp), a smaller --weight-format, or a bigger device")
         return 1
     if ctx is None:
-        b = args.batch or 1
+        b = res.batch
         if res.unbounded:
             c.print(f"batch {b}: any context fits (the cache stops growing: fixed state / sliding windows)")
         elif res.max_context == 0:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from collections import OrderedDict
 
 from kvwall import catalog
 from kvwall.commands import common
@@ -11,7 +10,10 @@ from kvwall.errors import KvwallError
 from kvwall.predict import devices as dev
 from kvwall.predict.fit import fit
 from kvwall.predict.roofline import (Roof, compute_bound_batch, decode, energy_estimate, prefill, speculative)
-from kvwall.report.tables import console, print_json, table
+from kvwall.files import PLOT_EXTS, check_output
+from kvwall.report import plots
+from kvwall.report.analysis import group_ops, roofline_points
+from kvwall.report.tables import console, table
 from kvwall.spec.model import LatentAttention
 from kvwall.units import fmt_bytes, fmt_tokens, parse_int_list, parse_token_list, parse_tokens
 
@@ -82,27 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 # -- roofline ----------------------------------------------------------------------
 
-def _group_ops(per_op: list[dict]) -> list[dict]:
-    """Sum ops of the same name across layers."""
-    groups: "OrderedDict[str, dict]" = OrderedDict()
-    for op in per_op:
-        key = op["name"].split(" (")[0] if op["name"].startswith("experts") else op["name"]
-        g = groups.setdefault(key, {"name": key, "count": 0, "flops": 0.0, "bytes": 0.0, "time_s": 0.0,
-                                    "bounds": set()})
-        g["count"] += 1
-        g["flops"] += op["flops"]
-        g["bytes"] += op["bytes"]
-        g["time_s"] += op["time_s"]
-        g["bounds"].add(op["bound"])
-    out = []
-    for g in groups.values():
-        g["intensity"] = g["flops"] / g["bytes"] if g["bytes"] else None
-        g["bound"] = "/".join(sorted(g.pop("bounds")))
-        out.append(g)
-    return out
-
-
 def cmd_roofline(args) -> int:
+    plot = _plot_path(args)
     spec, fm, notes = common.model_and_formats(args.model, args)
     roof = roof_from(args)
     par = common.parallel(args)
@@ -133,14 +116,16 @@ def cmd_roofline(args) -> int:
         "throughput_ceiling": ceiling, "weights_fit": mem.weights_fit,
         "notes": list(spec.notes) + notes + _fit_note(mem.weights_fit, spec.name, roof.device.name),
     }
-    if args.plot:
-        _roofline_plot(spec.name, phases[0], roof, args.plot)
+    if plot:
+        plots.roofline(roofline_points((phases[0]["prefill"], phases[0]["decode"])), roof.peak, roof.bandwidth,
+                       f"{spec.name} on {roof.device.name}, batch {phases[0]['batch']}: ops under the roof", plot)
         data["plot"] = args.plot
-    if args.json:
-        print_json(data)
-        return 0
-    _print_roofline(data, phases, roof, args)
-    return 0
+    return common.emit(args, data, lambda data: _print_roofline(data, phases, roof, args))
+
+
+def _plot_path(args):
+    """--plot checked before any work: a bad path is one line, not a traceback after the analysis."""
+    return check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
 
 
 def _fit_note(fits: bool, model: str, device: str) -> list[str]:
@@ -159,6 +144,7 @@ def _per_token(e: dict, batch: int) -> dict:
 
 
 def _print_roofline(data, phases, roof: Roof, args) -> None:
+    """The phases, serving speed and decode ops as tables, then the compute-bound batch and the ceiling."""
     c = console()
     a = data["assumptions"]
     par = f", tp={data['tp']} pp={data['pp']}" if data["tp"] * data["pp"] > 1 else ""
@@ -182,7 +168,7 @@ def _print_roofline(data, phases, roof: Roof, args) -> None:
     c.print(table("serving", ["batch", "TTFT", "time/token", "tok/s per seq", "tok/s total", "energy/token*"], rows,
                   caption="* estimate: DRAM bytes x pJ/byte of the memory type + FLOPs x TDP/peak, capped at TDP x time "
                           "(sources: kvwall/catalog/energy.json)"))
-    ops = _group_ops(phases[0]["decode"].per_op) if not args.ops else phases[0]["decode"].per_op
+    ops = group_ops(phases[0]["decode"].per_op) if not args.ops else phases[0]["decode"].per_op
     c.print(table(f"decode ops, batch {phases[0]['batch']} (summed over layers)" if not args.ops else "decode ops",
                   ["op", "n", "GFLOP", "bytes", "FLOP/B", "time", "bound"],
                   [[o["name"] if not args.ops else f"{o['layer']}: {o['name']}", o.get("count", 1),
@@ -208,22 +194,10 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:,.3f} ms" if s < 1 else f"{s:,.2f} s"
 
 
-def _roofline_plot(name: str, phase: dict, roof: Roof, path: str) -> None:
-    from kvwall.report import plots
-
-    points = []
-    for ph in (phase["prefill"], phase["decode"]):
-        for g in _group_ops(ph.per_op):
-            if g["flops"] and g["bytes"] and g["time_s"]:
-                points.append({"label": g["name"], "intensity": g["intensity"], "flops_per_s": g["flops"] / g["time_s"],
-                               "phase": ph.name})
-    plots.roofline(points, roof.peak, roof.bandwidth,
-                   f"{name} on {roof.device.name}, batch {phase['batch']}: ops under the roof", path)
-
-
 # -- speed -------------------------------------------------------------------------
 
 def cmd_speed(args) -> int:
+    plot = _plot_path(args)
     roof = roof_from(args)
     par = common.parallel(args)
     contexts = parse_token_list(args.context, "context")
@@ -243,26 +217,26 @@ def cmd_speed(args) -> int:
                     "notes": notes + _fit_note(fits, spec.name, roof.device.name)})
     data = {"device": roof.device.name, "batch": args.batch, "prompt": prompt, "assumptions": roof.assumptions(),
             "models": out}
-    if args.plot:
-        from kvwall.report import plots
-
+    if plot:
         plots.lines({m["model"]: [(r["context"], r["tpot_s"] * 1e3) for r in m["decode"]] for m in out},
                     "context (tokens)", "decode time per token (ms)",
-                    f"The memory wall on {roof.device.name}: decode time vs context (batch {args.batch})", args.plot)
+                    f"The memory wall on {roof.device.name}: decode time vs context (batch {args.batch})", plot)
         data["plot"] = args.plot
-    if args.json:
-        print_json(data)
-        return 0
+    return common.emit(args, data, _print_speed)
+
+
+def _print_speed(data: dict) -> None:
+    a, out, prompt = data["assumptions"], data["models"], data["prompt"]
+    contexts = [r["context"] for r in out[0]["decode"]]
     rows = [[m["model"] + ("" if m["weights_fit"] else " (!)"), m["family"], _ms(m["ttft_s"]),
              *[f"{r['tokens_per_s']:,.1f}" for r in m["decode"]]] for m in out]
     console().print(table(
-        f"decode tok/s per sequence on {roof.device.name} (batch {args.batch}; TTFT for a {fmt_tokens(prompt)} prompt)",
+        f"decode tok/s per sequence on {data['device']} (batch {data['batch']}; TTFT for a {fmt_tokens(prompt)} prompt)",
         ["model", "family", "TTFT", *[f"@{fmt_tokens(c)}" for c in contexts]], rows,
-        caption=f"ideal roofline: compute x{roof.compute_eff:g}, bandwidth x{roof.mem_eff:g}; contexts past a model's "
-                "trained maximum are what-ifs; (!) weights do not fit one device at this tp/pp"))
-    if args.plot:
-        console().print(f"plot written to {args.plot}")
-    return 0
+        caption=f"ideal roofline: compute x{a['compute_eff']:g}, bandwidth x{a['mem_eff']:g}; contexts past a "
+                "model's trained maximum are what-ifs; (!) weights do not fit one device at this tp/pp"))
+    if data.get("plot"):
+        console().print(f"plot written to {data['plot']}")
 
 
 # -- speculate ---------------------------------------------------------------------
@@ -281,12 +255,14 @@ def cmd_speculate(args) -> int:
             "batch": args.batch, "device": roof.device.name, "rows": rows, "best_k": best["k"],
             "formula": "E[tokens] = (1 - a^(k+1)) / (1 - a); speed-up = E x t_target / (k t_draft + t_verify(k+1))",
             "assumptions": roof.assumptions()}
-    if args.json:
-        print_json(data)
-        return 0
+    return common.emit(args, data, _print_speculate)
+
+
+def _print_speculate(data: dict) -> None:
+    rows, best = data["rows"], max(data["rows"], key=lambda r: r["speedup"])
     c = console()
-    c.print(f"[bold]{target.name}[/bold] drafted by [bold]{draft.name}[/bold] on {roof.device.name}, acceptance "
-            f"{args.acceptance:g}, context {fmt_tokens(ctx)}, batch {args.batch}")
+    c.print(f"[bold]{data['target']}[/bold] drafted by [bold]{data['draft']}[/bold] on {data['device']}, acceptance "
+            f"{data['acceptance']:g}, context {fmt_tokens(data['context'])}, batch {data['batch']}")
     c.print(table("speculative decoding", ["k", "E[tokens]/pass", "draft", "verify", "time/token", "speed-up"],
                   [[r["k"], f"{r['expected_tokens']:.2f}", _ms(r["draft_s"]), _ms(r["verify_s"]),
                     _ms(r["time_per_token_s"]), f"{r['speedup']:.2f}x"] for r in rows],
@@ -295,4 +271,3 @@ def cmd_speculate(args) -> int:
     c.print(f"best k = {best['k']} ({best['speedup']:.2f}x); "
             + (f"stops paying (speed-up < 1) at k = {losing[0]}" if losing else
                f"every k tried pays; past k = {best['k']} extra drafts cost more than they add"))
-    return 0

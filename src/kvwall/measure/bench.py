@@ -167,3 +167,43 @@ def summary(results: list[dict], archs: list[Arch] | None = None) -> dict:
             "goal": GOAL, "max_abs_error_bandwidth_bound": max((abs(r["decode_error"]) for r in bw), default=None),
             "outside_goal": [f"{r['arch']}@{r['context']}" for r in bw if not r["within_goal"]],
             "reasons": {a: gaps.get(a) or "not investigated" for a in dict.fromkeys(outside)}}
+
+
+# -- shared by `kvwall bench` and the report's measured section ----------------------
+
+def resolve_archs(names: list[str], quick: bool) -> list[Arch]:
+    """Named architectures or model directories; none named: the default (or quick) set."""
+    from pathlib import Path
+
+    from kvwall.measure.archs import ARCHS, DEFAULT, QUICK, checkpoint_arch
+
+    out = []
+    for name in names or (QUICK if quick else DEFAULT):
+        if name in ARCHS:
+            out.append(ARCHS[name])
+        elif Path(name).is_dir():
+            out.append(checkpoint_arch(name))
+        else:
+            raise KvwallError(f"unknown architecture {name!r}; known: {', '.join(ARCHS)}, or a model directory")
+    return out
+
+
+def local_profile(say: Callable[[str], None] | None = None) -> Device:
+    """The `local` device, measured again first (quick) when this host has no profile under a day old."""
+    from kvwall.measure.calibrate import fresh_profile
+    from kvwall.predict.devices import local_device, profile_path
+
+    fresh_profile(profile_path(), say=say)
+    return local_device()
+
+
+def bench_data(plan: Plan, device: Device, results: list[dict], seconds: float) -> dict:
+    """What `kvwall bench` prints and saves: the machine, the results, what was skipped, the summary."""
+    import os
+    import platform
+    import time
+
+    return {"machine": {"host": platform.node(), "cpu_count": os.cpu_count(), "bandwidth_Bps": device.bandwidth,
+                        "peak_flops": device.peak_flops, "profile_source": device.source},
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seconds": round(seconds, 1),
+            "steps": plan.steps, "results": results, "skipped": plan.skipped, "summary": summary(results, plan.archs)}

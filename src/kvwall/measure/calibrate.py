@@ -14,13 +14,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 from kvwall.errors import KvwallError
+from kvwall.files import check_output, write_text
 from kvwall.measure import machine
 
 GiB = 2**30
@@ -258,41 +257,12 @@ def fresh_profile(path: Path, max_age_s: float = FRESH_S, say: Callable[[str], N
     return path
 
 
-def check_target(path: Path) -> Path:
+def check_target(path: str | Path) -> Path:
     """Fail early (before a minute of measuring) if the profile could not be written to ``path``."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        raise KvwallError(f"--out {path} is a directory; give a file path such as {path / 'local-device.json'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise _unwritable(path, exc) from None
-    if not os.access(path.parent, os.W_OK):
-        raise KvwallError(f"cannot write the profile to {path} (folder not writable); pass a writable --out PATH")
-    return path
+    return check_output(path, option="--out", make_parents=True, what="the profile")
 
 
 def save_profile(profile: dict, path: Path) -> Path:
-    """Write the profile as JSON atomically: a temp file in the same folder, then rename over the target."""
+    """Write the profile as JSON atomically (kvwall.files: a unique temp file in the same folder, then rename)."""
     path = check_target(path)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".local-device-", suffix=".json.tmp")
-    except OSError as exc:
-        raise _unwritable(path, exc) from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(profile, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise _unwritable(path, exc) from None
-        raise
-    return path
-
-
-def _unwritable(path: Path, exc: OSError) -> KvwallError:
-    return KvwallError(f"cannot write the profile to {path} ({exc.strerror}); pass a writable --out PATH")
+    return write_text(path, json.dumps(profile, indent=2) + "\n")

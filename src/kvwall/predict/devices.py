@@ -119,3 +119,19 @@ def local_device() -> Device:
 def memory_only(memory_bytes: int) -> Device:
     """A device known only by its memory size (for `fit --memory 80GB`)."""
     return Device(name=f"{memory_bytes / 1e9:g} GB", memory_bytes=memory_bytes, bandwidth=float("nan"))
+
+
+TREND = ["v100-sxm", "a100-80gb", "h100-sxm", "h200", "b200"]  # one device per NVIDIA generation
+
+
+def balance_trend(names: list[str] = TREND) -> list[dict]:
+    """Across generations: 16-bit tensor peak (bf16, or fp16 on V100) vs bandwidth, growth relative to the first."""
+    rows = []
+    for name in names:
+        d = get_device(name)
+        rows.append({"device": name, "year": d.year, "flops": d.flops("bf16"), "bandwidth": d.bandwidth,
+                     "balance": d.balance("bf16")})
+    for r in rows:
+        r["flops_growth"] = r["flops"] / rows[0]["flops"]
+        r["bandwidth_growth"] = r["bandwidth"] / rows[0]["bandwidth"]
+    return rows

@@ -10,9 +10,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvwall.errors import KvwallError
-from kvwall.predict.memory import NEVER, Formats, Parallel, memory
+from kvwall.predict.memory import (NEVER, Formats, Parallel, cache_bytes_per_token, growth_bytes_per_token, memory,
+                                   state_bytes)
 from kvwall.spec.model import ModelSpec
 
+
+
+def default_reserve(memory_bytes: int) -> int:
+    """Memory kept free per GPU unless told otherwise (activations, CUDA context, allocator slack): 10 %."""
+    return memory_bytes // 10
+
+
+@dataclass
+class Headroom:
+    """Whether a given use of memory fits one GPU next to the reserve."""
+    memory_bytes: int
+    reserve_bytes: int
+    free_bytes: int  # negative: short by that much
+
+    @property
+    def fits(self) -> bool:
+        return self.free_bytes >= 0
+
+
+def headroom(memory_bytes: int, used_bytes: int, reserve_bytes: int | None = None) -> Headroom:
+    reserve = default_reserve(memory_bytes) if reserve_bytes is None else reserve_bytes
+    return Headroom(memory_bytes, reserve, memory_bytes - reserve - used_bytes)
 
 
 @dataclass
@@ -41,7 +64,7 @@ def parse_reserve(text: str | None, memory_bytes: int) -> int:
     from kvwall.units import parse_bytes
 
     if text is None:
-        return memory_bytes // 10
+        return default_reserve(memory_bytes)
     text = str(text).strip()
     if text.endswith("%"):
         try:
@@ -78,7 +101,7 @@ def fit(spec: ModelSpec, memory_bytes: int, *, batch: int | None = None, context
     """Give a batch to get the longest context, or a context to get the largest batch."""
     formats = formats or Formats.for_spec(spec)
     parallel = parallel or Parallel()
-    reserve = memory_bytes // 10 if reserve_bytes is None else reserve_bytes
+    reserve = default_reserve(memory_bytes) if reserve_bytes is None else reserve_bytes
     budget = memory_bytes - reserve
     if budget <= 0:
         raise KvwallError("the reserve takes all of the memory; lower --reserve")
@@ -142,7 +165,7 @@ def placement(spec: ModelSpec, memory_bytes: int, *, batch: int = 1, context: in
               formats: Formats | None = None, reserve_bytes: int | None = None) -> Placement:
     """The smallest tensor-parallel degree in TP_DEGREES whose busiest GPU holds its weights and cache
     (with the reserve); degrees the model's heads cannot be split into are skipped."""
-    reserve = memory_bytes // 10 if reserve_bytes is None else reserve_bytes
+    reserve = default_reserve(memory_bytes) if reserve_bytes is None else reserve_bytes
     for tp in TP_DEGREES:
         try:
             need = _need(spec, batch, context, formats or Formats.for_spec(spec), Parallel(tp), None)[1]
@@ -151,3 +174,18 @@ def placement(spec: ModelSpec, memory_bytes: int, *, batch: int = 1, context: in
         if need <= memory_bytes - reserve:
             return Placement(tp, batch, context)
     return Placement(None, batch, context)
+
+
+def compare_entry(spec: ModelSpec, formats: Formats, contexts: list[int], batch: int, memory_bytes: int) -> dict:
+    """One model's row of `kvwall compare`: cache per token and at each context, and the longest context that fits."""
+    f = fit(spec, memory_bytes, batch=batch, formats=formats)
+    return {
+        "model": spec.name, "family": spec.family(), "params": spec.params(), "formats": formats.as_dict(),
+        "cache_bytes_per_token": cache_bytes_per_token(spec, formats.kv),
+        "growth_bytes_per_token": growth_bytes_per_token(spec, formats.kv),
+        "state_bytes_per_sequence": state_bytes(spec, formats.state),
+        "cache_bytes": {str(c): memory(spec, batch=batch, context=c, formats=formats).cache_bytes for c in contexts},
+        "weight_bytes": f.weight_bytes, "weights_fit": f.weights_fit,
+        "max_context": None if f.unbounded else f.max_context, "max_context_unbounded": f.unbounded,
+        "model_max_context": spec.max_context,
+    }

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 from kvwall import catalog
-from kvwall.predict.devices import get_device
+from kvwall.predict.devices import balance_trend, get_device
 from kvwall.predict.fit import fit, placement
 from kvwall.predict.memory import Formats, Parallel, cache_bytes_per_token, growth_bytes_per_token, memory, state_bytes
-from kvwall.predict.roofline import Roof, decode, prefill
+from kvwall.predict.roofline import PhaseResult, Roof, decode, prefill
 from kvwall.report import plots
 from kvwall.report.document import Figure, Section, Table
 from kvwall.spec.resolve import load_spec
@@ -16,7 +17,6 @@ from kvwall.units import fmt_bytes, fmt_tokens
 
 DEVICES = ["h100-sxm", "h200", "b200"]
 CONTEXTS = [1 << k for k in range(10, 21)]  # 1k .. 1M
-TREND = ["v100-sxm", "a100-80gb", "h100-sxm", "h200", "b200"]
 
 
 def _specs():
@@ -71,13 +71,8 @@ def speed_section(out: Path) -> Section:
                       "The memory wall on H100: predicted decode time vs context (batch 1)",
                       out / "decode-vs-context.png", logy=True)
     llama = load_spec("llama-3-8b")
-    pts = []
-    for ph in (prefill(llama, 2048, 8, Formats.for_spec(llama), roof),
-               decode(llama, 4096, 8, Formats.for_spec(llama), roof)):
-        for op in ph.per_op:
-            if op["flops"] and op["bytes"] and op["time_s"] and op["layer"] in (0, None):
-                pts.append({"label": op["name"], "intensity": op["intensity"], "flops_per_s": op["flops"] / op["time_s"],
-                            "phase": ph.name})
+    pts = roofline_points((prefill(llama, 2048, 8, Formats.for_spec(llama), roof),
+                           decode(llama, 4096, 8, Formats.for_spec(llama), roof)), first_layer=True)
     fig2 = plots.roofline(pts, roof.peak, roof.bandwidth, "Llama-3-8B on H100, batch 8: each op under the roof",
                           out / "roofline.png")
     cols = ["model", "TTFT 2k on H100 (ms)"] + [f"{d} tok/s @{fmt_tokens(c)}" for d in DEVICES for c in (4096, 131072)]
@@ -123,16 +118,13 @@ def _longest(spec, fm, memory_bytes: int) -> str:
 
 
 def balance_section(out: Path) -> Section:
-    rows, flops, bw = [], [], []
-    base = get_device(TREND[0])
-    for name in TREND:
-        d = get_device(name)
-        rows.append([name, d.year, f"{d.flops('bf16') / 1e12:,.0f}", f"{d.bandwidth / 1e9:,.0f}",
-                     f"{d.balance('bf16'):,.0f}"])
-        flops.append(d.flops("bf16") / base.flops("bf16"))
-        bw.append(d.bandwidth / base.bandwidth)
-    labels = [f"{n}\nbalance {get_device(n).balance('bf16'):.0f}" for n in TREND]
-    fig = plots.grouped_bars(labels, {"16-bit peak FLOP/s": flops, "memory bandwidth": bw}, "growth since V100",
+    trend = balance_trend()
+    rows = [[r["device"], r["year"], f"{r['flops'] / 1e12:,.0f}", f"{r['bandwidth'] / 1e9:,.0f}", f"{r['balance']:,.0f}"]
+            for r in trend]
+    labels = [f"{r['device']}\nbalance {r['balance']:.0f}" for r in trend]
+    growth = {"16-bit peak FLOP/s": [r["flops_growth"] for r in trend],
+              "memory bandwidth": [r["bandwidth_growth"] for r in trend]}
+    fig = plots.grouped_bars(labels, growth, "growth since V100",
                              "Compute grows faster than bandwidth (machine balance in FLOP/B under each name)",
                              out / "balance.png")
     return Section(
@@ -143,3 +135,37 @@ def balance_section(out: Path) -> Section:
                       "dense peaks from the device catalog (V100: fp16 tensor; others bf16)")],
         figures=[Figure(fig, "Growth of 16-bit compute and memory bandwidth since V100", "balance")],
     )
+
+
+def group_ops(per_op: list[dict]) -> list[dict]:
+    """Sum ops of the same name across layers (the experts of every MoE layer under one name)."""
+    groups: dict[str, dict] = {}
+    for op in per_op:
+        key = op["name"].split(" (")[0] if op["name"].startswith("experts") else op["name"]
+        g = groups.setdefault(key, {"name": key, "count": 0, "flops": 0.0, "bytes": 0.0, "time_s": 0.0,
+                                    "bounds": set()})
+        g["count"] += 1
+        g["flops"] += op["flops"]
+        g["bytes"] += op["bytes"]
+        g["time_s"] += op["time_s"]
+        g["bounds"].add(op["bound"])
+    out = []
+    for g in groups.values():
+        g["intensity"] = g["flops"] / g["bytes"] if g["bytes"] else None
+        g["bound"] = "/".join(sorted(g.pop("bounds")))
+        out.append(g)
+    return out
+
+
+def roofline_points(phases: Iterable[PhaseResult], first_layer: bool = False) -> list[dict]:
+    """Points for plots.roofline: each op's intensity and achieved FLOP/s, per phase.
+
+    Ops summed over layers, or (``first_layer``) only the first layer's ops and those outside the layers."""
+    points = []
+    for ph in phases:
+        ops = [op for op in ph.per_op if op["layer"] in (0, None)] if first_layer else group_ops(ph.per_op)
+        for op in ops:
+            if op["flops"] and op["bytes"] and op["time_s"]:
+                points.append({"label": op["name"], "intensity": op["intensity"],
+                               "flops_per_s": op["flops"] / op["time_s"], "phase": ph.name})
+    return points

@@ -7,6 +7,8 @@ import html
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvwall.files import write_text
+
 
 @dataclass
 class Table:
@@ -77,7 +79,7 @@ def write_html(doc: Document, path: Path) -> Path:
             items = "".join(f"<li>{html.escape(a)}</li>" for a in s.assumptions)
             parts.append(f"<div class='assume'><b>Assumptions</b><ul>{items}</ul></div>")
     parts.append("</body></html>")
-    return _atomic_write(path, "\n".join(parts))
+    return write_text(path, "\n".join(parts))
 
 
 def write_markdown(doc: Document, path: Path) -> Path:
@@ -95,11 +97,5 @@ def write_markdown(doc: Document, path: Path) -> Path:
             out += [f"![{f.caption}]({f.path.name})", "", f"_{f.caption}_", ""]
         if s.assumptions:
             out += ["**Assumptions**", ""] + [f"- {a}" for a in s.assumptions] + [""]
-    return _atomic_write(path, "\n".join(out))
+    return write_text(path, "\n".join(out))
 
-
-def _atomic_write(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
-    return path

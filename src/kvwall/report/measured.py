@@ -16,21 +16,16 @@ FULL = {"contexts": [1024, 4096, 16384, 32768], "steps": 8, "prefill_max": 4096}
 
 def plan(full: bool = False, say=None):
     """(plan, device, estimated seconds) of the measured section; calibrates first when the profile is stale."""
-    from kvwall.commands.bench_cmd import resolve_archs
     from kvwall.measure import bench
-    from kvwall.measure.calibrate import fresh_profile
-    from kvwall.predict.devices import local_device, profile_path
 
     settings = FULL if full else QUICK
-    fresh_profile(profile_path(), say=say)
-    device = local_device()
-    p = bench.Plan(resolve_archs([], not full), settings["contexts"], steps=settings["steps"],
+    device = bench.local_profile(say)
+    p = bench.Plan(bench.resolve_archs([], not full), settings["contexts"], steps=settings["steps"],
                    prefill_max=settings["prefill_max"])
     return p, device, bench.estimate_seconds(p, device)
 
 
 def section(out: Path, plan_device, progress=None) -> Section:
-    from kvwall.commands.bench_cmd import plot_results
     from kvwall.measure import bench
 
     plan, device = plan_device
@@ -39,7 +34,7 @@ def section(out: Path, plan_device, progress=None) -> Section:
     results = bench.run(plan, device)
     s = bench.summary(results, plan.archs)
     fig = out / "measured-vs-predicted.png"
-    plot_results(results, device, str(fig))
+    plot_results(results, device, fig)
     rows = [[r["arch"], fmt_tokens(r["context"]), f"{r['decode_s'] * 1e3:.1f}", f"{r['decode_pred_s'] * 1e3:.1f}",
              f"{r['decode_error'] * 100:+.0f}%", r["decode_bound"], fmt_bytes(r["cache_bytes"]),
              fmt_bytes(r["cache_pred_bytes"]), fmt_bytes(r["peak_rss_bytes"])] for r in results]
@@ -65,3 +60,18 @@ def section(out: Path, plan_device, progress=None) -> Section:
                      "engine's measured per-layer dispatch cost)",
                      "contexts above the prefill limit are filled with random K/V through the cache's own update()"],
     )
+
+
+def plot_results(results: list[dict], device, path: str | Path) -> Path:
+    """Measured (solid) and predicted (dashed) decode time vs context, one colour per architecture."""
+    from kvwall.report import plots
+
+    series, dashed = {}, set()
+    for r in results:
+        series.setdefault(r["arch"], []).append((r["context"], r["decode_s"] * 1e3))
+        key = f"{r['arch']} (predicted)"
+        series.setdefault(key, []).append((r["context"], r["decode_pred_s"] * 1e3))
+        dashed.add(key)
+    return plots.lines(series, "context (tokens)", "decode time per token (ms)",
+                       f"Measured (solid) vs predicted (dashed) decode time on this machine "
+                       f"({device.bandwidth / 1e9:.0f} GB/s)", path, logy=True, dashed=dashed)

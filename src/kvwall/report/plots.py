@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvwall.errors import KvwallError
+from kvwall.files import replacing
 
 
 def _plt():
@@ -19,13 +20,13 @@ def _plt():
 
 
 def _save(fig, path: str | Path) -> Path:
+    """Write the figure atomically (unique temporary, then rename); the format follows the name."""
     path = Path(path)
-    if path.parent and not path.parent.exists():
-        raise KvwallError(f"cannot write {path}: the folder {path.parent} does not exist")
-    tmp = path.with_name(path.name + ".part")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight", format=path.suffix.lstrip(".") or "png")
-    tmp.replace(path)
-    _plt().close(fig)
+    try:
+        with replacing(path) as f:
+            fig.savefig(f, dpi=120, bbox_inches="tight", format=path.suffix.lstrip(".").lower() or "png")
+    finally:
+        _plt().close(fig)
     return path
 
 

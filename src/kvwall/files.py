@@ -1,0 +1,137 @@
+"""The user's files: output paths checked before any long work, and every write atomic.
+
+A write goes to a unique temporary name in the target folder (two processes writing the same
+file never share a temporary), is flushed to disk, then renamed over the target; the temporary
+is removed on any failure, so a target is either the old file or the whole new one.
+Any layer may use this module (like units.py and errors.py): it imports nothing of kvwall's
+but the error type.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Iterator
+
+from kvwall.errors import KvwallError
+
+PLOT_EXTS = (".png", ".pdf", ".svg")  # what kvwall's plots write (matplotlib picks the format from the name)
+
+
+def user_path(text: str | os.PathLike, option: str) -> Path:
+    """``text`` with ``~`` expanded; one clear line for an empty path or an unknown ``~user``."""
+    raw = os.fspath(text)
+    if not str(raw).strip():
+        raise KvwallError(f"{option} is empty; give a path")
+    path = Path(os.path.expanduser(raw))  # (Path.expanduser raises RuntimeError for an unknown user)
+    if str(path).startswith("~"):  # os.path.expanduser leaves ~name alone when there is no such user
+        user = str(path).split("/", 1)[0][1:]
+        raise KvwallError(f"{option} {raw}: there is no user {user!r} on this machine for '~{user}'; "
+                          "give a full path")
+    return path
+
+
+def check_output(path: str | os.PathLike, exts: tuple[str, ...] | None = None, *, option: str = "--out",
+                 make_parents: bool = False, what: str = "") -> Path:
+    """The file to write, checked now so that a bad path fails before minutes of work.
+
+    Not a directory or other non-file, a known extension (``exts``), a parent folder that exists
+    (or is made, with ``make_parents``) and accepts a new file. ``what`` names the file in messages."""
+    path = user_path(path, option)
+    if path.is_dir():
+        raise KvwallError(f"{option} {path} is a directory; give a file path such as {path / _example(exts)}")
+    if path.exists() and not path.is_file():
+        raise KvwallError(f"{option} {path} exists and is not a regular file; give another path")
+    if exts is not None and path.suffix.lower() not in exts:
+        given = f"extension {path.suffix!r}" if path.suffix else "no extension"
+        raise KvwallError(f"{option} {path} has {given}; give a name ending in {_or(exts)}")
+    _check_folder(path.parent, make_parents, f"cannot write {what + ' to ' if what else ''}{path}")
+    return path
+
+
+def check_folder(path: str | os.PathLike, option: str = "--out") -> Path:
+    """An output folder: made when missing (with its parents), and able to take new files."""
+    path = user_path(path, option)
+    if path.exists() and not path.is_dir():
+        raise KvwallError(f"{option} {path} is a file; give a folder")
+    _check_folder(path, True, f"cannot write into {path}")
+    return path
+
+
+def _check_folder(folder: Path, make: bool, prefix: str) -> None:
+    blocker = _file_above(folder)
+    if blocker is not None:
+        raise KvwallError(f"{prefix}: {blocker} is a file, not a folder; give a path inside a folder")
+    if not folder.is_dir():
+        if not make:
+            raise KvwallError(f"{prefix}: the folder {folder} does not exist; create it or give another path")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise KvwallError(f"{prefix}: cannot create the folder {folder} ({exc.strerror}); "
+                              "give a writable path") from None
+    _probe(folder, prefix)
+
+
+def _file_above(folder: Path) -> Path | None:
+    """The nearest existing ancestor of ``folder`` (or itself) when it is not a folder."""
+    for p in (folder, *folder.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def _probe(folder: Path, prefix: str) -> None:
+    """Create and remove a file: the only test that also holds for root and for /proc-like folders."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".kvwall-probe-")
+    except OSError as exc:
+        raise KvwallError(f"{prefix}: the folder {folder} does not take new files ({exc.strerror}); "
+                          "give a writable path") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+@contextmanager
+def replacing(path: str | os.PathLike) -> Iterator[IO[bytes]]:
+    """A binary file whose contents replace ``path`` atomically when the block ends without an error."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    except OSError as exc:
+        raise KvwallError(f"cannot write {path} ({exc.strerror}); give a writable path") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a written file gets the usual mode
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise KvwallError(f"cannot write {path} ({exc.strerror}); give a writable path") from None
+        raise
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Replace ``path`` atomically with ``text`` (UTF-8)."""
+    with replacing(path) as f:
+        f.write(text.encode("utf-8"))
+    return Path(path)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _example(exts: tuple[str, ...] | None) -> str:
+    return "out" + (exts[0] if exts else ".json")
+
+
+def _or(exts: tuple[str, ...]) -> str:
+    return ", ".join(exts[:-1]) + f" or {exts[-1]}" if len(exts) > 1 else exts[0]

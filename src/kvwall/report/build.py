@@ -1,0 +1,98 @@
+"""`kvwall report` below the command: claim the output folder, build the sections, write HTML and Markdown."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from kvwall import __version__
+from kvwall.errors import KvwallError
+from kvwall.files import check_folder, write_text
+from kvwall.report.document import Document, Section, write_html, write_markdown
+from kvwall.units import fmt_tokens
+
+MARKER = ".kvwall-report"  # in every folder the report wrote: the only folders it writes into again
+_OURS = ".kvwall-"  # the marker, its temporary, and check_folder's probe (another report may be starting)
+
+
+@dataclass
+class Written:
+    html: Path
+    markdown: Path
+    figures: list[Path]
+    measured: bool
+
+
+def claim_folder(path: str, option: str = "--out") -> Path:
+    """The report's folder, checked and marked before any work.
+
+    The report writes only into a new or empty folder, or one it wrote before (it holds MARKER):
+    never over files a user keeps there (``--out .`` next to the user's own report.md)."""
+    out = check_folder(path, option)
+    others = sorted(p.name for p in out.iterdir() if not p.name.startswith(_OURS))
+    if others and not (out / MARKER).is_file():
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise KvwallError(f"{option} {out} holds files kvwall report did not write ({shown}); give a new or "
+                          "empty folder (the report never overwrites files it did not write)")
+    write_text(out / MARKER, "This folder was written by `kvwall report`, which may overwrite its own files here.\n")
+    return out
+
+
+def _sections() -> list[tuple[str, Callable[[Path], Section]]]:
+    from kvwall.report import analysis
+
+    return [("memory", analysis.memory_section), ("speed", analysis.speed_section),
+            ("hardware", analysis.balance_section)]
+
+
+def _measured_step(full: bool, say: Callable[[str], None] | None) -> Callable[[Path], Section] | None:
+    """The measured section's builder, or None when the engine (torch) is not installed. Tells ``say`` first
+    what it will measure and about how long that takes."""
+    try:
+        import torch  # noqa: F401
+
+        from kvwall.report import measured
+    except ImportError:
+        return None
+    plan, device, seconds = measured.plan(full, say)
+    if say:
+        names = ", ".join(a.name for a in plan.archs)
+        ctx = ", ".join(fmt_tokens(c) for c in plan.contexts)
+        say(f"measuring {names} at {ctx} tokens on this machine: about {seconds:.0f} s"
+            + ("" if full else " (--full: every architecture at 1k-32k)"))
+    return lambda out: measured.section(out, (plan, device))
+
+
+def _document() -> Document:
+    now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    return Document("kvwall: the memory wall of LLM decoding",
+                    f"kvwall {__version__}, generated {now} on {platform.node()} ({platform.machine()}, "
+                    f"{platform.python_implementation()} {platform.python_version()}); every number below comes "
+                    "from kvwall's predictor or from measurement in this run")
+
+
+def write_report(out: Path, measure: bool = True, full: bool = False, progress=None,
+                 say: Callable[[str], None] | None = None) -> Written:
+    """Every section (the measured one when asked for and the engine is installed), then report.html and .md.
+
+    ``full``: the measured section runs every architecture at 1k-32k (else a few at 1k and 4k).
+    ``progress``: a rich Progress to show the step being built, or None; ``say``: where to tell the user what
+    a long step will do before it starts."""
+    doc = _document()
+    steps = _sections()
+    measured = _measured_step(full, say) if measure else None
+    if measured:
+        steps.append(("measuring this machine", measured))
+    task = progress.add_task("report", total=len(steps)) if progress else None
+    for name, build in steps:
+        if progress:
+            progress.update(task, description=name if measured is build else f"analysis: {name}")
+        doc.sections.append(build(out))
+        if progress:
+            progress.advance(task)
+    html = write_html(doc, out / "report.html")
+    md = write_markdown(doc, out / "report.md")
+    return Written(html, md, [f.path for f in doc.figures()], measured is not None)
