@@ -160,5 +160,5 @@ def test_worker_times_no_first_call(monkeypatch, capsys):
            "prefill_max": 32, "threads": 1, "checkpoint": None}
     assert bench_worker.main([json.dumps(job)]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert len(r["prefill_runs_s"]) == 3 and max(r["prefill_runs_s"]) < 0.5, r["prefill_runs_s"]
-    assert max(r["decode_runs_s"]) < 0.5, r["decode_runs_s"]
+    assert r["prefill_s"] < 0.5 and max(r["decode_runs_s"]) < 0.5, (r["prefill_s"], r["decode_runs_s"])
+    assert len(r["prefill_runs_s"]) == 3 and max(r["prefill_runs_s"]) < 0.5, r["prefill_runs_s"]  # fresh caches
