@@ -86,7 +86,8 @@ def main() -> None:
     params = sum(p.numel() for p in mine.parameters())
     embedding = CONFIG["vocab_size"] * CONFIG["hidden_size"]
     read_params = params - embedding  # what a step streams: all but the input embedding, of which it gathers rows
-    print(f"model: {params / 1e6:.1f}M parameters, fp32, {read_params * 4 / 2**20:.0f} MiB read per step; torch {torch.__version__}, "
+    print(f"model: {params / 1e6:.1f}M parameters, fp32, {read_params * 4 / 2**20:.0f} MiB read per step; "
+          f"torch {torch.__version__}, "
           f"transformers {transformers.__version__} ({ref.config._attn_implementation}), {args.threads} threads; "
           f"median of {args.steps} steps")
     print("| batch | context | kvwall ms/tok | transformers ms/tok | speedup | cache MiB | kvwall GB/s |")

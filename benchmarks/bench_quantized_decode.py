@@ -86,7 +86,8 @@ def main() -> None:
                 k_all, v_all, k_pos = (layer or next_slow()).read(torch.float32)
                 return attend(q, k_all, v_all, visible(pos, k_pos, None), D ** -0.5, None)
 
-            fast = lambda layer=None: (layer or next_fast()).attend_decode(q, pos, D ** -0.5, None, kernel)  # noqa: E731
+            def fast(layer=None):
+                return (layer or next_fast()).attend_decode(q, pos, D ** -0.5, None, kernel)
             ms_k, ms_d = median_ms(fast, args.runs), median_ms(dequantized, args.runs)
             diff = (fast(first) - dequantized(first)).abs().max().item()
             print(f"| {S} | {name} | {first.nbytes() / 2**20:.1f} | {ms_k:.2f} | {ms_d:.2f} | {ms_d / ms_k:.1f}x | "

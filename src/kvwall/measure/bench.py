@@ -181,7 +181,8 @@ def _gap_shape(rows: list[dict]) -> str:
     mean = statistics.fmean(gaps)
     if max(gaps) - min(gaps) <= CONSTANT_GAP * abs(mean):
         who = "that the profile does not count" if mean > 0 else "that the profile counts but this run did not spend"
-        return f"the gap is about constant across contexts: a fixed cost of about {abs(mean) * 1e3:.1f} ms per step {who}"
+        return (f"the gap is about constant across contexts: a fixed cost of about {abs(mean) * 1e3:.1f} ms per "
+                f"step {who}")
     nbytes = [r["cache_bytes"] for r in rows]
     if max(nbytes) - min(nbytes) <= 0.01 * max(nbytes):
         return (f"the gap changes with context ({min(gaps) * 1e3:+.1f} to {max(gaps) * 1e3:+.1f} ms) while the cache "
