@@ -1,7 +1,7 @@
 """MLA decode ms/token: naive (up-project the cached latent every step) vs absorbed (attend in latent space),
 the absorbed path both in torch matmuls and through the engine's C++ kernel (its default on the CPU).
 
-    .venv/bin/python benchmarks/bench_mla.py [--steps 7] [--contexts 1024,8192] [--batch 1] [--layers 4]
+    .venv/bin/python benchmarks/bench_mla.py [--steps 7] [--contexts 128,1024,8192] [--batch 1] [--layers 4]
 
 Model: DeepSeek-V2-Lite's attention exactly (16 heads, kv_lora_rank 512, rope key 64, q_nope 128,
 v 128, no q LoRA, YaRN x40), hidden 2048, but `--layers` layers (V2-Lite has 27) with a dense
@@ -83,7 +83,7 @@ def bench(model, cache, batch: int, context: int, steps: int, warmup: int = 2) -
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=7)
-    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--contexts", default="128,1024,8192")  # the contexts the README quotes
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())

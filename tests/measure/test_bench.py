@@ -25,8 +25,9 @@ def test_bench_point(arch, local_profile, capsys):
     (r,) = data["results"]
     assert r["arch"] == arch and r["context"] == 256
     assert r["cache_bytes"] == r["cache_pred_bytes"]  # the engine's cache holds what the predictor says
-    assert r["decode_error"] == pytest.approx(r["decode_pred_s"] / r["decode_s"] - 1)
+    assert r["cache_read_pred_Bps"] == 20e9  # the test profile has no per-kernel figures: its read bandwidth
     assert r["prefill_s"] > 0 and r["prefill_pred_s"] > 0
+    assert len(r["prefill_runs_s"]) == 3 and r["prefill_s"] == sorted(r["prefill_runs_s"])[1]  # median of three
     assert r["peak_rss_bytes"] > 4 * r["params"]  # fp32 weights are resident
     assert data["machine"]["bandwidth_Bps"] == 20e9
 
@@ -44,18 +45,78 @@ def test_bench_unknown_arch(local_profile):
     assert main(["bench", "no-such-arch"]) == 2
 
 
-def test_summary_counts_and_explains_outside_points():
+def test_errors_from_fixed_measurements(monkeypatch):
+    """run() with the worker and the roofline replaced by fixed numbers: 15 ms predicted against 10 ms measured is
+    +50%, a 2 s predicted prefill against 4 s measured is -50%."""
+    from kvwall.measure import bench
     from kvwall.measure.archs import ARCHS
+
+    line = {"arch": "gqa", "context": 256, "decode_s": 0.010, "prefill_s": 4.0, "cache_bytes": 1}
+    monkeypatch.setattr(bench, "_worker", lambda job: iter([dict(line)]))
+    monkeypatch.setattr(bench, "predict", lambda *a: {"decode_pred_s": 0.015, "decode_bound": "memory",
+                                                       "prefill_pred_s": 2.0, "cache_pred_bytes": 1})
+    (r,) = bench.run(bench.Plan([ARCHS["gqa"]], [256]), device=None)
+    assert r["decode_error"] == pytest.approx(0.5) and r["prefill_error"] == pytest.approx(-0.5)
+    assert r["within_goal"] is False
+
+
+def point(arch, context, measured_ms, predicted_ms, cache_bytes, profile_Bps=20e9):
+    error = predicted_ms / measured_ms - 1
+    return {"arch": arch, "context": context, "decode_s": measured_ms / 1e3, "decode_pred_s": predicted_ms / 1e3,
+            "decode_error": error, "decode_bound": "memory", "within_goal": abs(error) <= 0.2,
+            "cache_bytes": cache_bytes, "cache_read_pred_Bps": profile_Bps}
+
+
+def test_summary_counts_outside_points():
     from kvwall.measure.bench import summary
 
-    rows = [{"arch": "gqa", "context": 1024, "decode_bound": "memory", "decode_error": -0.05, "within_goal": True},
-            {"arch": "gqa-int4", "context": 1024, "decode_bound": "memory", "decode_error": -0.5, "within_goal": False},
-            {"arch": "gqa-int4", "context": 4096, "decode_bound": "memory", "decode_error": -0.7, "within_goal": False}]
-    s = summary(rows, [ARCHS["gqa"], ARCHS["gqa-int4"]])
+    rows = [point("gqa", 1024, 10, 9.5, 10**8), point("gqa-int4", 1024, 20, 10, 10**8),
+            point("gqa-int4", 4096, 40, 12, 4 * 10**8)]
+    s = summary(rows)
     assert (s["bandwidth_bound_points"], s["within_goal"]) == (3, 1)
     assert s["outside_goal"] == ["gqa-int4@1024", "gqa-int4@4096"]
-    assert s["max_abs_error_bandwidth_bound"] == 0.7
-    assert "packed bytes" in s["reasons"]["gqa-int4"]
+    assert s["max_abs_error_bandwidth_bound"] == pytest.approx(0.7)  # 12 / 40 - 1
+    assert list(s["reasons"]) == ["gqa-int4"]
+
+
+def test_reason_reads_the_cache_speed_from_the_slope():
+    """Predicted 10 ms + bytes / 20 GB/s, measured 10 ms + bytes / 10 GB/s, over 100 MB and 400 MB of cache:
+    5 ms and 20 ms slower (-25%, -40%); the slope 30 ms / 300 MB is 10 GB/s. A slower MHA is never called faster."""
+    from kvwall.measure.bench import summary
+
+    rows = [point("mha", 1024, 20, 15, 100 * 10**6), point("mha", 4096, 50, 30, 400 * 10**6)]
+    why = summary(rows)["reasons"]["mha"]
+    assert "5.0 ms slower than predicted at 1k (-25%)" in why and "20.0 ms slower than predicted at 4k (-40%)" in why
+    assert "this run read the cache at 10.0 GB/s, the profile 20.0 GB/s" in why
+    assert "faster" not in why and "fixed" not in why
+
+
+def test_reason_names_a_constant_gap_a_fixed_cost():
+    """Predicted 10 ms at both contexts, measured 16.0 and 16.4 ms: about 6.2 ms per step, whatever the bytes."""
+    from kvwall.measure.bench import summary
+
+    rows = [point("mamba", 1024, 16.0, 10, 10**6), point("mamba", 4096, 16.4, 10, 10**6)]
+    why = summary(rows)["reasons"]["mamba"]
+    assert "6.0 ms slower than predicted at 1k (-38%)" in why and "6.4 ms slower than predicted at 4k (-39%)" in why
+    assert "a fixed cost of about 6.2 ms per step that the profile does not count" in why
+    assert "GB/s" not in why
+
+
+def test_reason_from_one_point_claims_only_the_gap():
+    from kvwall.measure.bench import summary
+
+    why = summary([point("mha", 1024, 10, 20, 10**8)])["reasons"]["mha"]
+    assert why.startswith("measured decode is 10.0 ms faster than predicted at 1k (+100%);")
+    assert "one context cannot tell" in why and "GB/s" not in why and "slower" not in why
+
+
+def test_reason_with_a_fixed_part_and_a_slope():
+    """Measured 20 ms + bytes / 10 GB/s against predicted 10 ms + bytes / 20 GB/s: 10 ms fixed beside the slope."""
+    from kvwall.measure.bench import summary
+
+    rows = [point("mqa", 1024, 30, 15, 100 * 10**6), point("mqa", 4096, 60, 30, 400 * 10**6)]
+    why = summary(rows)["reasons"]["mqa"]
+    assert "read the cache at 10.0 GB/s" in why and "plus a fixed 10.0 ms per step more than predicted" in why
 
 
 def test_bench_a_model_directory(tmp_path, local_profile, capsys):
@@ -67,3 +128,37 @@ def test_bench_a_model_directory(tmp_path, local_profile, capsys):
     assert main(["bench", str(tmp_path / "tiny"), "--context", "64", "--steps", "1", "--json"]) == 0
     (r,) = json.loads(capsys.readouterr().out)["results"]
     assert r["arch"] == "tiny" and r["cache_bytes"] == r["cache_pred_bytes"] == 2 * 2 * 2 * 16 * 4 * (64 + 3)
+
+
+def test_worker_times_no_first_call(monkeypatch, capsys):
+    """A model whose first call takes 1 s (a kernel build, thread start): no prefill or decode time counts it."""
+    import time
+
+    from kvwall.measure import bench_worker
+
+    calls = []
+
+    def slow_first(build):
+        def make(job):
+            model = build(job)
+            forward = model.forward
+
+            def wrapped(*a, **kw):
+                if not calls:
+                    time.sleep(1.0)
+                calls.append(1)
+                return forward(*a, **kw)
+
+            model.forward = wrapped
+            return model
+        return make
+
+    monkeypatch.setattr(bench_worker, "build", slow_first(bench_worker.build))
+    cfg = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, torch_dtype="float32")
+    job = {"name": "tiny", "config": cfg, "cache": "contiguous", "contexts": [32], "steps": 2, "warmup": 0,
+           "prefill_max": 32, "threads": 1, "checkpoint": None}
+    assert bench_worker.main([json.dumps(job)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["prefill_s"] < 0.5 and max(r["decode_runs_s"]) < 0.5, (r["prefill_s"], r["decode_runs_s"])
+    assert len(r["prefill_runs_s"]) == 3 and max(r["prefill_runs_s"]) < 0.5, r["prefill_runs_s"]  # fresh caches

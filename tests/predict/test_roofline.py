@@ -72,7 +72,15 @@ def test_mamba_decode_flat_and_sliding_bends():
     mamba, mistral = load_spec("mamba-2.8b"), load_spec("mistral-7b-v0.1")
     t = lambda s, c: decode(s, c, 1, Formats.for_spec(s), roof).time_s
     assert t(mamba, 1024) == t(mamba, 1 << 20)
-    assert t(mistral, 4096) < t(mistral, 8192) + 1e-12 and t(mistral, 8192) == t(mistral, 1 << 20)
+    # Mistral-7B v0.1: 32 layers x 8 KV heads x 128 x (K, V) x 2 bytes = 131,072 cache bytes per token, window 4,096
+    per_token = 32 * 8 * 128 * 2 * 2
+    assert [(x.mixer.cache_elems_per_token(), x.mixer.window) for x in mistral.layers] == [(2 * 8 * 128, 4096)] * 32
+    slope = per_token / 3.35e12  # s per token of context, at the H100's 3.35 TB/s
+    # below the window each token of context adds its bytes to every step's reads ...
+    assert t(mistral, 2048) - t(mistral, 1024) == pytest.approx(1024 * slope, rel=1e-9)
+    assert t(mistral, 4096) - t(mistral, 2048) == pytest.approx(2048 * slope, rel=1e-9)
+    # ... and past it nothing more is read: exactly flat
+    assert t(mistral, 4096) == t(mistral, 4097) == t(mistral, 8192) == t(mistral, 1 << 20)
 
 
 def test_weights_turn_compute_bound_near_balance():

@@ -100,3 +100,40 @@ def test_speeds_are_for_deployments_that_fit(tmp_path):
     assert set(rows["deepseek-v3"][1:]) == {"does not fit 8"}
     longest = {r[0]: r for r in analysis.memory_section(tmp_path).tables[0].rows}
     assert longest["llama-3-70b"][6].endswith("(tp 2)") and longest["deepseek-v3"][6] == "weights do not fit 8"
+
+
+def test_measured_section_prints_the_bench_numbers(tmp_path, capsys, monkeypatch):
+    """The worker and the roofline replaced by fixed numbers: the measured table, verdict and reason show exactly
+    those (20 ms measured against 15 predicted is -25%; 50 against 30, -40%; 30 ms over 300 MB is 10 GB/s)."""
+    import pytest
+
+    pytest.importorskip("torch")
+    from kvwall.measure import bench
+    from kvwall.report import measured
+
+    home = tmp_path / "home"
+    home.mkdir()
+    _fresh_profile(home)
+    monkeypatch.setenv("KVWALL_HOME", str(home))
+    monkeypatch.setattr(measured, "QUICK", {"contexts": [1024, 4096], "steps": 1, "prefill_max": 0})
+    monkeypatch.setattr("kvwall.measure.archs.QUICK", ["gqa"])
+    fixed = {1024: (0.020, 0.015, 100 * 10**6), 4096: (0.050, 0.030, 400 * 10**6)}  # measured s, predicted s, bytes
+
+    def worker(job):
+        for c in job["contexts"]:
+            yield {"arch": job["name"], "context": c, "decode_s": fixed[c][0], "prefill_s": None,
+                   "cache_bytes": fixed[c][2], "peak_rss_bytes": 2**30, "params": 1}
+
+    monkeypatch.setattr(bench, "_worker", worker)
+    monkeypatch.setattr(bench, "predict", lambda arch, spec, c, *a: {
+        "decode_pred_s": fixed[c][1], "decode_bound": "memory", "cache_pred_bytes": fixed[c][2],
+        "cache_read_pred_Bps": 20e9})
+    out = tmp_path / "rep"
+    assert main(["report", "--quick", "--out", str(out)]) == 0
+    html = (out / "report.html").read_text()
+    for ctx, ms, pred, err in (("1k", "20.0", "15.0", "-25%"), ("4k", "50.0", "30.0", "-40%")):
+        row = f"<td>gqa</td><td>{ctx}</td><td>{ms}</td><td>{pred}</td><td>{err}</td><td>memory</td>"
+        assert row + "<td>95.4 MiB</td><td>95.4 MiB</td>" in html or row + "<td>381.5 MiB</td>" in html, row
+    assert "0 of 2 bandwidth-bound points are within 20% of the prediction. Outside: gqa@1024, gqa@4096." in html
+    assert "5.0 ms slower than predicted at 1k (-25%)" in html
+    assert "this run read the cache at 10.0 GB/s, the profile 20.0 GB/s" in html

@@ -1,4 +1,4 @@
-"""The architectures `kvwall bench` compares: matched size (~120-140M parameters), random weights.
+"""The architectures `kvwall bench` compares: matched size (121.1-144.5M parameters), random weights.
 
 Every one shares vocab 32,000, hidden 768 and 12 blocks of attention + gated MLP 2,048 (or the SSM
 equivalent), so that what differs between them is what they remember per token. Each is a Hugging
@@ -25,20 +25,6 @@ class Arch:
     kv_format: str  # the predictor's KV format for the same cache
     about: str
     checkpoint: str | None = None  # a model directory: its own weights instead of random ones
-    gap: str = ""  # why measurement and roofline part ways where they do, as found on a 2-core CPU
-
-GAPS = {
-    "quantized": "decode attention reads the packed bytes in a C++ kernel that is compute-bound on 2 cores "
-                 "(unpacking costs more per byte at 4 and 2 bits); the profile calibrates its rate per format at "
-                 "8k tokens, so a fixed per-step cost (appending the token, the fp residual) is counted as bandwidth",
-    "group": "decode attention's speed per byte depends on how many query heads share a KV head (20 / 15 / 8 GB/s "
-             "at 1 / 3 / 12 here, benchmarks/bench_attention_groups.py); the profile calibrates 3 (GQA): MHA runs "
-             "faster, MQA (a skinny 12-row matmul at ~48 GFLOP/s) slower",
-    "latent": "absorbed latent attention (12 heads over one 288-wide row per token, ~11 FLOP/B) is compute-bound "
-              "here even in the engine's C++ kernel, far below the GEMM peak the roof assumes",
-    "ssm": "per-layer elementwise work (conv, softplus, gating, the state update on d_inner x d_state) that no "
-           "byte count shows, a little above the dispatch cost calibrated on tiny models",
-}
 
 
 def _llama(**kw) -> dict:
@@ -52,36 +38,33 @@ def _local_global() -> dict:
 
 
 ARCHS: dict[str, Arch] = {a.name: a for a in [
-    Arch("mha", _llama(num_key_value_heads=12), "contiguous", "fp32", "12 query heads, 12 KV heads", gap=GAPS["group"]),
+    Arch("mha", _llama(num_key_value_heads=12), "contiguous", "fp32", "12 query heads, 12 KV heads"),
     Arch("gqa", _llama(num_key_value_heads=4), "contiguous", "fp32", "12 query heads share 4 KV heads"),
-    Arch("mqa", _llama(num_key_value_heads=1), "contiguous", "fp32", "12 query heads share 1 KV head",
-         gap=GAPS["group"]),
+    Arch("mqa", _llama(num_key_value_heads=1), "contiguous", "fp32", "12 query heads share 1 KV head"),
     Arch("sliding", _local_global(), "sliding", "fp32", "GQA-4, 5 local (window 1k) : 1 global layers"),
-    Arch("gqa-int8", _llama(num_key_value_heads=4), "int8", "int8", "GQA-4, KIVI int8 cache", gap=GAPS["quantized"]),
-    Arch("gqa-int4", _llama(num_key_value_heads=4), "int4", "int4", "GQA-4, KIVI int4 cache", gap=GAPS["quantized"]),
+    Arch("gqa-int8", _llama(num_key_value_heads=4), "int8", "int8", "GQA-4, KIVI int8 cache"),
+    Arch("gqa-int4", _llama(num_key_value_heads=4), "int4", "int4", "GQA-4, KIVI int4 cache"),
     Arch("mla", dict(model_type="deepseek_v2", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FF,
                      num_hidden_layers=LAYERS, num_attention_heads=12, num_key_value_heads=12,
                      kv_lora_rank=256, q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
                      n_routed_experts=None, first_k_dense_replace=LAYERS, max_position_embeddings=MAX_POS,
                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32"),
-         "contiguous", "fp32", "latent attention: 256-d latent + 32-d rope key per token (absorbed decode)",
-         gap=GAPS["latent"]),
+         "contiguous", "fp32", "latent attention: 256-d latent + 32-d rope key per token (absorbed decode)"),
     Arch("mamba", dict(model_type="mamba", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2 * LAYERS,
                        state_size=16, expand=2, conv_kernel=4, time_step_rank="auto", intermediate_size=2 * HIDDEN,
                        tie_word_embeddings=False, torch_dtype="float32"),
-         "contiguous", "fp32", "24 Mamba blocks, d_state 16", gap=GAPS["ssm"]),
+         "contiguous", "fp32", "24 Mamba blocks, d_state 16"),
     Arch("mamba2", dict(model_type="mamba2", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2 * LAYERS,
                         num_heads=24, head_dim=64, state_size=64, n_groups=1, expand=2, conv_kernel=4,
                         tie_word_embeddings=False, torch_dtype="float32"),
-         "contiguous", "fp32", "24 Mamba-2 blocks, 24 heads x 64, d_state 64", gap=GAPS["ssm"]),
+         "contiguous", "fp32", "24 Mamba-2 blocks, 24 heads x 64, d_state 64"),
     Arch("hybrid", dict(model_type="jamba", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FF,
                         num_hidden_layers=LAYERS, num_attention_heads=12, num_key_value_heads=4,
                         attn_layer_period=4, attn_layer_offset=3, expert_layer_period=LAYERS + 1,
                         expert_layer_offset=LAYERS, num_experts=1, num_experts_per_tok=1, mamba_d_state=16,
                         mamba_expand=2, mamba_d_conv=4, max_position_embeddings=MAX_POS, tie_word_embeddings=False,
                         torch_dtype="float32"),
-         "contiguous", "fp32", "Jamba-style: 1 attention (GQA-4) : 3 Mamba layers, dense MLPs",
-         gap="its Mamba layers: " + GAPS["ssm"]),
+         "contiguous", "fp32", "Jamba-style: 1 attention (GQA-4) : 3 Mamba layers, dense MLPs"),
 ]}
 
 DEFAULT = list(ARCHS)
