@@ -68,11 +68,11 @@ def pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torc
     return torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
 
 
-def check_logits(logits: torch.Tensor) -> None:
+def check_logits(logits: torch.Tensor, when: str = "after the prefill") -> None:
     """NaN or inf logits come from damaged weights or a config value such as a negative rope_theta: an error,
     not garbage tokens."""
     if not torch.isfinite(logits).all():
-        raise KvwallError("non-finite logits after the prefill (NaN or inf): check the weights and config.json "
+        raise KvwallError(f"non-finite logits {when} (NaN or inf): check the weights and config.json "
                           "values such as rope_theta")
 
 
@@ -138,6 +138,7 @@ def _loop(model, prompts, max_new, cache, sampling, stop, on_token, gen, device)
             break
         step_pos = torch.tensor([[length[b]] if live[b] else [-1] for b in range(len(prompts))], device=device)
         logits = model(nxt[:, None], step_pos, cache)[:, -1]  # (B, V)
+        check_logits(logits, f"at decode step {steps + 1}")  # pick() waits for the logits anyway
         nxt = pick(logits, sampling, gen)
         steps += 1
         length = [n + 1 if n >= 0 else n for n in length]

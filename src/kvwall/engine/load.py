@@ -459,10 +459,10 @@ def _shape_problems(ckpt: Checkpoint, src: Source, model: Transformer, me: str) 
     want = _part_shapes(model, me, len(found), src.transpose)
     have = [ckpt.shapes[n] for n in found]
     wrong = [f"{n} has shape {h}, the config implies {w}" for n, h, w in zip(found, have, want) if h != w]
-    if len(wrong) < 2 or len(wrong) < len(found):
-        return wrong
-    return [f"{' + '.join(found)} has shape {_joined(have, src.transpose)}, the config implies "
-            f"{tuple(model.get_parameter(me).shape)}"]
+    joined, implied = _joined(have, src.transpose), str(tuple(model.get_parameter(me).shape))
+    if len(wrong) < 2 or len(wrong) < len(found) or joined == implied:
+        return wrong  # some parts right, or the sizes add up: the split is off
+    return [f"{' + '.join(found)} has shape {joined}, the config implies {implied}"]
 
 
 def _part_shapes(model: Transformer, me: str, n: int, transpose: bool) -> list[tuple[int, ...]]:
