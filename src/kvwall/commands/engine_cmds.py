@@ -62,6 +62,7 @@ def cmd_verify(args) -> int:
     common.need_torch("the engine needs torch")
     import torch
 
+    from kvwall.engine.generate import check_logits
     from kvwall.engine.load import load_model
 
     path = _checkpoint(args.checkpoint)
@@ -76,10 +77,13 @@ def cmd_verify(args) -> int:
         ids = torch.randint(0, model.spec.vocab, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     if max(ids) >= model.spec.vocab or min(ids) < 0:
         raise KvwallError(f"a prompt id is outside the vocabulary [0, {model.spec.vocab})")
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     x = torch.tensor([ids])
     with torch.no_grad():
-        diff = (model(x) - ref(x).logits.float()).abs().max().item()
+        ours = model(x)  # (1, T, V)
+    check_logits(ours)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        diff = (ours - ref(x).logits.float()).abs().max().item()
     ok = diff <= args.tolerance
     result = {"checkpoint": str(path), "model_type": model.spec.model_type, "tokens": len(ids),
               "max_abs_logit_diff": diff, "tolerance": args.tolerance, "pass": ok,

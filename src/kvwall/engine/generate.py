@@ -68,6 +68,14 @@ def pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torc
     return torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
 
 
+def check_logits(logits: torch.Tensor, when: str = "after the prefill") -> None:
+    """NaN or inf logits come from damaged weights or a config value such as a negative rope_theta: an error,
+    not garbage tokens."""
+    if not torch.isfinite(logits).all():
+        raise KvwallError(f"non-finite logits {when} (NaN or inf): check the weights and config.json "
+                          "values such as rope_theta")
+
+
 def right_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts -> tokens (B, T), pos (B, T) with -1 on padding."""
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -107,6 +115,7 @@ def _loop(model, prompts, max_new, cache, sampling, stop, on_token, gen, device)
     tokens, pos = right_pad(prompts)
     t0 = time.perf_counter()
     logits = model(tokens.to(device), pos.to(device), cache, last_only=True)[:, 0]  # (B, V)
+    check_logits(logits)
     nxt = pick(logits, sampling, gen)  # (B,)
     t1 = time.perf_counter()
     out: list[list[int]] = [[] for _ in prompts]
@@ -129,6 +138,7 @@ def _loop(model, prompts, max_new, cache, sampling, stop, on_token, gen, device)
             break
         step_pos = torch.tensor([[length[b]] if live[b] else [-1] for b in range(len(prompts))], device=device)
         logits = model(nxt[:, None], step_pos, cache)[:, -1]  # (B, V)
+        check_logits(logits, f"at decode step {steps + 1}")  # pick() waits for the logits anyway
         nxt = pick(logits, sampling, gen)
         steps += 1
         length = [n + 1 if n >= 0 else n for n in length]

@@ -9,6 +9,7 @@ transposed. Single files (model.safetensors) and sharded checkpoints
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -233,22 +234,114 @@ PREFIX_ALTERNATIVES = [("transformer.", ""), ("model.", "model.language_model.")
                        ("lm_head.", "language_model.lm_head."), ("backbone.embeddings.", "backbone.embedding.")]
 
 
+# Tensors Hugging Face checkpoints of the supported families carry that the engine legitimately leaves unused.
+IGNORED = [
+    (re.compile(r"(^|\.)rotary_emb\.inv_freq$"), "rotary frequencies: the engine rebuilds them from config.json"),
+    (re.compile(r"(^|\.)h\.\d+\.attn\.(masked_)?bias$"), "GPT-2's causal-mask buffers, not weights"),
+    (re.compile(r"(^|\.)(vision_tower|multi_modal_projector)\."), "multimodal Gemma 3's vision side: the "
+                                                                     "engine runs the text decoder"),
+]
+HEADER_LIMIT = 100_000_000  # bytes; safetensors itself refuses larger headers
+SHOWN = 5  # names listed in one mismatch message
+
+
+def _line(exc: BaseException) -> str:
+    """An exception's message as one line, for messages that quote a library's reason."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _damaged(file: Path, why: str) -> KvwallError:
+    return KvwallError(f"{file}: {why}; the file is damaged or not safetensors: re-download or re-save the checkpoint")
+
+
+def read_header(file: Path) -> dict[str, tuple[int, ...]]:
+    """A safetensors file's tensor names and shapes, from its header only; every problem names the file."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little") if size >= 8 else 0
+            raw = f.read(n) if 0 < n <= min(size - 8, HEADER_LIMIT) else b""
+    except OSError as e:
+        raise KvwallError(f"{file}: cannot be read ({e.strerror or _line(e)}); check the file and its permissions")
+    if size < 8:
+        raise _damaged(file, "is empty" if size == 0 else f"is only {size} bytes long")
+    if n > HEADER_LIMIT or n > size - 8:
+        raise _damaged(file, f"its header claims {n:,} bytes, the file has {size:,}")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise _damaged(file, "its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise _damaged(file, "its header is not a JSON object")
+    return _shapes(file, header, size - 8 - n)
+
+
+def _shapes(file: Path, header: dict, data_bytes: int) -> dict[str, tuple[int, ...]]:
+    """name -> shape for each tensor of a parsed header, checking that its bytes lie inside the file."""
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            shape, (begin, end) = tuple(int(x) for x in info["shape"]), info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise _damaged(file, f"its header entry for {name!r} has no valid shape and data_offsets") from None
+        if not isinstance(end, int) or end > data_bytes:
+            raise _damaged(file, f"tensor {name!r} ends past the end of the file (truncated)")
+        out[name] = shape
+    return out
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """model.safetensors.index.json -> its weight_map (tensor name -> shard file name)."""
+    try:
+        raw = json.loads(index.read_bytes())
+    except OSError as e:
+        raise KvwallError(f"{index}: cannot be read ({e.strerror or _line(e)}); check the file") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise KvwallError(f"{index} is not valid JSON ({_line(e)}); re-download the checkpoint's index") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise KvwallError(f"{index} has no weight_map (an object: tensor name -> shard file); "
+                          "re-download the checkpoint's index")
+    return weight_map
+
+
 class Checkpoint:
-    """The tensors of a safetensors checkpoint directory, single file or sharded, read lazily."""
+    """The tensors of a safetensors checkpoint directory, single file or sharded, read lazily.
+
+    Opening reads every file's header: a damaged file, a shard the index names but that is missing, or a
+    tensor the index puts in a shard that does not hold it are errors here, before any weight is read."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
-        index = path / "model.safetensors.index.json"
+        index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+        self.path = path
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (path / "model.safetensors").is_file():
-            with safe_open(path / "model.safetensors", "pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
+            self.weight_map = _read_index(index)
+            self.shapes = self._shard_shapes(index)
+        elif single.is_file():
+            self.shapes = read_header(single)  # name -> shape
+            self.weight_map = {k: single.name for k in self.shapes}
         else:
             raise KvwallError(f"{path} has no model.safetensors or model.safetensors.index.json; "
                               "save the model with safetensors (save_pretrained does by default)")
-        self.path, self.weight_map = path, weight_map
+
+    def _shard_shapes(self, index: Path) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape from the shards' headers; each tensor must be in the shard the index says."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for shard in sorted(set(self.weight_map.values())):
+            file = self.path / shard
+            if Path(shard).name != shard or not file.is_file():
+                raise KvwallError(f"{index} names shard {shard!r}, which is not in {self.path}; "
+                                  "download every shard of the checkpoint")
+            held = read_header(file)
+            wrong = [k for k, v in self.weight_map.items() if v == shard and k not in held]
+            if wrong:
+                raise KvwallError(f"{index} puts tensor {wrong[0]!r} in {shard}, which does not contain it; "
+                                  "the index does not match the shards: re-download them together")
+            shapes.update({k: held[k] for k, v in self.weight_map.items() if v == shard})
+        return shapes
 
     def find(self, name: str) -> str | None:
         if name in self.weight_map:
@@ -265,11 +358,20 @@ class Checkpoint:
         if found is None:
             raise KvwallError(f"{self.path}: tensor {name!r} is missing from the checkpoint; "
                               "is the checkpoint complete and of the config's model_type?")
-        with safe_open(self.path / self.weight_map[found], "pt") as f:
-            return f.get_tensor(found)
+        file = self.path / self.weight_map[found]
+        try:
+            with safe_open(file, "pt") as f:
+                t = f.get_tensor(found)
+        except Exception as e:  # safetensors' own error types vary by version; any failure here is the file's
+            raise _damaged(file, f"tensor {found!r} cannot be read ({_line(e)})") from None
+        if not t.is_floating_point():
+            raise KvwallError(f"{file}: tensor {found!r} is stored as {t.dtype}, not floating point; "
+                              "the engine loads float32, bfloat16 or float16 weights")
+        return t
 
 
 def _assemble(ckpt: Checkpoint, src: Source) -> torch.Tensor:
+    """The engine tensor from its (already shape-checked) parts: transposed, then joined along dim 0."""
     parts = [ckpt.get(n) for n in src.names]
     parts = [p.T if src.transpose else p for p in parts]
     return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
@@ -285,24 +387,98 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
         raise KvwallError(f"{path} is not a checkpoint directory (no config.json)")
     spec = spec_from_config(read_config_file(path / "config.json"), name=path.name, where=str(path / "config.json"))
     check_supported(spec)
+    ckpt = Checkpoint(path)  # reads the headers first: a damaged file fails before the model is built
     with torch.device("meta"):
         model = Transformer(spec)
-    state = load_state(Checkpoint(path), model, dtype)
+    state = load_state(ckpt, model, dtype)
     model.load_state_dict(state, assign=True)  # rotary tables are non-persistent buffers, built on the CPU
     assert not any(p.is_meta for p in model.parameters()), "every parameter comes from the checkpoint"
     return model.to(device).eval()
 
 
 def load_state(ckpt: Checkpoint, model: Transformer, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every engine parameter from the checkpoint, shape-checked, converted to dtype."""
+    """Every engine parameter from the checkpoint, shape-checked, converted to dtype, checked finite."""
     names = NAME_MAPS[model.spec.model_type](model.spec)
     expected = dict(model.named_parameters())
     assert set(names) == set(expected), sorted(set(names) ^ set(expected))
+    check_names(ckpt, names, model)
     state = {}
     for me, src in names.items():
-        t = _assemble(ckpt, src)
-        if tuple(t.shape) != tuple(expected[me].shape):
-            raise KvwallError(f"{ckpt.path}: tensor {' + '.join(src.names)} has shape {tuple(t.shape)}, the config "
-                              f"implies {tuple(expected[me].shape)}; the weights do not match config.json")
-        state[me] = t.to(dtype).contiguous()
+        state[me] = _finite(ckpt, src, _assemble(ckpt, src).to(dtype).contiguous())
     return state
+
+
+def _finite(ckpt: Checkpoint, src: Source, t: torch.Tensor) -> torch.Tensor:
+    """t unchanged when every value is finite; else an error naming the first part that is not."""
+    if torch.isfinite(t).all():
+        return t
+    for name in src.names:
+        if not torch.isfinite(ckpt.get(name)).all():
+            raise KvwallError(f"{ckpt.path}: tensor {ckpt.find(name)!r} holds NaN or inf values; "
+                              "the weights are damaged: re-download or re-save the checkpoint")
+    raise KvwallError(f"{ckpt.path}: tensor {' + '.join(src.names)} has values too large for {t.dtype} "
+                      "(they become inf); load it in float32 or bfloat16")
+
+
+def check_names(ckpt: Checkpoint, names: dict[str, Source], model: Transformer) -> None:
+    """The checkpoint against the config, before any weight is read: tensors missing, tensors no Source uses
+    (not IGNORED), wrongly shaped tensors (each q/k/v or gate/up part on its own). One error lists them all."""
+    missing = [n for src in names.values() for n in src.names if ckpt.find(n) is None]
+    used = {ckpt.find(n) for src in names.values() for n in src.names}
+    unexpected = [k for k in ckpt.weight_map if k not in used and not _ignored(k, model.spec)]
+    shapes = [p for me, src in names.items() for p in _shape_problems(ckpt, src, model, me)]
+    problems = [f"{_listed(missing)} missing from the checkpoint" if missing else "",
+                f"{_listed(unexpected)} in the checkpoint but not used by the model config.json describes"
+                if unexpected else "", _listed(shapes, quote=False) if shapes else ""]
+    if any(problems):
+        raise KvwallError(f"{ckpt.path}: the weights do not match config.json: {'; '.join(filter(None, problems))}; "
+                          "is config.json the one saved with these weights?")
+
+
+def _ignored(name: str, spec: ModelSpec) -> bool:
+    """A tensor the engine legitimately leaves unused (IGNORED), or a saved copy of a tied LM head."""
+    if spec.tied_embeddings and name.endswith("lm_head.weight"):
+        return True  # a tied head is the embedding; some checkpoints save the copy anyway
+    return any(pattern.search(name) for pattern, _ in IGNORED)
+
+
+def _listed(items: list[str], quote: bool = True) -> str:
+    """The first SHOWN items, and how many more."""
+    shown = ", ".join(repr(x) if quote else x for x in items[:SHOWN])
+    more = f" and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
+    noun = ("tensor " if len(items) == 1 else f"{len(items)} tensors ") if quote else ""
+    return f"{noun}{shown}{more}"
+
+
+def _shape_problems(ckpt: Checkpoint, src: Source, model: Transformer, me: str) -> list[str]:
+    """How a Source's stored parts differ from the shapes the config implies, checked part by part;
+    when every part is off, the joined tensor is named (the config's size differs, not the split)."""
+    found = [ckpt.find(n) for n in src.names]
+    if None in found:
+        return []  # reported as missing
+    want = _part_shapes(model, me, len(found), src.transpose)
+    have = [ckpt.shapes[n] for n in found]
+    wrong = [f"{n} has shape {h}, the config implies {w}" for n, h, w in zip(found, have, want) if h != w]
+    joined, implied = _joined(have, src.transpose), str(tuple(model.get_parameter(me).shape))
+    if len(wrong) < 2 or len(wrong) < len(found) or joined == implied:
+        return wrong  # some parts right, or the sizes add up: the split is off
+    return [f"{' + '.join(found)} has shape {joined}, the config implies {implied}"]
+
+
+def _part_shapes(model: Transformer, me: str, n: int, transpose: bool) -> list[tuple[int, ...]]:
+    """The stored shape of each of the n parts the engine tensor `me` is joined from (along dim 0, after
+    the transpose): attention's [q; k; v] by its sizes, [gate; up] in halves."""
+    shape = tuple(model.get_parameter(me).shape)
+    owner = model.get_submodule(me.rsplit(".", 2)[0])  # the module holding the fused Linear
+    sizes = getattr(owner, "sizes", None)
+    rows = list(sizes) if n > 1 and sizes is not None and len(sizes) == n else [shape[0] // n] * n
+    parts = [(r, *shape[1:]) for r in rows]
+    return [p[::-1] if transpose else p for p in parts]
+
+
+def _joined(shapes: list[tuple[int, ...]], transpose: bool) -> str:
+    """The shape the parts would have joined (along dim 0 after the transpose), or each part's shape."""
+    shapes = [s[::-1] if transpose else s for s in shapes]
+    if all(len(s) == len(shapes[0]) and s[1:] == shapes[0][1:] for s in shapes):
+        return str((sum(s[0] for s in shapes), *shapes[0][1:]))
+    return " and ".join(map(str, shapes))

@@ -34,13 +34,22 @@ class BlockManager:
 
     def grow(self, row: int, length: int) -> None:
         """Row `row` now holds `length` tokens: allocate the blocks that needs."""
-        assert length >= self.lengths[row], "a row only grows until it is released"
-        need = -(-length // self.block_size) - len(self.tables[row])
-        if need > len(self.free):
-            raise KvwallError(f"the paged cache is out of blocks ({need} more needed, {len(self.free)} free); "
+        self.grow_all({row: length})
+
+    def grow_all(self, lengths: dict[int, int]) -> None:
+        """Rows grow to these lengths, all or none: when the pool cannot give every row its blocks, nothing
+        changes (a caller that catches the error keeps a consistent cache, no row reads another's blocks)."""
+        need = {}
+        for row, length in lengths.items():
+            assert length >= self.lengths[row], "a row only grows until it is released"
+            need[row] = max(-(-length // self.block_size) - len(self.tables[row]), 0)
+        total = sum(need.values())
+        if total > len(self.free):
+            raise KvwallError(f"the paged cache is out of blocks ({total} more needed, {len(self.free)} free); "
                               "give it more blocks or fewer/shorter sequences")
-        self.tables[row].extend(self.free.popleft() for _ in range(max(need, 0)))
-        self.lengths[row] = length
+        for row, length in lengths.items():
+            self.tables[row].extend(self.free.popleft() for _ in range(need[row]))
+            self.lengths[row] = length
 
     def release(self, row: int) -> None:
         self.free.extend(self.tables[row])
@@ -82,10 +91,8 @@ class PagedCache(KVCache):
 
     def step(self, pos):
         """Allocate blocks for the new tokens; rebuild the (B, blocks) table and the slot positions."""
-        for row in range(pos.shape[0]):
-            end = int(pos[row].max()) + 1
-            if end > 0:
-                self.blocks.grow(row, max(end, self.blocks.lengths[row]))
+        ends = (pos.max(1).values + 1).tolist()  # (B,) one past each row's last new position
+        self.blocks.grow_all({row: max(end, self.blocks.lengths[row]) for row, end in enumerate(ends) if end > 0})
         width = max(1, max(len(t) for t in self.blocks.tables))
         table = [t + [0] * (width - len(t)) for t in self.blocks.tables]
         self.table = torch.tensor(table, dtype=torch.long, device=self.device)  # (B, nb)

@@ -31,6 +31,9 @@ def inv_frequencies(rope: Rope, head_dim: int) -> torch.Tensor:
     r = int(head_dim * rope.partial)
     assert r % 2 == 0 and 0 < r <= head_dim, (r, head_dim)
     w = 1.0 / (rope.theta ** (torch.arange(0, r, 2, dtype=torch.int64, device="cpu").float() / r))  # (r/2,)
+    if not torch.isfinite(w).all() or not (w > 0).all():  # e.g. a negative theta: NaN rotations, garbage tokens
+        raise KvwallError(f"rope_theta {rope.theta} gives non-finite rotary frequencies; rope_theta in config.json "
+                          "must be a positive number (usually 10000 or more)")
     if rope.kind == "linear":
         return w / rope.factor
     if rope.kind == "llama3":
