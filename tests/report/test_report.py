@@ -87,7 +87,10 @@ def test_a_stale_or_foreign_profile_is_measured_again(tmp_path, monkeypatch):
     data = json.loads(path.read_text())
     data["measured"]["hostname"] = "another-machine"
     path.write_text(json.dumps(data))
-    assert cal.profile_age_s(path) is None
+    assert cal.profile_age_s(path) is None and "another machine" in cal.stale_because(path)
+    del data["measured"]  # written by hand: kept as it is
+    path.write_text(json.dumps(data))
+    assert cal.stale_because(path) is None
 
 
 def test_speeds_are_for_deployments_that_fit(tmp_path):

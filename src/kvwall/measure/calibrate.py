@@ -233,8 +233,8 @@ FRESH_S = 24 * 3600  # a profile older than this (or from another host) is measu
 
 
 def profile_age_s(path: Path) -> float | None:
-    """Seconds since the profile at `path` was measured on this host; None when it is missing, unreadable or
-    from another machine (then it says nothing about this one)."""
+    """Seconds since the profile at `path` was measured on this host; None when it is missing, unreadable,
+    written by hand (no "measured" section) or from another machine."""
     try:
         measured = json.loads(Path(path).read_text())["measured"]
         when = datetime.datetime.fromisoformat(measured["date"])
@@ -245,12 +245,30 @@ def profile_age_s(path: Path) -> float | None:
     return (datetime.datetime.now(when.tzinfo) - when).total_seconds()
 
 
-def fresh_profile(path: Path, max_age_s: float = FRESH_S, say: Callable[[str], None] | None = None) -> Path:
-    """The profile at `path`, measured again (quick) first when it is missing, stale or from another host."""
+def stale_because(path: Path, max_age_s: float = FRESH_S) -> str | None:
+    """Why the profile at `path` should be measured again, or None to use it as it is. A profile written by
+    hand (no "measured" section) is kept; a damaged one too (loading it says so, and how to fix it)."""
+    path = Path(path)
+    if not path.is_file():
+        return "there is none"
+    try:
+        measured = json.loads(path.read_text()).get("measured")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(measured, dict):
+        return None
+    if measured.get("hostname") != machine.hostname():
+        return f"it was measured on another machine ({measured.get('hostname')})"
     age = profile_age_s(path)
     if age is None or not 0 <= age <= max_age_s:
-        why = "there is none" if not Path(path).is_file() else (
-            "it is from another machine or damaged" if age is None else f"it is {age / 3600:.0f} h old")
+        return "its date is unreadable" if age is None else f"it is {age / 3600:.0f} h old"
+    return None
+
+
+def fresh_profile(path: Path, max_age_s: float = FRESH_S, say: Callable[[str], None] | None = None) -> Path:
+    """The profile at `path`, measured again (quick) first when it is missing, stale or from another host."""
+    why = stale_because(path, max_age_s)
+    if why:
         if say:
             say(f"calibrating this machine first (`kvwall calibrate --quick`, about 10 s): {why}")
         save_profile(calibrate(quick=True).profile(), path)
