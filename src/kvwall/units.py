@@ -7,7 +7,10 @@ Token counts use binary multipliers, as context lengths are quoted: 4k = 4,096,
 
 from __future__ import annotations
 
+import argparse
+import math
 import re
+from typing import Callable, Iterable
 
 from kvwall.errors import KvwallError
 
@@ -90,3 +93,73 @@ def fmt_count(n: float) -> str:
         if abs(n) >= mult:
             return f"{n / mult:.3g}{suffix}" if n / mult < 100 else f"{n / mult:.0f}{suffix}"
     return str(int(n))
+
+
+# -- option types: argparse `type=` functions, so a bad number is refused before any work ------------
+# Each raises argparse.ArgumentTypeError; the CLI prints it as one line naming the option, exit status 2.
+
+def whole(lo: int, hi: int = 2**63 - 1) -> Callable[[str], int]:
+    """A whole number from lo to hi (a 23-digit seed or 0 blocks is refused here, not deep in the engine)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(str(text).strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number (got {text!r})") from None
+        if not lo <= value <= hi:
+            span = f"from {lo} to {hi:,}" if hi < 2**63 - 1 else f"at least {lo}"
+            raise argparse.ArgumentTypeError(f"must be {span} (got {_short(text)})")
+        return value
+    parse.__name__ = "whole number"
+    return parse
+
+
+def real(lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False) -> Callable[[str], float]:
+    """A finite number in [lo, hi] (an end excluded where *_open): never nan, never inf."""
+    left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(str(text).strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number (got {text!r})") from None
+        inside = (lo < value if lo_open else lo <= value) and (value < hi if hi_open else value <= hi)
+        if not math.isfinite(value) or not inside:
+            above = f"{'above' if lo_open else 'at least'} {lo:g}"
+            span = f"in {left}{lo:g}, {hi:g}{right}" if math.isfinite(hi) else above
+            raise argparse.ArgumentTypeError(f"must be a finite number {span} (got {_short(text)})")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+def one_of(names: Iterable[str]) -> Callable[[str], str]:
+    """One name from a fixed list (case-insensitive); the error lists them."""
+    known = list(names)
+
+    def parse(text: str) -> str:
+        key = str(text).strip().lower()
+        if key not in known:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(known)} (got {text!r})")
+        return key
+    parse.__name__ = "name"
+    return parse
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 24 else text[:21] + "..."
+
+
+def tokens_arg(text: str) -> int:
+    """A token count option (--window 4k): as parse_tokens, refused by the parser."""
+    try:
+        return parse_tokens(text)
+    except KvwallError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def ids_arg(text: str) -> str:
+    """Comma-separated token ids (0 or more each, at least one); kept as text for the command to split."""
+    parts = [p for p in str(text).replace(" ", "").split(",") if p]
+    if not parts or not all(p.isdigit() and len(p) <= 12 for p in parts):
+        raise argparse.ArgumentTypeError(f"must be one or more comma-separated token ids, e.g. 1,2,3 (got {text!r})")
+    return text
