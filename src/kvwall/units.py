@@ -14,6 +14,9 @@ from typing import Callable, Iterable
 
 from kvwall.errors import KvwallError
 
+MAX_COUNT = 2**40  # far above any real batch, context or width; keeps every product a finite float
+MAX_BYTES = 2**60  # an exbibyte: far above any real memory
+
 _TOKEN_MULT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 _BYTE_MULT = {
     "": 1, "b": 1,
@@ -31,11 +34,13 @@ def parse_tokens(text: str | int, what: str = "token count") -> int:
         if not m:
             raise KvwallError(f"bad {what} {text!r}: write a whole number such as 4096, 32k or 1M")
         value = float(m.group(1)) * _TOKEN_MULT[m.group(2).lower()]
+        if value > MAX_COUNT:
+            raise KvwallError(f"bad {what} {_short(text)!r}: it must be at most {MAX_COUNT:,}")
         if value != int(value):
             raise KvwallError(f"bad {what} {text!r}: it is not a whole number of tokens")
         value = int(value)
-    if value <= 0:
-        raise KvwallError(f"bad {what} {text!r}: it must be at least 1")
+    if not 1 <= value <= MAX_COUNT:
+        raise KvwallError(f"bad {what} {_short(str(text))!r}: it must be from 1 to {MAX_COUNT:,}")
     return value
 
 
@@ -47,8 +52,9 @@ def parse_int_list(text: str, what: str) -> list[int]:
     out = []
     for part in str(text).split(","):
         part = part.strip()
-        if not part.isdigit() or int(part) <= 0:
-            raise KvwallError(f"bad {what} {text!r}: give positive whole numbers separated by commas, e.g. 1,8,64")
+        if not part.isdigit() or not 1 <= int(part) <= MAX_COUNT:
+            raise KvwallError(f"bad {what} {_short(str(text))!r}: give whole numbers from 1 to {MAX_COUNT:,} "
+                              "separated by commas, e.g. 1,8,64")
         out.append(int(part))
     return out
 
@@ -58,7 +64,10 @@ def parse_bytes(text: str, what: str = "memory size") -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _BYTE_MULT:
         raise KvwallError(f"bad {what} {text!r}: write e.g. 80GB, 24GiB or 512MB")
-    value = int(float(m.group(1)) * _BYTE_MULT[m.group(2).lower()])
+    value = float(m.group(1)) * _BYTE_MULT[m.group(2).lower()]
+    if value > MAX_BYTES:
+        raise KvwallError(f"bad {what} {_short(str(text))!r}: more than an exbibyte; write e.g. 80GB")
+    value = int(value)
     if value <= 0:
         raise KvwallError(f"bad {what} {text!r}: it must be more than 0")
     return value
@@ -98,7 +107,7 @@ def fmt_count(n: float) -> str:
 # -- option types: argparse `type=` functions, so a bad number is refused before any work ------------
 # Each raises argparse.ArgumentTypeError; the CLI prints it as one line naming the option, exit status 2.
 
-def whole(lo: int, hi: int = 2**63 - 1) -> Callable[[str], int]:
+def whole(lo: int, hi: int = MAX_COUNT) -> Callable[[str], int]:
     """A whole number from lo to hi (a 23-digit seed or 0 blocks is refused here, not deep in the engine)."""
     def parse(text: str) -> int:
         try:
@@ -106,7 +115,7 @@ def whole(lo: int, hi: int = 2**63 - 1) -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a whole number (got {text!r})") from None
         if not lo <= value <= hi:
-            span = f"from {lo} to {hi:,}" if hi < 2**63 - 1 else f"at least {lo}"
+            span = f"at least {lo}" if value < lo else f"at most {hi:,}"
             raise argparse.ArgumentTypeError(f"must be {span} (got {_short(text)})")
         return value
     parse.__name__ = "whole number"
