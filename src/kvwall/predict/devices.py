@@ -19,6 +19,7 @@ COMPUTE_DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp8", "int8", "fp4")
 _TWINS = {"fp16": "bf16", "bf16": "fp16", "tf32": "fp32"}
 _WIDE = ("bf16", "fp16", "fp32", "tf32")
 
+
 @dataclass(frozen=True)
 class Device:
     name: str

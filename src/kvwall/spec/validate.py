@@ -36,8 +36,9 @@ _MIN_ONE = (
 _MIN_ZERO = (
     "attn_layer_offset", "expert_layer_offset", "first_k_dense_replace", "n_shared_experts", "max_window_layers",
     "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "d_intermediate",
-    "num_nextn_predict_layers", "bos_token_id", "pad_token_id",
+    "num_nextn_predict_layers",
 )
+_TOKEN_IDS = ("bos_token_id", "pad_token_id")  # -1 is some configs' spelling of "none"
 _AUTO_OR_MIN_ONE = ("time_step_rank", "mamba_dt_rank", "dt_rank")  # "auto" or a whole number
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer")
 # Real-valued fields: finite, and > 0 or >= 0.
@@ -87,6 +88,8 @@ def _field_problem(key: str, value: Any) -> str | None:
         return _whole_problem(value, 1, MAX_DIM)
     if key in _MIN_ZERO:
         return _whole_problem(value, 0, MAX_DIM)
+    if key in _TOKEN_IDS:
+        return _whole_problem(value, -1, MAX_DIM)
     if key in _AUTO_OR_MIN_ONE:
         return None if value == "auto" else _whole_problem(value, 1, MAX_DIM)
     if key in _POSITIVE_REAL or key in _NON_NEGATIVE_REAL:
@@ -100,8 +103,8 @@ def _field_problem(key: str, value: Any) -> str | None:
     if key in _STRING_LISTS or key == "hybrid_override_pattern":
         return None if len(value) <= MAX_LAYERS else f"it has {len(value):,} entries; at most {MAX_LAYERS:,} layers"
     if key == "eos_token_id":
-        ok = _is_int(value) and value >= 0 or _is_list_of(value, lambda x: _is_int(x) and x >= 0)
-        return None if ok else "it must be a token id (a whole number >= 0) or a list of them"
+        ok = _is_int(value) and value >= -1 or _is_list_of(value, lambda x: _is_int(x) and x >= 0)
+        return None if ok else "it must be a token id (a whole number >= 0, or -1 for none) or a list of them"
     if key == "time_step_limit":
         return None if isinstance(value, list) and len(value) == 2 else "it must be a list of two numbers"
     return None
