@@ -403,3 +403,28 @@ def test_random_field_values_through_the_cli(family, data, tmp_path_factory, cap
         for key, value in _numbers(json.loads(out)):
             if key.endswith(("_bytes", "_s", "bytes", "flops")):
                 assert math.isfinite(value) and value >= 0, (command, key, value)
+
+
+# -- what stays accepted ---------------------------------------------------------------------------
+
+def test_compute_dtype_peaks_follow_the_datasheets():
+    """H100 SXM dense fp8 is 1,979 TFLOP/s; TPU v5e lists only bf16 (197 TFLOP/s), which fp16 shares;
+    an M2 Ultra lists only fp32 (27.2 TFLOP/s), which 16-bit math falls back to; no dtype borrows a
+    wider one's peak."""
+    assert get_device("h100-sxm").flops("fp8") == 1979e12
+    assert get_device("tpu-v5e").flops("fp16") == 197e12
+    assert get_device("apple-m2-ultra").flops("bf16") == 27.2e12
+    with pytest.raises(KvwallError, match="lists no fp4"):
+        get_device("h100-sxm").flops("fp4")
+
+
+@pytest.mark.parametrize("argv", [["roofline", M, "--compute-dtype", "FP8", "--json"],
+                                  ["memory", M, "--window", "2k", "--kv-heads", "1", "--json"],
+                                  ["generate", "--help"]])
+def test_good_options_still_pass_the_parser(argv, capsys):
+    assert main(argv) == 0
+
+
+def test_every_catalog_config_passes_validation():
+    for name in catalog.model_names():
+        spec_from_config(catalog.load_model_config(name), name=name)

@@ -170,5 +170,6 @@ def ids_arg(text: str) -> str:
     """Comma-separated token ids (0 or more each, at least one); kept as text for the command to split."""
     parts = [p for p in str(text).replace(" ", "").split(",") if p]
     if not parts or not all(p.isdigit() and len(p) <= 12 for p in parts):
-        raise argparse.ArgumentTypeError(f"must be comma-separated integers (token ids >= 0), e.g. 1,2,3 (got {_short(text)!r})")
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers (token ids >= 0), e.g. 1,2,3 "
+                                         f"(got {_short(text)!r})")
     return text

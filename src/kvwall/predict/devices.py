@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvwall import catalog
 from kvwall.errors import KvwallError
+from kvwall.spec.validate import real_problem
 
 # Compute dtypes a peak can be asked for. A 16- or 32-bit dtype without its own peak takes its same-width
 # twin's (fp16 on a chip that lists only bf16), then fp32's (a profile that measured only fp32 matmuls).
@@ -136,15 +136,10 @@ def _profile_problem(e: object) -> str | None:
             return f"{key!r} is {table!r}, not an object"
         figures += [(f"{key}.{k}", v, above_zero) for k, v in table.items() if v is not None]
     for name, value, above_zero in figures:
-        if not _plausible(value, above_zero):
-            return f"{name!r} is {str(value)[:40]!r}, not a finite number {'above' if above_zero else 'of at least'} 0"
+        problem = real_problem(value, above_zero)
+        if problem:
+            return f"{name!r} is {value!r:.40}: {problem}"
     return None
-
-
-def _plausible(value: object, above_zero: bool) -> bool:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        return False
-    return value > 0 if above_zero else value >= 0
 
 
 def memory_only(memory_bytes: int) -> Device:

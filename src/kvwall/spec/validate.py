@@ -93,7 +93,7 @@ def _field_problem(key: str, value: Any) -> str | None:
     if key in _AUTO_OR_MIN_ONE:
         return None if value == "auto" else _whole_problem(value, 1, MAX_DIM)
     if key in _POSITIVE_REAL or key in _NON_NEGATIVE_REAL:
-        return _real_problem(value, strict=key in _POSITIVE_REAL)
+        return real_problem(value, above_zero=key in _POSITIVE_REAL)
     if key in _STRINGS and not isinstance(value, str):
         return "it must be a string"
     if key in _INT_LISTS and not _is_list_of(value, _is_int):
@@ -118,11 +118,12 @@ def _whole_problem(value: Any, lo: int, hi: int) -> str | None:
     return None
 
 
-def _real_problem(value: Any, strict: bool) -> str | None:
+def real_problem(value: Any, above_zero: bool) -> str | None:
+    """What is wrong with a real-valued figure (None: a finite number, > 0 or >= 0 as asked)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and (value > 0 or (value == 0 and not strict)):
+    if ok and (value > 0 or (value == 0 and not above_zero)):
         return None
-    return "it must be a finite number above 0" if strict else "it must be a finite number, 0 or above"
+    return "it must be a finite number above 0" if above_zero else "it must be a finite number, 0 or above"
 
 
 def _is_int(value: Any) -> bool:
@@ -143,7 +144,7 @@ def _check_derived_head_dim(data: dict, where: str) -> None:
     """Where the head width is hidden / heads (no head_dim field), the heads must divide the width."""
     for hidden_key, heads_key in (("hidden_size", "num_attention_heads"), ("n_embd", "n_head")):
         hidden, heads = data.get(hidden_key), data.get(heads_key)
-        explicit = data.get("head_dim") or data.get("attention_head_dim")
+        explicit = data.get("head_dim") or data.get("attention_head_dim") or data.get("kv_lora_rank")  # MLA: no split
         if _is_int(hidden) and _is_int(heads) and heads > 0 and not explicit and hidden % heads:
             raise KvwallError(f"{where}: {hidden_key!r} {hidden} is not a multiple of {heads_key!r} {heads}, and "
                               "there is no 'head_dim' to say the head width; fix one of them or add head_dim")
