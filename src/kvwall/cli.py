@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from kvwall import __version__
 from kvwall.errors import KvwallError
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line (the option and what is wrong), exit status 2; --help still shows usage.
+    Sub-command parsers are made from this class too (argparse uses the parent's class)."""
+
+    def error(self, message: str):
+        message = re.sub(r"^argument ([^:]+): ", r"\1 ", message)  # "--batch must be ...", as our own errors read
+        self.exit(2, f"kvwall: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvwall.commands import bench_cmd, calibrate_cmd, engine_cmds, memory_cmds, report_cmd, speed_cmds
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="kvwall",
         description="What remembering the context costs a language model at decode time: "
                     "cache and weight bytes, what fits, and how fast it decodes.",
@@ -31,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error (its one line already printed)
+        return int(exc.code or 0)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

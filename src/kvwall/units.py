@@ -7,9 +7,15 @@ Token counts use binary multipliers, as context lengths are quoted: 4k = 4,096,
 
 from __future__ import annotations
 
+import argparse
+import math
 import re
+from typing import Callable, Iterable
 
 from kvwall.errors import KvwallError
+
+MAX_COUNT = 2**40  # far above any real batch, context or width; keeps every product a finite float
+MAX_BYTES = 2**60  # an exbibyte: far above any real memory
 
 _TOKEN_MULT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 _BYTE_MULT = {
@@ -28,11 +34,13 @@ def parse_tokens(text: str | int, what: str = "token count") -> int:
         if not m:
             raise KvwallError(f"bad {what} {text!r}: write a whole number such as 4096, 32k or 1M")
         value = float(m.group(1)) * _TOKEN_MULT[m.group(2).lower()]
+        if value > MAX_COUNT:
+            raise KvwallError(f"bad {what} {_short(text)!r}: it must be at most {MAX_COUNT:,}")
         if value != int(value):
             raise KvwallError(f"bad {what} {text!r}: it is not a whole number of tokens")
         value = int(value)
-    if value <= 0:
-        raise KvwallError(f"bad {what} {text!r}: it must be at least 1")
+    if not 1 <= value <= MAX_COUNT:
+        raise KvwallError(f"bad {what} {_short(str(text))!r}: it must be from 1 to {MAX_COUNT:,}")
     return value
 
 
@@ -44,8 +52,9 @@ def parse_int_list(text: str, what: str) -> list[int]:
     out = []
     for part in str(text).split(","):
         part = part.strip()
-        if not part.isdigit() or int(part) <= 0:
-            raise KvwallError(f"bad {what} {text!r}: give positive whole numbers separated by commas, e.g. 1,8,64")
+        if not part.isdigit() or not 1 <= int(part) <= MAX_COUNT:
+            raise KvwallError(f"bad {what} {_short(str(text))!r}: give whole numbers from 1 to {MAX_COUNT:,} "
+                              "separated by commas, e.g. 1,8,64")
         out.append(int(part))
     return out
 
@@ -55,7 +64,10 @@ def parse_bytes(text: str, what: str = "memory size") -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _BYTE_MULT:
         raise KvwallError(f"bad {what} {text!r}: write e.g. 80GB, 24GiB or 512MB")
-    value = int(float(m.group(1)) * _BYTE_MULT[m.group(2).lower()])
+    value = float(m.group(1)) * _BYTE_MULT[m.group(2).lower()]
+    if value > MAX_BYTES:
+        raise KvwallError(f"bad {what} {_short(str(text))!r}: more than an exbibyte; write e.g. 80GB")
+    value = int(value)
     if value <= 0:
         raise KvwallError(f"bad {what} {text!r}: it must be more than 0")
     return value
@@ -90,3 +102,74 @@ def fmt_count(n: float) -> str:
         if abs(n) >= mult:
             return f"{n / mult:.3g}{suffix}" if n / mult < 100 else f"{n / mult:.0f}{suffix}"
     return str(int(n))
+
+
+# -- option types: argparse `type=` functions, so a bad number is refused before any work ------------
+# Each raises argparse.ArgumentTypeError; the CLI prints it as one line naming the option, exit status 2.
+
+def whole(lo: int, hi: int = MAX_COUNT) -> Callable[[str], int]:
+    """A whole number from lo to hi (a 23-digit seed or 0 blocks is refused here, not deep in the engine)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(str(text).strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number (got {text!r})") from None
+        if not lo <= value <= hi:
+            span = f"at least {lo}" if value < lo else f"at most {hi:,}"
+            raise argparse.ArgumentTypeError(f"must be {span} (got {_short(text)})")
+        return value
+    parse.__name__ = "whole number"
+    return parse
+
+
+def real(lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False) -> Callable[[str], float]:
+    """A finite number in [lo, hi] (an end excluded where *_open): never nan, never inf."""
+    left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(str(text).strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number (got {text!r})") from None
+        inside = (lo < value if lo_open else lo <= value) and (value < hi if hi_open else value <= hi)
+        if not math.isfinite(value) or not inside:
+            above = f"{'above' if lo_open else 'at least'} {lo:g}"
+            span = f"in {left}{lo:g}, {hi:g}{right}" if math.isfinite(hi) else above
+            raise argparse.ArgumentTypeError(f"must be a finite number {span} (got {_short(text)})")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+def one_of(names: Iterable[str]) -> Callable[[str], str]:
+    """One name from a fixed list (case-insensitive); the error lists them."""
+    known = list(names)
+
+    def parse(text: str) -> str:
+        key = str(text).strip().lower()
+        if key not in known:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(known)} (got {text!r})")
+        return key
+    parse.__name__ = "name"
+    return parse
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 24 else text[:21] + "..."
+
+
+def tokens_arg(text: str) -> int:
+    """A token count option (--window 4k): as parse_tokens, refused by the parser."""
+    try:
+        return parse_tokens(text)
+    except KvwallError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def ids_arg(text: str) -> str:
+    """Comma-separated token ids (0 or more each, at least one); kept as text for the command to split."""
+    parts = [p for p in str(text).replace(" ", "").split(",") if p]
+    if not parts or not all(p.isdigit() and len(p) <= 12 for p in parts):
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers (token ids >= 0), e.g. 1,2,3 "
+                                         f"(got {_short(text)!r})")
+    return text

@@ -11,7 +11,7 @@ from kvwall.errors import KvwallError
 from kvwall.files import PLOT_EXTS, check_output, write_text
 from kvwall.report.measured import plot_results
 from kvwall.report.tables import console, table
-from kvwall.units import fmt_bytes, fmt_tokens, parse_token_list, parse_tokens
+from kvwall.units import fmt_bytes, fmt_tokens, parse_token_list, parse_tokens, whole
 
 DEFAULT_CONTEXTS = "1k,4k,16k,32k"
 QUICK_CONTEXTS = "1k,4k"
@@ -22,10 +22,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("archs", nargs="*", help="architectures (default: all; see --list) or model directories")
     p.add_argument("--list", action="store_true", help="list the architectures and exit")
     p.add_argument("--context", help=f"contexts (default {DEFAULT_CONTEXTS}; --quick: {QUICK_CONTEXTS})")
-    p.add_argument("--steps", type=int, default=8, help="timed decode steps per point (median; default 8)")
+    p.add_argument("--steps", type=whole(1), default=8, help="timed decode steps per point (median; default 8)")
     p.add_argument("--prefill-max", default="4k", help="time a real prefill up to this context (default 4k)")
     p.add_argument("--quick", action="store_true", help="fewer architectures and contexts (about a minute)")
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=whole(1, 1 << 16), help="torch threads (default: all cores)")
     p.add_argument("--plot", metavar="PNG", help="measured vs predicted decode time vs context")
     p.add_argument("--save", metavar="JSON", help="also write the results to this file")
     common.add_json(p)

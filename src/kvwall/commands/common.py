@@ -10,7 +10,7 @@ from kvwall.predict.memory import Formats, Parallel
 from kvwall.report.tables import print_json
 from kvwall.spec.model import Attention, ModelSpec
 from kvwall.spec.resolve import load_spec
-from kvwall.units import parse_tokens
+from kvwall.units import parse_tokens, tokens_arg, whole
 
 
 def need_torch(what: str) -> None:
@@ -23,8 +23,8 @@ def need_torch(what: str) -> None:
 
 def add_model_knobs(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what-if (re-shape the model without editing its config)")
-    g.add_argument("--kv-heads", type=int, metavar="N", help="every attention layer gets N KV heads (1 = MQA)")
-    g.add_argument("--window", metavar="N", help="sliding window of N tokens on every attention layer")
+    g.add_argument("--kv-heads", type=whole(1), metavar="N", help="every attention layer gets N KV heads (1 = MQA)")
+    g.add_argument("--window", type=tokens_arg, metavar="N", help="sliding window of N tokens on every attention layer")
     f = p.add_argument_group("storage formats")
     f.add_argument("--weight-format", metavar="F", help="weights: bf16, fp16, fp8, int8, int4[:g128], nvfp4, ...")
     f.add_argument("--kv-format", metavar="F", help="KV cache: bf16, fp8, int8, int4, int2, nvfp4, ...")
@@ -32,8 +32,8 @@ def add_model_knobs(p: argparse.ArgumentParser) -> None:
 
 
 def add_parallel(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel GPUs (default 1)")
-    p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline-parallel stages (default 1)")
+    p.add_argument("--tp", type=whole(1, 1 << 16), default=1, metavar="N", help="tensor-parallel GPUs (default 1)")
+    p.add_argument("--pp", type=whole(1, 1 << 16), default=1, metavar="N", help="pipeline-parallel stages (default 1)")
 
 
 def add_json(p: argparse.ArgumentParser) -> None:

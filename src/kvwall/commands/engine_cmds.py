@@ -10,14 +10,14 @@ from pathlib import Path
 from kvwall.commands import common
 from kvwall.engine import CACHE_NAMES as CACHES
 from kvwall.errors import KvwallError
-from kvwall.units import fmt_bytes
+from kvwall.units import fmt_bytes, ids_arg, real, whole
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="load a checkpoint with kvwall and transformers; compare their logits")
     p.add_argument("checkpoint", help="directory with config.json and safetensors weights")
-    p.add_argument("--prompt-ids", metavar="IDS", help="comma-separated token ids (default: 32 seeded random ids)")
-    p.add_argument("--tolerance", type=float, default=1e-4, help="largest logit difference that passes (default 1e-4)")
+    p.add_argument("--prompt-ids", type=ids_arg, metavar="IDS", help="comma-separated token ids (default: 32 seeded random ids)")
+    p.add_argument("--tolerance", type=real(0), default=1e-4, help="largest logit difference that passes (default 1e-4)")
     common.add_json(p)
     p.set_defaults(func=cmd_verify)
 
@@ -25,16 +25,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="directory with config.json and safetensors weights")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text (needs the checkpoint's tokenizer.json)")
-    src.add_argument("--prompt-ids", metavar="IDS", help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="default 32")
+    src.add_argument("--prompt-ids", type=ids_arg, metavar="IDS", help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=whole(1, 1 << 24), default=32, metavar="N", help="default 32")
     p.add_argument("--cache", default="contiguous", help=f"KV cache: {', '.join(CACHES)} (default contiguous)")
-    p.add_argument("--block-size", type=int, default=16, help="paged cache block size (default 16)")
-    p.add_argument("--residual", type=int, default=32, help="quantized caches: newest tokens kept in full precision")
+    p.add_argument("--block-size", type=whole(1, 1 << 20), default=16, help="paged cache block size (default 16)")
+    p.add_argument("--residual", type=whole(0, 1 << 24), default=32, help="quantized caches: newest tokens kept in full precision")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--temperature", type=real(0), default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-k", type=whole(1))
+    p.add_argument("--top-p", type=real(0, 1, lo_open=True))
+    p.add_argument("--seed", type=whole(0, 2**63 - 1))
     common.add_json(p)
     p.set_defaults(func=cmd_generate)
 

@@ -12,7 +12,7 @@ from kvwall.predict.fit import compare_entry, default_reserve, fit, headroom, pa
 from kvwall.predict.memory import cache_bytes_per_token, memory, state_bytes
 from kvwall.report.tables import console, table
 from kvwall.spec.resolve import load_spec
-from kvwall.units import fmt_bytes, fmt_count, fmt_tokens, parse_bytes, parse_token_list, parse_tokens
+from kvwall.units import fmt_bytes, fmt_count, fmt_tokens, parse_bytes, parse_token_list, parse_tokens, whole
 
 LINEUP = catalog.LINEUP
 COMPARE_CONTEXTS = "4k,32k,128k,1M"
@@ -36,8 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("memory", help="weights and cache for a batch and context, per layer and per GPU")
     p.add_argument("model")
     p.add_argument("--context", default="4k", help="tokens per sequence (e.g. 4096, 128k, 1M; default 4k)")
-    p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
-    p.add_argument("--block-size", type=int, metavar="B", help="paged allocation: round each sequence up to B-token blocks")
+    p.add_argument("--batch", type=whole(1), default=1, help="sequences (default 1)")
+    p.add_argument("--block-size", type=whole(1), metavar="B", help="paged allocation: round each sequence up to B-token blocks")
     p.add_argument("--device", help="also say whether it fits this device (see `kvwall devices`)")
     p.add_argument("--layers", action="store_true", help="print every layer")
     common.add_model_knobs(p)
@@ -48,8 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="cache per token and at several contexts, side by side")
     p.add_argument("models", nargs="*", help=f"models (default: {' '.join(LINEUP)})")
     p.add_argument("--context", default=COMPARE_CONTEXTS, help=f"contexts (default {COMPARE_CONTEXTS})")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--device", default="h100-sxm", help="device for the 'longest context that fits' column")
+    p.add_argument("--batch", type=whole(1), default=1)
+    p.add_argument("--device", default=None, help="device (default h100-sxm) for the 'longest context that fits' column")
     p.add_argument("--memory", help="memory size instead of a device, e.g. 80GB")
     common.add_model_knobs(p)
     common.add_json(p)
@@ -59,10 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model")
     p.add_argument("--device", help="catalog device (default h100-sxm unless --memory)")
     p.add_argument("--memory", help="memory per GPU instead of a device, e.g. 80GB or 24GiB")
-    p.add_argument("--batch", type=int, help="find the longest context for this batch (default 1)")
+    p.add_argument("--batch", type=whole(1), help="find the longest context for this batch (default 1)")
     p.add_argument("--context", help="find the largest batch for this context")
     p.add_argument("--reserve", help="memory kept free per GPU: a percentage or size (default 10%%)")
-    p.add_argument("--block-size", type=int, metavar="B", help="paged allocation block size")
+    p.add_argument("--block-size", type=whole(1), metavar="B", help="paged allocation block size")
     common.add_model_knobs(p)
     common.add_parallel(p)
     common.add_json(p)
@@ -291,6 +291,8 @@ def _print_compare(data: dict) -> None:
 
 
 def _memory_target(device: str | None, mem: str | None) -> tuple[int, str]:
+    if mem and device:
+        raise KvwallError(f"--memory {mem} and --device {device} both say how much memory there is; give one")
     if mem:
         b = parse_bytes(mem)
         return b, f"{b / 1e9:g} GB"

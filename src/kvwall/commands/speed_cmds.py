@@ -15,16 +15,19 @@ from kvwall.report import plots
 from kvwall.report.analysis import group_ops, roofline_points
 from kvwall.report.tables import console, table
 from kvwall.spec.model import LatentAttention
-from kvwall.units import fmt_bytes, fmt_tokens, parse_int_list, parse_token_list, parse_tokens
+from kvwall.units import fmt_bytes, fmt_tokens, one_of, parse_int_list, parse_token_list, parse_tokens, real, whole
 
 
 def add_roof_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("device and roofline assumptions")
     g.add_argument("--device", default="h100-sxm", help="catalog device or `local` (default h100-sxm)")
-    g.add_argument("--compute-dtype", default="bf16", help="dtype of the math (bf16, fp16, fp8, fp32; default bf16)")
-    g.add_argument("--compute-eff", type=float, default=1.0, help="fraction of peak FLOP/s reached (default 1.0)")
-    g.add_argument("--mem-eff", type=float, default=1.0, help="fraction of bandwidth reached (default 1.0)")
-    g.add_argument("--link-latency", type=float, default=5.0, help="microseconds per collective (default 5)")
+    g.add_argument("--compute-dtype", type=one_of(dev.COMPUTE_DTYPES), default="bf16",
+                   help="dtype of the math (bf16, fp16, fp8, fp32; default bf16)")
+    g.add_argument("--compute-eff", type=real(0, 1, lo_open=True), default=1.0,
+                   help="fraction of peak FLOP/s reached (default 1.0)")
+    g.add_argument("--mem-eff", type=real(0, 1, lo_open=True), default=1.0,
+                   help="fraction of bandwidth reached (default 1.0)")
+    g.add_argument("--link-latency", type=real(0), default=5.0, help="microseconds per collective (default 5)")
 
 
 def roof_from(args) -> Roof:
@@ -61,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("models", nargs="+")
     p.add_argument("--context", default="1k,4k,16k,64k,128k,512k", help="contexts (default 1k..512k)")
     p.add_argument("--prompt", default="2k", help="prompt tokens for TTFT (default 2k)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=whole(1), default=1)
     p.add_argument("--plot", metavar="PNG", help="decode time per token vs context, one line per model")
     common.add_model_knobs(p)
     common.add_parallel(p)
@@ -72,10 +75,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("speculate", help="speculative decoding: expected tokens per target pass and speed-up")
     p.add_argument("model", help="target model")
     p.add_argument("--draft", required=True, help="draft model")
-    p.add_argument("--acceptance", type=float, default=0.7, help="per-token acceptance rate (default 0.7)")
+    p.add_argument("--acceptance", type=real(0, 1), default=0.7, help="per-token acceptance rate (default 0.7)")
     p.add_argument("--k", default="1,2,3,4,5,6,8,10,12,16", help="drafted tokens per pass to try")
     p.add_argument("--context", default="4k")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=whole(1), default=1)
     common.add_model_knobs(p)
     add_roof_args(p)
     common.add_json(p)

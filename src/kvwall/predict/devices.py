@@ -9,9 +9,15 @@ from pathlib import Path
 
 from kvwall import catalog
 from kvwall.errors import KvwallError
+from kvwall.spec.validate import real_problem
 
-# A dtype without its own peak falls back along this chain (e.g. fp16 on a chip that lists only bf16).
-_FALLBACK = {"fp16": "bf16", "bf16": "fp16", "tf32": "fp32", "fp8": "bf16", "int8": "fp8", "fp4": "fp8"}
+# Compute dtypes a peak can be asked for. A 16- or 32-bit dtype without its own peak takes its same-width
+# twin's (fp16 on a chip that lists only bf16), then fp32's (a profile that measured only fp32 matmuls).
+# A narrower dtype (fp8, int8, fp4) never borrows a wider one's peak: that would print, say, V100's fp16
+# peak labelled fp4. Such a request is refused instead.
+COMPUTE_DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp8", "int8", "fp4")
+_TWINS = {"fp16": "bf16", "bf16": "fp16", "tf32": "fp32"}
+_WIDE = ("bf16", "fp16", "fp32", "tf32")
 
 
 @dataclass(frozen=True)
@@ -38,19 +44,14 @@ class Device:
         return self.mixer_overhead_s.get(kind or "", self.layer_overhead_s)
 
     def flops(self, dtype: str = "bf16") -> float:
-        """Dense peak FLOP/s for a compute dtype, falling back to the nearest listed one."""
-        seen = set()
-        d = dtype
-        while d and d not in seen:
-            value = self.peak_flops.get(d)
-            if value:
-                return float(value)
-            seen.add(d)
-            d = _FALLBACK.get(d)
-        value = self.peak_flops.get("fp32")
-        if value:
-            return float(value)
-        raise KvwallError(f"device {self.name!r} lists no compute peak for {dtype}; pass a device that does")
+        """Dense peak FLOP/s for a compute dtype (or its same-width twin; fp32 for a 16-bit dtype)."""
+        candidates = (dtype, _TWINS.get(dtype), "fp32" if dtype in _WIDE else None)
+        for d in candidates:
+            if d and self.peak_flops.get(d):
+                return float(self.peak_flops[d])
+        listed = ", ".join(k for k, v in self.peak_flops.items() if v) or "none"
+        raise KvwallError(f"device {self.name!r} lists no {dtype} compute peak (it lists: {listed}); pass "
+                          "--compute-dtype with one of those, or a device that lists it")
 
     def balance(self, dtype: str = "bf16") -> float:
         """Machine balance: FLOPs per byte of memory traffic at which compute and bandwidth take equal time."""
@@ -111,9 +112,34 @@ def local_device() -> Device:
     if not path.is_file():
         raise KvwallError(f"no profile of this machine at {path}; run `kvwall calibrate` first")
     try:
-        return _from_entry("local", json.loads(path.read_text()))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise KvwallError(f"the profile at {path} is damaged ({exc}); run `kvwall calibrate` again") from None
+        entry = json.loads(path.read_bytes().decode("utf-8"))
+        problem = _profile_problem(entry)
+        if problem is None:
+            return _from_entry("local", entry)
+    except (ValueError, KeyError, TypeError, RecursionError, OSError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    raise KvwallError(f"the local profile at {path} is damaged: {problem}; run `kvwall calibrate` again")
+
+
+def _profile_problem(e: object) -> str | None:
+    """What makes a profile unusable or implausible (None: nothing): every figure the predictor reads must be
+    a finite number, bandwidths and peaks above 0, overheads 0 or above."""
+    if not isinstance(e, dict):
+        return f"it holds a JSON {type(e).__name__}, not an object"
+    figures = [(key, e.get(key), True) for key in ("memory_bytes", "memory_bandwidth_Bps")]
+    for key in ("layer_overhead_s", "step_overhead_s"):
+        if e.get(key) is not None:
+            figures.append((key, e[key], False))
+    for key, above_zero in (("peak_flops", True), ("op_bandwidth_Bps", True), ("mixer_overhead_s", False)):
+        table = e.get(key) or {}
+        if not isinstance(table, dict):
+            return f"{key!r} is {table!r}, not an object"
+        figures += [(f"{key}.{k}", v, above_zero) for k, v in table.items() if v is not None]
+    for name, value, above_zero in figures:
+        problem = real_problem(value, above_zero)
+        if problem:
+            return f"{name!r} is {value!r:.40}: {problem}"
+    return None
 
 
 def memory_only(memory_bytes: int) -> Device:

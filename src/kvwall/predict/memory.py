@@ -223,8 +223,20 @@ def memory(spec: ModelSpec, *, batch: int = 1, context: int = 4096, formats: For
             layer.ffn.kind if layer.ffn else "identity")
         layers.append(LayerMemory(i, kind, layer_weight_bytes(layer, spec, formats.weights, par.tp), tb, held, cache, fb))
     emb, head = embedding_bytes(spec, formats.weights, par.tp)
+    _check_sizes(layers, emb, head)
     return MemoryReport(spec, batch, context, formats, par, block_size, layers, emb, head,
                         pipeline_stages(spec.n_layers, par.pp))
+
+
+def _check_sizes(layers: list[LayerMemory], emb: int, head: int) -> None:
+    """The last guard before a size is printed: never negative (a spec that escaped validation)."""
+    for lm in layers:
+        for label, n in (("weights", lm.weight_bytes), ("cache", lm.cache_bytes), ("state", lm.fixed_bytes)):
+            if n < 0:
+                raise KvwallError(f"layer {lm.index} ({lm.kind}): {label} come to {n:,} bytes, below 0; the model's "
+                                  "config has a negative size: fix it")
+    if emb < 0 or head < 0:
+        raise KvwallError(f"the embeddings come to {emb + head:,} bytes, below 0; fix the model's vocab or hidden size")
 
 
 def cache_bytes_per_token(spec: ModelSpec, kv: Format) -> int:

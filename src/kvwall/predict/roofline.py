@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvwall.errors import KvwallError
 from kvwall.predict.devices import Device
 from kvwall.predict.memory import Formats, Parallel, pipeline_stages
 from kvwall.predict.ops import step_ops
@@ -132,7 +133,21 @@ def run_step(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Parallel
     nbytes = sum(o.bytes for o in ops)
     link = sum(roof.op_time(o) for o in ops if o.link_bytes)
     memory_s = sum(o.bytes / roof.op_bandwidth(o) for o in ops)
+    _check_finite(name, per_op, total, roof)
     return PhaseResult(name, step, ops, total, flops, nbytes, flops / roof.peak, memory_s, link, per_op, overhead)
+
+
+def _check_finite(phase: str, per_op: list[dict], total: float, roof: Roof) -> None:
+    """The last guard before a time is printed: never nan, inf or negative. Name the first op at fault."""
+    if math.isfinite(total) and total >= 0:
+        return
+    bad = next((op for op in per_op if not (math.isfinite(op["time_s"]) and op["time_s"] >= 0)), None)
+    if bad is not None and bad.get("link_bytes") and not roof.device.interconnect_bw:
+        raise KvwallError(f"{phase}: {bad['name']!r} sends data between GPUs but device {roof.device.name!r} has no "
+                          "interconnect figure; use --tp 1 --pp 1 or a device with a link")
+    what = f"op {bad['name']!r} takes {bad['time_s']}" if bad else f"the fixed overhead is {total}"
+    raise KvwallError(f"{phase}: {what} s on {roof.device.name!r}, not a finite time >= 0; check the device's "
+                      "figures and the options")
 
 
 def step_overhead(spec: ModelSpec, device: Device) -> float:

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from kvwall.errors import KvwallError
+from kvwall.spec import validate
 from kvwall.spec.model import (
     MLP,
     Attention,
@@ -530,11 +531,13 @@ def _nemotron_pattern(c: Config) -> str:
 
 def spec_from_config(data: Any, name: str = "model", where: str = "config.json") -> ModelSpec:
     """Parse a config.json dict into a ModelSpec (raises KvwallError with a one-line reason)."""
-    if not isinstance(data, dict):
-        raise KvwallError(f"{where} is not a JSON object; a Hugging Face config.json is")
+    return validate.checked(data, where, lambda: _parse(Config(data, where), name))
+
+
+def _parse(c: Config, name: str) -> ModelSpec:
     from kvwall.spec.families import family, supported
 
-    c = Config(data, where)
+    data, where = c.data, c.where
     model_type = data.get("model_type")
     if model_type is None and "d_model" in data and "n_layer" in data:
         model_type = "mamba_ssm"
@@ -546,5 +549,5 @@ def spec_from_config(data: Any, name: str = "model", where: str = "config.json")
                           f"{', '.join(supported())}")
     try:
         return fam.parse(c, name)
-    except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a field of the wrong type
+    except (TypeError, ValueError, AttributeError, KeyError, ArithmeticError) as exc:  # a field of the wrong type
         raise KvwallError(f"{where}: a field has an unexpected type or value ({exc}); check the config") from None

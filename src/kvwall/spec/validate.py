@@ -1,0 +1,233 @@
+"""One validation pass over a config.json: every field the parsers read, checked once, in one place.
+
+Two stages, both one-line errors naming the file, the field, the value and the fix:
+
+* ``check_raw`` runs on the raw dict *before* any parser: types (a string or a bool where a number
+  belongs), whole numbers, positivity, upper bounds. It must come first because some bad values
+  hang or crash the parsers (50,000,000 layers builds a 50,000,000-entry list; ``n_groups: 0`` divides
+  by zero) and because ``0`` would be read as "absent" by ``x or default``.
+* ``check_spec`` runs on the parsed ModelSpec: rules between fields that the parsers derive
+  (query heads a multiple of KV heads, top-k <= experts, Mamba-2 heads a multiple of groups, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from kvwall.errors import KvwallError
+from kvwall.spec.model import Attention, LatentAttention, Mamba, Mamba2, MLP, ModelSpec, MoE, Rope
+
+MAX_LAYERS = 100_000
+MAX_DIM = 2**40  # far above any real width, vocabulary or context; keeps every product finite and fast
+
+# Whole-number fields, by the smallest value they may take. Layer counts have their own, lower, ceiling.
+_MIN_ONE = (
+    "hidden_size", "n_embd", "d_model", "num_hidden_layers", "n_layer", "num_attention_heads", "n_head",
+    "num_key_value_heads", "num_heads_kv", "head_dim", "attention_head_dim", "headdim", "intermediate_size",
+    "n_inner", "vocab_size", "num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "state_size", "ssm_state_size", "d_state", "mamba_d_state", "conv_kernel", "d_conv",
+    "mamba_d_conv", "num_heads", "mamba_num_heads", "mamba_head_dim", "n_groups", "ngroups", "n_group",
+    "topk_group", "expand", "mamba_expand", "attn_layer_period", "expert_layer_period", "decoder_sparse_step",
+    "moe_layer_freq", "sliding_window", "sliding_window_pattern", "kv_lora_rank", "q_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "n_positions",
+    "original_max_position_embeddings", "pad_vocab_size_multiple", "patch_size", "image_size", "num_channels",
+)
+_MIN_ZERO = (
+    "attn_layer_offset", "expert_layer_offset", "first_k_dense_replace", "n_shared_experts", "max_window_layers",
+    "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "d_intermediate",
+    "num_nextn_predict_layers",
+)
+_TOKEN_IDS = ("bos_token_id", "pad_token_id")  # -1 is some configs' spelling of "none"
+_AUTO_OR_MIN_ONE = ("time_step_rank", "mamba_dt_rank", "dt_rank")  # "auto" or a whole number
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer")
+# Real-valued fields: finite, and > 0 or >= 0.
+_POSITIVE_REAL = ("rope_theta", "rope_local_base_freq", "factor", "routed_scaling_factor", "partial_rotary_factor",
+                  "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "query_pre_attn_scalar")
+_NON_NEGATIVE_REAL = ("rms_norm_eps", "layer_norm_epsilon", "mixer_rms_eps", "attn_logit_softcapping",
+                      "final_logit_softcapping", "mscale", "mscale_all_dim", "time_step_min")
+_STRINGS = ("model_type", "hidden_act", "hidden_activation", "activation_function", "mlp_hidden_act",
+            "hybrid_override_pattern", "rope_type", "type", "topk_method", "torch_dtype", "dtype")
+_INT_LISTS = ("mlp_only_layers", "attn_layer_idx")
+_STRING_LISTS = ("layer_types", "layers_block_type")
+_NESTED = ("text_config", "vision_config", "ssm_cfg", "attn_cfg", "rope_scaling", "rope_parameters")
+
+
+def checked(data: Any, where: str, parse: Callable[[], ModelSpec]) -> ModelSpec:
+    """Validate the raw config, parse it with `parse`, validate the result."""
+    if not isinstance(data, dict):
+        raise KvwallError(f"{where} is not a JSON object; a Hugging Face config.json is")
+    check_raw(data, where)
+    spec = parse()
+    check_spec(spec, where)
+    return spec
+
+
+# -- the raw dict ---------------------------------------------------------------------------
+
+def check_raw(data: dict, where: str, depth: int = 0) -> None:
+    """Every known field of `data` (and of its nested sections) has a sane type and value."""
+    for key, value in data.items():
+        if value is None:
+            continue  # an absent field: the parser's default or its "missing field" error applies
+        problem = _field_problem(key, value)
+        if problem:
+            raise KvwallError(f"{where}: {key!r} is {_show(value)}; {problem}; fix the config")
+        if key in _NESTED and depth < 2:
+            if not isinstance(value, dict):
+                raise KvwallError(f"{where}: {key!r} is {_show(value)}; it must be a JSON object; fix the config")
+            check_raw(value, f"{where} {key}", depth + 1)
+    _check_derived_head_dim(data, where)
+
+
+def _field_problem(key: str, value: Any) -> str | None:
+    """What is wrong with one field's value (None: nothing, or a field this pass does not know)."""
+    if key in _LAYER_COUNTS:
+        return _whole_problem(value, 1, MAX_LAYERS)
+    if key in _MIN_ONE:
+        return _whole_problem(value, 1, MAX_DIM)
+    if key in _MIN_ZERO:
+        return _whole_problem(value, 0, MAX_DIM)
+    if key in _TOKEN_IDS:
+        return _whole_problem(value, -1, MAX_DIM)
+    if key in _AUTO_OR_MIN_ONE:
+        return None if value == "auto" else _whole_problem(value, 1, MAX_DIM)
+    if key in _POSITIVE_REAL or key in _NON_NEGATIVE_REAL:
+        return real_problem(value, above_zero=key in _POSITIVE_REAL)
+    if key in _STRINGS and not isinstance(value, str):
+        return "it must be a string"
+    if key in _INT_LISTS and not _is_list_of(value, _is_int):
+        return "it must be a list of whole numbers"
+    if key in _STRING_LISTS and not _is_list_of(value, lambda x: isinstance(x, str)):
+        return "it must be a list of strings"
+    if key in _STRING_LISTS or key == "hybrid_override_pattern":
+        return None if len(value) <= MAX_LAYERS else f"it has {len(value):,} entries; at most {MAX_LAYERS:,} layers"
+    if key == "eos_token_id":
+        ok = _is_int(value) and value >= -1 or _is_list_of(value, lambda x: _is_int(x) and x >= 0)
+        return None if ok else "it must be a token id (a whole number >= 0, or -1 for none) or a list of them"
+    if key == "time_step_limit":
+        return None if isinstance(value, list) and len(value) == 2 else "it must be a list of two numbers"
+    return None
+
+
+def _whole_problem(value: Any, lo: int, hi: int) -> str | None:
+    if not _is_int(value):
+        return f"it must be a whole number from {lo} to {hi:,}"
+    if not lo <= value <= hi:
+        return f"it must be from {lo} to {hi:,}"
+    return None
+
+
+def real_problem(value: Any, above_zero: bool) -> str | None:
+    """What is wrong with a real-valued figure (None: a finite number, > 0 or >= 0 as asked)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and (value > 0 or (value == 0 and not above_zero)):
+        return None
+    return "it must be a finite number above 0" if above_zero else "it must be a finite number, 0 or above"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_list_of(value: Any, pred: Callable[[Any], bool]) -> bool:
+    return isinstance(value, list) and all(pred(x) for x in value)
+
+
+def _show(value: Any) -> str:
+    """The value as the user wrote it, cut short: a 4000-digit number or a long list stays one line."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_derived_head_dim(data: dict, where: str) -> None:
+    """Where the head width is hidden / heads (no head_dim field), the heads must divide the width."""
+    for hidden_key, heads_key in (("hidden_size", "num_attention_heads"), ("n_embd", "n_head")):
+        hidden, heads = data.get(hidden_key), data.get(heads_key)
+        explicit = data.get("head_dim") or data.get("attention_head_dim") or data.get("kv_lora_rank")  # MLA: no split
+        if _is_int(hidden) and _is_int(heads) and heads > 0 and not explicit and hidden % heads:
+            raise KvwallError(f"{where}: {hidden_key!r} {hidden} is not a multiple of {heads_key!r} {heads}, and "
+                              "there is no 'head_dim' to say the head width; fix one of them or add head_dim")
+
+
+# -- the parsed spec ------------------------------------------------------------------------
+
+def check_spec(spec: ModelSpec, where: str) -> None:
+    """Rules between fields, on what the parsers built (each distinct mixer and FFN checked once)."""
+    if not 1 <= spec.n_layers <= MAX_LAYERS:
+        raise KvwallError(f"{where}: the model has {spec.n_layers:,} layers; it must have 1 to {MAX_LAYERS:,}")
+    _positive(where, {"hidden size": spec.hidden, "vocab size": spec.vocab})
+    seen: set[int] = set()
+    for layer in spec.layers:
+        for part in (layer.mixer, layer.ffn):
+            if part is not None and id(part) not in seen:
+                seen.add(id(part))
+                _check_part(part, where)
+
+
+def _check_part(part: Any, where: str) -> None:
+    if isinstance(part, Attention):
+        _check_attention(part, where)
+    elif isinstance(part, LatentAttention):
+        _positive(where, {"num_attention_heads": part.n_heads, "kv_lora_rank": part.kv_lora_rank,
+                          "qk_nope_head_dim": part.qk_nope_head_dim, "qk_rope_head_dim": part.qk_rope_head_dim,
+                          "v_head_dim": part.v_head_dim})
+        _check_rope(part.rope, where)
+    elif isinstance(part, Mamba):
+        _positive(where, {"the Mamba inner width (expand x hidden_size or intermediate_size)": part.d_inner,
+                          "state size": part.d_state, "conv kernel": part.d_conv, "dt rank": part.dt_rank})
+    elif isinstance(part, Mamba2):
+        _check_mamba2(part, where)
+    elif isinstance(part, MoE):
+        _check_moe(part, where)
+    elif isinstance(part, MLP):
+        _positive(where, {"intermediate size": part.d_ff})
+
+
+def _check_attention(a: Attention, where: str) -> None:
+    _positive(where, {"num_attention_heads": a.n_q_heads, "num_key_value_heads": a.n_kv_heads,
+                      "head_dim": a.head_dim, "value head dim": a.v_head_dim})
+    if a.n_q_heads % a.n_kv_heads:
+        raise KvwallError(f"{where}: num_attention_heads {a.n_q_heads} is not a multiple of num_key_value_heads "
+                          f"{a.n_kv_heads}; fix one of them")
+    if a.window is not None:
+        _positive(where, {"sliding_window": a.window})
+    _check_rope(a.rope, where)
+
+
+def _check_mamba2(m: Mamba2, where: str) -> None:
+    _positive(where, {"num_heads": m.n_heads, "head_dim": m.head_dim, "state size": m.d_state,
+                      "n_groups": m.n_groups, "conv kernel": m.d_conv})
+    if m.n_heads % m.n_groups:
+        raise KvwallError(f"{where}: the {m.n_heads} Mamba-2 heads are not a multiple of n_groups {m.n_groups}; "
+                          "fix one of them")
+
+
+def _check_moe(m: MoE, where: str) -> None:
+    _positive(where, {"expert count": m.n_experts, "num_experts_per_tok": m.top_k, "expert width": m.d_expert})
+    if m.top_k > m.n_experts:
+        raise KvwallError(f"{where}: num_experts_per_tok {m.top_k} is more than the {m.n_experts} experts; "
+                          "a token cannot use more experts than there are")
+    if m.n_shared < 0 or m.d_shared < 0 or not _is_int(m.n_shared) or not _is_int(m.d_shared):
+        raise KvwallError(f"{where}: the shared experts ({m.n_shared} of width {m.d_shared}) must be whole "
+                          "numbers, 0 or above; fix the config")
+    r = m.routing
+    if m.n_experts % r.n_group or not 1 <= r.topk_group <= r.n_group:
+        raise KvwallError(f"{where}: expert groups n_group {r.n_group} / topk_group {r.topk_group} do not fit "
+                          f"{m.n_experts} experts (n_group must divide them, topk_group <= n_group); fix the config")
+
+
+def _check_rope(rope: Rope | None, where: str) -> None:
+    if rope is None:
+        return
+    for label, value in (("rope_theta", rope.theta), ("rope scaling factor", rope.factor),
+                         ("partial_rotary_factor", rope.partial)):
+        if not (math.isfinite(value) and value > 0):
+            raise KvwallError(f"{where}: {label} is {value!r}; it must be a finite number above 0; fix the config")
+
+
+def _positive(where: str, fields: dict[str, Any]) -> None:
+    for label, value in fields.items():
+        if not _is_int(value) or not 1 <= value <= MAX_DIM:
+            raise KvwallError(f"{where}: {label} is {_show(value)}; it must be a whole number from 1 to "
+                              f"{MAX_DIM:,}; fix the config")
