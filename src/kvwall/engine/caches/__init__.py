@@ -1,9 +1,6 @@
-"""KV caches: one contract (base.KVCache), one class per strategy, one registry (registry.py) naming them.
+"""KV caches: one contract (base.KVCache), one module per strategy, one registry (registry.py) naming them
+(contiguous, sliding, the KIVI-style int8/int4/int2, paged: registry.CACHES says what each holds).
 
-    contiguous   preallocated to max_len for every layer
-    sliding      ring buffer of `window` slots on local layers, contiguous on global ones
-    int8/int4/int2  KIVI-style quantized (keys per channel, values per token, fp residual)
-    paged        blocks from a pool, per-row block tables, freed when a sequence finishes
 Models with SSM layers (Mamba, Mamba-2, hybrids) get a state.ModelCache: the named cache for
 their attention layers (none for a pure SSM) plus a fixed-size state for each SSM layer.
 

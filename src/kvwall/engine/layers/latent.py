@@ -3,7 +3,7 @@
 Symbols (the paper's, with the checkpoint's tensor names):
     h          the block input (B, T, hidden)
     c          = RMSNorm(W_DKV h), the latent (kv_lora_rank = r)               kv_a_proj_with_mqa, kv_a_layernorm
-    k_pe       = RoPE(W_KR h), the rope key: one rotary key shared by all heads (d_r)  the same projection's last d_r
+    k_pe       = RoPE(W_KR h), the rope key, shared by all heads (d_r)        the same projection's last d_r
     q_i        = [q_nope_i (d_n) ; RoPE(q_pe_i) (d_r)] per head i             q_proj, or q_a_proj/q_a_layernorm/q_b_proj
     W_UK_i, W_UV_i  the up-projections of head i (d_n x r, d_v x r)           kv_b_proj, rows per head [W_UK_i; W_UV_i]
     k_i        = [W_UK_i c ; k_pe],  v_i = W_UV_i c
