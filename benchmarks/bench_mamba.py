@@ -87,8 +87,8 @@ def bench_decode(mine, ref, context: int, steps: int, g) -> tuple[float, float, 
 def scan_inputs(mine, T: int, g):
     """The first layer's real scan inputs for T random tokens."""
     block = mine.layers[0]
-    x = block.attn_norm(mine.embed(torch.randint(0, CONFIG["vocab_size"], (1, T), generator=g)))  # (1, T, D)
-    m = block.attn
+    x = block.mixer_norm(mine.embed(torch.randint(0, CONFIG["vocab_size"], (1, T), generator=g)))  # (1, T, D)
+    m = block.mixer
     state = make_cache("contiguous", mine.spec, 1, T).ssm(0)
     u, _ = m.in_proj(x).chunk(2, dim=-1)  # (1, T, E)
     u = torch.nn.functional.silu(causal_conv(u, state.conv, m.conv1d, torch.tensor([T])))

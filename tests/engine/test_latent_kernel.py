@@ -16,7 +16,7 @@ from kvwall.spec.model import LatentAttention as LatentSpec  # noqa: E402
 
 @pytest.fixture(scope="module")
 def kernel():
-    return built(mla_decode, "the torch absorbed path")
+    return built(mla_decode, "mla_decode")
 
 
 @pytest.mark.parametrize("heads,rank,rope_dim", [(12, 256, 32), (6, 40, 8), (3, 16, 4)])

@@ -179,7 +179,7 @@ def test_fused_scan_equals_reference(n_state):
     """The C++ scan (built on first use) gives the reference recurrence's outputs and final state."""
     from kvwall.engine.layers.scan_kernel import fused_scan
 
-    fused = built(fused_scan, "scan_chunked")
+    fused = built(fused_scan, "selective_scan")
     g = torch.Generator().manual_seed(3)
     B, T, E = 2, 37, 32
     u, dt = torch.randn(B, T, E, generator=g), torch.rand(B, T, E, generator=g) * 0.5
@@ -195,7 +195,7 @@ def test_fused_scan_reads_strided_views():
     """The model hands the scan slices of larger projections: strided inputs give the same result."""
     from kvwall.engine.layers.scan_kernel import fused_scan
 
-    fused = built(fused_scan, "scan_chunked")
+    fused = built(fused_scan, "selective_scan")
     g = torch.Generator().manual_seed(4)
     wide = torch.randn(1, 20, 2 * 32, generator=g)  # (B, T, 2E): u is its first half, as in_proj's chunk
     u, dt = wide[..., :32], torch.rand(1, 20, 32, generator=g)

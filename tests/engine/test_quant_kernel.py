@@ -22,7 +22,7 @@ from kvwall.spec.model import Attention  # noqa: E402
 
 @pytest.fixture(scope="module")
 def kernel():
-    return built(quantized_decode, "attention over dequantized copies")
+    return built(quantized_decode, "quantized_decode")
 
 
 CASES = [(fmt, rep, window, 64) for fmt in ["int8", "int4", "int2", "int4:g16:sym", "int8:g32", "int4:g8"]

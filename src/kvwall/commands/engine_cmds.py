@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvwall.commands import common
 from kvwall.engine import CACHE_NAMES as CACHES
+from kvwall.engine.caches.registry import parse_cache
 from kvwall.errors import KvwallError
 from kvwall.units import fmt_bytes, ids_arg, real, whole
 
@@ -101,8 +102,7 @@ def _print_verify(r: dict) -> None:
 # -- generate ------------------------------------------------------------------
 
 def cmd_generate(args) -> int:
-    if args.cache.split(":")[0] not in CACHES:
-        raise KvwallError(f"unknown cache {args.cache!r}; caches: {', '.join(CACHES)}")
+    cache = parse_cache(args.cache).text  # a one-line error for a name or option it does not know
     path = _checkpoint(args.checkpoint)
     common.need_torch("the engine needs torch")
     from kvwall.engine.generate import Sampling, generate
@@ -116,11 +116,9 @@ def cmd_generate(args) -> int:
         raise KvwallError(f"{path} has no tokenizer.json (or `tokenizers` is not installed); use --prompt-ids")
     ids = tok.encode(args.prompt) if args.prompt is not None else parse_ids(args.prompt_ids)
     model = load_model(path, args.dtype)
-    opts = {"block_size": args.block_size} if args.cache == "paged" else {}
-    if args.cache.startswith("int"):
-        opts = {"residual": args.residual}
-    t0 = time.perf_counter()
-    out = generate(model, [ids], args.max_new_tokens, args.cache, sampling, **opts)
+    t0 = time.perf_counter()  # each cache takes the keywords its registry entry lists
+    out = generate(model, [ids], args.max_new_tokens, cache, sampling, block_size=args.block_size,
+                   residual=args.residual)
     wall = time.perf_counter() - t0
     new = out.tokens[0]
     text = tok.decode(new) if tok is not None else None

@@ -8,4 +8,6 @@ Import cost: torch is imported by the submodules, never by ``kvwall`` itself.
     out = generate(model, [[1, 2, 3]], max_new_tokens=16, cache="contiguous")
 """
 
-CACHE_NAMES = ("contiguous", "sliding", "int8", "int4", "int2", "paged")  # here, torch-free, for the CLI
+from kvwall.engine.caches.registry import CACHE_NAMES  # torch-free, for the CLI: the cache registry's names
+
+__all__ = ["CACHE_NAMES"]

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from kvwall.engine.caches import KVCache, make_cache
+from kvwall.engine.caches import CacheChoice, KVCache, make_cache
 from kvwall.errors import KvwallError
 
 
@@ -90,9 +90,10 @@ def right_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, tor
 
 
 @torch.inference_mode()
-def generate(model, prompts: list[list[int]], max_new_tokens: int = 32, cache: str | KVCache = "contiguous",
-             sampling: Sampling = Sampling(), stop: tuple[int, ...] | None = None,
-             on_token: Callable[[int, int], None] | None = None, **cache_opts) -> Generation:
+def generate(model, prompts: list[list[int]], max_new_tokens: int = 32,
+             cache: str | CacheChoice | KVCache = "contiguous", sampling: Sampling = Sampling(),
+             stop: tuple[int, ...] | None = None, on_token: Callable[[int, int], None] | None = None,
+             **cache_opts) -> Generation:
     """Generate up to max_new_tokens per prompt. on_token(row, token) streams each new token."""
     sampling.check()
     if max_new_tokens < 1:
@@ -103,7 +104,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int = 32, cache: s
     max_len = max(len(p) for p in prompts) + max_new_tokens
     model.check_context(max_len)
     device = next(model.parameters()).device
-    if isinstance(cache, str):
+    if isinstance(cache, (str, CacheChoice)):  # a registry name (parse_cache), else a cache made by the caller
         dtype = next(model.parameters()).dtype
         cache = make_cache(cache, model.spec, len(prompts), max_len, dtype, device, **cache_opts)
     stop = tuple(model.spec.eos_token_ids) if stop is None else tuple(stop)

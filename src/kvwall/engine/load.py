@@ -40,10 +40,10 @@ def _llama_layer(spec: ModelSpec, i: int) -> dict[str, Source]:
     layer = spec.layers[i]
     mixer = _latent_names if isinstance(layer.mixer, LatentAttention) else _attention_names
     ffn = _moe_names if isinstance(layer.ffn, MoE) else _mlp_names
-    out = {**mixer(spec, i, hf + "self_attn.", me + "attn."), **ffn(spec, i, hf, me + "mlp.")}
-    out[me + "attn_norm.weight"] = Source((hf + "input_layernorm.weight",))
+    out = {**mixer(spec, i, hf + "self_attn.", me + "mixer."), **ffn(spec, i, hf, me + "ffn.")}
+    out[me + "mixer_norm.weight"] = Source((hf + "input_layernorm.weight",))
     if spec.sandwich_norms:  # Gemma: post_attention_layernorm is the attention output's norm
-        out[me + "post_attn_norm.weight"] = Source((hf + "post_attention_layernorm.weight",))
+        out[me + "post_mixer_norm.weight"] = Source((hf + "post_attention_layernorm.weight",))
         out[me + "ffn_norm.weight"] = Source((hf + "pre_feedforward_layernorm.weight",))
         out[me + "post_ffn_norm.weight"] = Source((hf + "post_feedforward_layernorm.weight",))
     else:
@@ -134,8 +134,8 @@ def gpt2_names(spec: ModelSpec) -> dict[str, Source]:
     out = _ends(spec, "transformer.wte.weight", "transformer.ln_f.weight")
     out["pos_embed.weight"] = Source(("transformer.wpe.weight",))
     out["norm.bias"] = Source(("transformer.ln_f.bias",))
-    pairs = [("ln_1", "attn_norm", False), ("attn.c_attn", "attn.wqkv", True), ("attn.c_proj", "attn.wo", True),
-             ("ln_2", "ffn_norm", False), ("mlp.c_fc", "mlp.w1", True), ("mlp.c_proj", "mlp.w2", True)]
+    pairs = [("ln_1", "mixer_norm", False), ("attn.c_attn", "mixer.wqkv", True), ("attn.c_proj", "mixer.wo", True),
+             ("ln_2", "ffn_norm", False), ("mlp.c_fc", "ffn.w1", True), ("mlp.c_proj", "ffn.w2", True)]
     for i in range(spec.n_layers):
         for hf, me, conv1d in pairs:
             out[f"layers.{i}.{me}.weight"] = Source((f"transformer.h.{i}.{hf}.weight",), transpose=conv1d)
@@ -161,8 +161,8 @@ def mamba_names(spec: ModelSpec) -> dict[str, Source]:
     out = _ends(spec, "backbone.embeddings.weight", "backbone.norm_f.weight")
     for i, layer in enumerate(spec.layers):
         hf = f"backbone.layers.{i}."
-        out[f"layers.{i}.attn_norm.weight"] = Source((hf + "norm.weight",))
-        out.update(ssm_mixer_names(layer.mixer, hf + "mixer.", f"layers.{i}.attn."))
+        out[f"layers.{i}.mixer_norm.weight"] = Source((hf + "norm.weight",))
+        out.update(ssm_mixer_names(layer.mixer, hf + "mixer.", f"layers.{i}.mixer."))
     return out
 
 
@@ -199,11 +199,11 @@ def jamba_names(spec: ModelSpec) -> dict[str, Source]:
     for i, layer in enumerate(spec.layers):
         hf, me = f"model.layers.{i}.", f"layers.{i}."
         if isinstance(layer.mixer, Mamba):
-            out.update(ssm_mixer_names(layer.mixer, hf + "mamba.", me + "attn."))
+            out.update(ssm_mixer_names(layer.mixer, hf + "mamba.", me + "mixer."))
         else:
-            out.update(_attention_names(spec, i, hf + "self_attn.", me + "attn."))
-        out.update(_hybrid_ffn(layer.ffn, hf + "feed_forward.", me + "mlp.", "router"))
-        out[me + "attn_norm.weight"] = Source((hf + "input_layernorm.weight",))
+            out.update(_attention_names(spec, i, hf + "self_attn.", me + "mixer."))
+        out.update(_hybrid_ffn(layer.ffn, hf + "feed_forward.", me + "ffn.", "router"))
+        out[me + "mixer_norm.weight"] = Source((hf + "input_layernorm.weight",))
         out[me + "ffn_norm.weight"] = Source((hf + "pre_ff_layernorm.weight",))
     return out
 
@@ -214,12 +214,12 @@ def nemotron_h_names(spec: ModelSpec) -> dict[str, Source]:
     for i, layer in enumerate(spec.layers):
         hf, me = f"backbone.layers.{i}.", f"layers.{i}."
         if isinstance(layer.mixer, Mamba2):
-            out.update(ssm_mixer_names(layer.mixer, hf + "mixer.", me + "attn."))
+            out.update(ssm_mixer_names(layer.mixer, hf + "mixer.", me + "mixer."))
         elif layer.mixer is not None:
-            out.update(_attention_names(spec, i, hf + "mixer.", me + "attn."))
+            out.update(_attention_names(spec, i, hf + "mixer.", me + "mixer."))
         else:
-            out.update(_hybrid_ffn(layer.ffn, hf + "mixer.", me + "mlp.", "gate"))
-        norm = "attn_norm" if layer.mixer is not None else "ffn_norm"  # the block's one norm
+            out.update(_hybrid_ffn(layer.ffn, hf + "mixer.", me + "ffn.", "gate"))
+        norm = "mixer_norm" if layer.mixer is not None else "ffn_norm"  # the block's one norm
         out[f"{me}{norm}.weight"] = Source((hf + "norm.weight",))
     return out
 

@@ -1,11 +1,12 @@
 """A decoder-only transformer built from a ModelSpec (gpt-fast style: the whole model in one sitting).
 
     tokens (B, T), pos (B, T) -> embed (* embed_scale) (+ learned positions)
-      -> for each layer: x += [post_norm](attn(norm(x)));  x += [post_norm](mlp(norm(x)))   (either may be absent)
+      -> for each layer: x += [post_norm](mixer(norm(x)));  x += [post_norm](ffn(norm(x)))   (either may be absent)
       -> final norm -> lm_head (tied to the embedding or not) -> [softcap] -> logits (B, T, V)
 
-``attn`` is the layer's sequence mixer (attention, MLA, Mamba or Mamba-2); Mamba blocks have no
-``mlp``, and Nemotron-H blocks have one or the other (mixer-only or MLP/MoE-only, one norm each).
+``mixer`` is the layer's sequence mixer (attention, MLA, Mamba or Mamba-2; built by kvwall.engine.mixers)
+and ``ffn`` its channel mixer (MLP or MoE); Mamba blocks have no ``ffn``, and Nemotron-H blocks have
+one or the other (mixer-only or MLP/MoE-only, one norm each).
 Attention layers read and write K/V through the cache; SSM layers their fixed state.
 
 ``pos`` holds each token's position in its own sequence (-1 for padding): batches of
@@ -20,22 +21,15 @@ from torch import nn
 
 from kvwall.engine.caches.base import NoCache
 from kvwall.engine.caches.state import ModelCache, StateCache, has_state
-from kvwall.engine.layers.attention import Attention
-from kvwall.engine.layers.latent import LatentAttention
-from kvwall.engine.layers.mamba import Mamba
-from kvwall.engine.layers.mamba2 import Mamba2
-from kvwall.engine.layers.mlp import make_mlp
-from kvwall.engine.layers.moe import MoE
 from kvwall.engine.layers.norm import make_norm
 from kvwall.engine.layers.rope import Rotary
+from kvwall.engine.mixers import CHANNEL, SEQUENCE, make_ffn, make_mixer, rotary, runs
 from kvwall.errors import KvwallError
-from kvwall.spec.model import MLP, Attention as AttentionSpec, LatentAttention as LatentSpec, ModelSpec, MoE as MoESpec
-from kvwall.spec.model import Mamba as MambaSpec, Mamba2 as Mamba2Spec
+from kvwall.spec.model import ModelSpec
 
 ENGINE_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gemma2", "phi3",
                    "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "mamba", "falcon_mamba", "mamba2",
                    "jamba", "nemotron_h")
-MIXERS = (AttentionSpec, LatentSpec, MambaSpec, Mamba2Spec)  # sequence mixers the engine builds
 
 
 def check_supported(spec: ModelSpec) -> None:
@@ -44,64 +38,31 @@ def check_supported(spec: ModelSpec) -> None:
         raise KvwallError(f"the engine does not run model_type {spec.model_type!r} yet; it runs "
                           f"{', '.join(ENGINE_FAMILIES)}")
     for i, layer in enumerate(spec.layers):  # a block has a mixer, a channel mixer or both (Nemotron-H: one)
-        mixer_ok = layer.mixer is None or isinstance(layer.mixer, MIXERS)
-        ffn_ok = layer.ffn is None or isinstance(layer.ffn, (MLP, MoESpec))
-        if not (mixer_ok and ffn_ok) or (layer.mixer is None and layer.ffn is None):
-            raise KvwallError(f"layer {i} of {spec.name} is {layer.describe()}; the engine runs attention, MLA, "
-                              f"Mamba or Mamba-2 + MLP or MoE layers ({', '.join(ENGINE_FAMILIES)})")
-
-
-def make_mixer(spec: ModelSpec, index: int) -> nn.Module | None:
-    """The layer's sequence mixer, by its spec type (None: a Nemotron-H MLP/MoE block has none)."""
-    m = spec.layers[index].mixer
-    if m is None:
-        return None
-    if isinstance(m, LatentSpec):
-        return LatentAttention(m, spec.hidden, index)
-    if isinstance(m, MambaSpec):
-        return Mamba(m, spec.hidden, index)
-    if isinstance(m, Mamba2Spec):
-        return Mamba2(m, spec.hidden, index, spec.norm_eps)
-    return Attention(m, spec.hidden, index, spec.norm_eps, gemma_norm=spec.norm == "rms1p")
-
-
-def make_ffn(spec: ModelSpec, index: int) -> nn.Module | None:
-    """The layer's channel mixer, by its spec type (None: a Mamba block has none)."""
-    f = spec.layers[index].ffn
-    if f is None:
-        return None
-    return MoE(f, spec.hidden) if isinstance(f, MoESpec) else make_mlp(f, spec.hidden)
-
-
-def rope_of(mixer) -> tuple:
-    """(Rope, rotated head width) of a sequence mixer; (None, 0) when it has no rotary positions."""
-    if isinstance(mixer, AttentionSpec):
-        return mixer.rope, mixer.head_dim
-    if isinstance(mixer, LatentSpec):
-        return mixer.rope, mixer.qk_rope_head_dim
-    return None, 0
+        if not runs(spec, i):
+            raise KvwallError(f"layer {i} of {spec.name} is {layer.describe()}; the engine runs "
+                              f"{' / '.join(SEQUENCE)} + {' / '.join(CHANNEL)} layers ({', '.join(ENGINE_FAMILIES)})")
 
 
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec, index: int):
         super().__init__()
         norm = lambda: make_norm(spec.norm, spec.hidden, spec.norm_eps)  # noqa: E731
-        self.attn = make_mixer(spec, index)  # the sequence mixer: attention, MLA, Mamba or Mamba-2
-        self.mlp = make_ffn(spec, index)
-        self.attn_norm = norm() if self.attn is not None else None
-        self.ffn_norm = norm() if self.mlp is not None else None
-        self.post_attn_norm = norm() if spec.sandwich_norms else None
+        self.mixer = make_mixer(spec, index)  # the sequence mixer: attention, MLA, Mamba or Mamba-2
+        self.ffn = make_ffn(spec, index)  # the channel mixer: MLP or MoE
+        self.mixer_norm = norm() if self.mixer is not None else None
+        self.ffn_norm = norm() if self.ffn is not None else None
+        self.post_mixer_norm = norm() if spec.sandwich_norms else None
         self.post_ffn_norm = norm() if spec.sandwich_norms else None
 
     def forward(self, x, pos, rope, cache):
-        if self.attn is not None:  # absent in a Nemotron-H MLP/MoE block
-            h = self.attn(self.attn_norm(x), pos, rope, cache)  # (B, T, D)
-            if self.post_attn_norm is not None:
-                h = self.post_attn_norm(h)
+        if self.mixer is not None:  # absent in a Nemotron-H MLP/MoE block
+            h = self.mixer(self.mixer_norm(x), pos, rope, cache)  # (B, T, D)
+            if self.post_mixer_norm is not None:
+                h = self.post_mixer_norm(h)
             x = x + h
-        if self.mlp is None:  # mixer-only block (Mamba; Nemotron-H's Mamba-2 and attention): norm + mixer only
+        if self.ffn is None:  # mixer-only block (Mamba; Nemotron-H's Mamba-2 and attention): norm + mixer only
             return x
-        h = self.mlp(self.ffn_norm(x))  # (B, T, D)
+        h = self.ffn(self.ffn_norm(x))  # (B, T, D)
         if self.post_ffn_norm is not None:
             h = self.post_ffn_norm(h)
         return x + h
@@ -117,7 +78,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(spec, i) for i in range(spec.n_layers))
         self.norm = make_norm(spec.norm, spec.hidden, spec.norm_eps)
         self.lm_head = None if spec.tied_embeddings else nn.Linear(spec.hidden, spec.vocab, bias=False)
-        ropes = [rope_of(l.mixer) for l in spec.layers]
+        ropes = [rotary(l.mixer) for l in spec.layers]
         self.rope_keys = sorted({r for r in ropes if r[0] is not None}, key=str)  # distinct rotary tables
         self.rotary = nn.ModuleList(Rotary(r, d) for r, d in self.rope_keys)
         self.rope_of_layer = [self.rope_keys.index(r) if r[0] is not None else None for r in ropes]

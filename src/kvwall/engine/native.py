@@ -1,99 +1,34 @@
 """Build the engine's C++ CPU kernels on first use (torch.utils.cpp_extension, needs a C++ compiler and ninja).
 
-Each kernel module (layers/scan_kernel.py, caches/quant_kernel.py) hands its source here; the result
-is cached by torch under ~/.cache/torch_extensions. When no build works the caller gets None and
-keeps its torch path: correct, only slower.
+The sources are package files, ``kernels/<name>.cpp`` with the shared prelude ``kernels/common.h``
+(includes, the SIMD vector type, the multiply-accumulate loops). Each kernel module
+(layers/scan_kernel.py, caches/quant_kernel.py, layers/latent_kernel.py) asks for its kernel by
+name; the build is cached by torch under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR).
+
+When no build works the caller gets None and keeps its torch path: correct, only slower. That
+is said once, as a warning naming the kernel, the compiler's error and the fallback, so that a
+compile error never passes as a silent slowdown. With KVWALL_REQUIRE_KERNELS=1 (CI sets it) a
+failed build is an error instead.
 """
 
 from __future__ import annotations
 
-# Shared by the kernels' sources: includes, the SIMD vector type, and the multiply-accumulate loops.
-CPP_COMMON = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <algorithm>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#include <cmath>
-#include <limits>
-#include <vector>
+import os
+import warnings
+from pathlib import Path
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = Vec::size();
+KERNELS = Path(__file__).parent / "kernels"  # the .cpp files and common.h, shipped as package data
+REQUIRE = "KVWALL_REQUIRE_KERNELS"  # "1": a kernel that does not build raises instead of falling back
+ERRORS: dict[str, str] = {}  # kernel name -> why its build failed (the compiler's first error line)
 
-inline float hsum(const Vec &v) {  // the sum of a vector's lanes
-#if defined(__AVX512F__)
-  if constexpr (W == 16) return _mm512_reduce_add_ps(v);
-#endif
-  float lanes[W];
-  v.store(lanes);
-  for (int64_t step = W / 2; step > 0; step /= 2)  // a tree: log2(W) dependent adds, not W
-    for (int64_t i = 0; i < step; ++i) lanes[i] += lanes[i + step];
-  return lanes[0];
-}
 
-// io[j] += Σ_k coef[k] rows[k * stride + j] for U vectors of j, the k sum split S ways: U x S independent
-// FMA chains hide the FMA latency however narrow the span.
-template <int U, int S>
-inline void dot_rows(const float *coef, const float *rows, int64_t stride, int64_t K, float *io) {
-  Vec a[S][U];
-  for (int s = 0; s < S; ++s)
-    for (int u = 0; u < U; ++u) a[s][u] = s == 0 ? Vec::loadu(io + u * W) : Vec(0.f);
-  int64_t k = 0;
-  for (; k + S <= K; k += S)
-    for (int s = 0; s < S; ++s) {
-      const Vec c(coef[k + s]);
-      for (int u = 0; u < U; ++u) a[s][u] = at::vec::fmadd(c, Vec::loadu(rows + (k + s) * stride + u * W), a[s][u]);
-    }
-  for (; k < K; ++k) {
-    const Vec c(coef[k]);
-    for (int u = 0; u < U; ++u) a[0][u] = at::vec::fmadd(c, Vec::loadu(rows + k * stride + u * W), a[0][u]);
-  }
-  for (int u = 0; u < U; ++u) {
-    Vec t = a[0][u];
-    for (int s = 1; s < S; ++s) t = t + a[s][u];
-    t.store(io + u * W);
-  }
-}
+class KernelBuildWarning(UserWarning):
+    """A C++ kernel did not build; the engine runs its torch fallback."""
 
-// s[lo, n) <- exp(s - max) over that range -> {max, sum of the new values}; max is -inf for an empty range
-inline std::pair<float, float> exp_shifted(float *s, int64_t lo, int64_t n) {
-  Vec vmax(-std::numeric_limits<float>::infinity());
-  int64_t t = lo;
-  for (; t + W <= n; t += W) vmax = at::vec::maximum(vmax, Vec::loadu(s + t));
-  float lanes[W], mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
-  vmax.store(lanes);
-  for (int64_t i = 0; i < W; ++i) mx = std::max(mx, lanes[i]);
-  for (; t < n; ++t) mx = std::max(mx, s[t]);
-  if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible: every weight is 0
-    std::fill(s + lo, s + n, 0.f);
-    return {mx, 0.f};
-  }
-  Vec vsum(0.f);
-  for (t = lo; t + W <= n; t += W) {
-    const Vec e = (Vec::loadu(s + t) - Vec(mx)).exp();
-    e.store(s + t);
-    vsum = vsum + e;
-  }
-  sum = hsum(vsum);
-  for (; t < n; ++t) sum += (s[t] = std::exp(s[t] - mx));
-  return {mx, sum};
-}
 
-// io[j] += Σ_k coef[k] rows[k * stride + j] for j in [j0, j1)
-inline void dot_span(const float *coef, const float *rows, int64_t stride, int64_t K, float *io, int64_t j0,
-                     int64_t j1) {
-  int64_t j = j0;
-  for (; j + 4 * W <= j1; j += 4 * W) dot_rows<4, 2>(coef, rows + j, stride, K, io + j);
-  for (; j + 2 * W <= j1; j += 2 * W) dot_rows<2, 4>(coef, rows + j, stride, K, io + j);
-  for (; j + W <= j1; j += W) dot_rows<1, 8>(coef, rows + j, stride, K, io + j);
-  for (; j < j1; ++j)
-    for (int64_t k = 0; k < K; ++k) io[j] += coef[k] * rows[k * stride + j];
-}
-
-"""
+def source(name: str) -> Path:
+    """The .cpp file of kernel `name` (e.g. "selective_scan")."""
+    return KERNELS / f"{name}.cpp"
 
 
 def simd_flags(openmp: bool) -> list[str]:
@@ -118,25 +53,51 @@ def simd_width(flags: list[str]) -> int:
     return 16 if "-mavx512f" in flags else 8 if "-mavx2" in flags else 1
 
 
-def build(name: str, source: str):
-    """(module, flags): built with OpenMP if the compiler has it, else single-threaded; None if no build works."""
+def first_error(exc: BaseException) -> str:
+    """The line of a failed build that says why: the compiler's first "error:" line (file:line:col: error: ...),
+    else the message's first line (no compiler, no ninja), cut to 300 characters."""
+    lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
+    errors = [l for l in lines if "error:" in l]
+    line = (errors or lines or [type(exc).__name__])[0]
+    return line.replace(str(KERNELS) + os.sep, "")[:300]  # kernels/x.cpp:3:1: error: ... -> x.cpp:3:1: ...
+
+
+def build(name: str, fallback: str):
+    """(module, flags) of kernel `name`: built with OpenMP if the compiler has it, else single-threaded.
+    None if no build works (after one warning naming `fallback`, the torch path the engine then uses)."""
     try:
-        from torch.utils.cpp_extension import load_inline
-    except ImportError:
-        return None
-    for openmp in (True, False):
+        from torch.utils.cpp_extension import load
+    except ImportError as exc:  # a torch without its build tools
+        return failed(name, fallback, exc, "")
+    detail = ""
+    for openmp in (True, False):  # no OpenMP in the compiler: try again without it
         flags = simd_flags(openmp)
         try:
-            mod = load_inline(name, cpp_sources=source, extra_cflags=flags,
-                              extra_ldflags=["-fopenmp"] if openmp else [], verbose=False)
+            mod = load(f"kvwall_{name}", sources=[str(source(name))], extra_cflags=flags,
+                       extra_include_paths=[str(KERNELS)], extra_ldflags=["-fopenmp"] if openmp else [],
+                       verbose=False)
             return mod, flags
-        except Exception:  # no compiler, no ninja, no OpenMP, a failed build: try the next, then give up
-            continue
+        except Exception as exc:  # no compiler, no ninja, no OpenMP, a compile error
+            error, detail = exc, str(exc)
+    return failed(name, fallback, error, detail)
+
+
+def failed(name: str, fallback: str, exc: BaseException, detail: str) -> None:
+    """Record why kernel `name` did not build and say so once: a warning, or an error under KVWALL_REQUIRE_KERNELS=1."""
+    from kvwall.errors import KvwallError
+
+    why = ERRORS[name] = first_error(exc)
+    if os.environ.get(REQUIRE) == "1":
+        raise KvwallError(f"the C++ kernel {name} did not build ({why}) and {REQUIRE}=1 requires it; "
+                          "fix the compiler error (or install a C++ compiler and ninja) or unset " + REQUIRE)
+    tail = "\n".join(detail.strip().splitlines()[-20:])  # the compiler's own words, for whoever fixes it
+    warnings.warn(f"kvwall: the C++ kernel {name} did not build ({why}); using {fallback} instead, "
+                  f"correct but slower. Set {REQUIRE}=1 to make this an error.\n{tail}".rstrip(),
+                  KernelBuildWarning, stacklevel=3)
     return None
 
 
-def compiled(name: str, source: str, function: str):
-    """One function of a built kernel module, or None when no build works."""
-    built = build(name, source)
+def compiled(name: str, function: str, fallback: str):
+    """One function of kernel `name`'s module, or None when no build works."""
+    built = build(name, fallback)
     return None if built is None else getattr(built[0], function)
-

@@ -18,7 +18,8 @@ from kvwall.errors import KvwallError
 from kvwall.measure.archs import Arch
 from kvwall.predict.devices import Device
 from kvwall.predict.formats import get_format
-from kvwall.predict.memory import Formats, kivi_cache_bytes, memory
+from kvwall.engine.caches.registry import predicted_bytes
+from kvwall.predict.memory import Formats
 from kvwall.predict.roofline import Roof, decode, prefill
 from kvwall.spec.hf import spec_from_config
 from kvwall.spec.model import ModelSpec
@@ -26,7 +27,6 @@ from kvwall.units import fmt_bytes, fmt_tokens
 
 GOAL = 0.20  # prediction error allowed where decode is bandwidth-bound
 CONSTANT_GAP = 0.25  # a gap that changes across contexts by less than this share of its mean is a fixed cost
-KIVI_RESIDUAL = 32  # the engine's quantized caches keep the newest 32..32+g-1 tokens in full precision
 
 
 @dataclass
@@ -50,11 +50,8 @@ def formats_for(arch: Arch) -> Formats:
 
 
 def predicted_cache_bytes(arch: Arch, spec: ModelSpec, context: int) -> int:
-    fm = formats_for(arch)
-    if arch.cache in ("int8", "int4", "int2"):
-        return kivi_cache_bytes(spec, batch=1, context=context, kv=fm.kv, residual=KIVI_RESIDUAL,
-                                residual_format=get_format("fp32"))
-    return memory(spec, batch=1, context=context, formats=fm).cache_bytes
+    """The cache registry's figure for the arch's cache, in fp32 (the worker's dtype) with default knobs."""
+    return predicted_bytes(arch.cache, spec, batch=1, tokens=context, element="fp32")
 
 
 def available_memory() -> int:

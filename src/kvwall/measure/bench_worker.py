@@ -47,23 +47,20 @@ def build(job: dict):
 
 
 def fill(model, cache, context: int, chunk: int = 1024) -> None:
-    """Write `context` tokens of random K/V into every attention layer's cache."""
-    from kvwall.spec.model import Attention
+    """Write `context` tokens of random K/V into every layer's KV cache (MLA: latent and rope key)."""
+    from kvwall.engine.caches.base import attention_specs
 
     g = torch.Generator().manual_seed(1)
-    spec = model.spec
+    layouts = attention_specs(model.spec)  # per layer: the K/V its cache holds, or None
     for start in range(0, context, chunk):
         n = min(chunk, context - start)
         pos = torch.arange(start, start + n)[None]  # (1, n)
         cache.step(pos)
-        for i, layer in enumerate(spec.layers):
-            m = layer.mixer
-            if isinstance(m, Attention):
+        for i, m in enumerate(layouts):
+            if m is not None:
                 k = torch.randn(1, m.n_kv_heads, n, m.head_dim, generator=g)  # (1, Hkv, n, D)
                 v = torch.randn(1, m.n_kv_heads, n, m.v_head_dim, generator=g)  # (1, Hkv, n, Dv)
                 cache.update(i, k, v, pos)
-            elif m is not None and hasattr(cache, "fill_random"):
-                cache.fill_random(i, n, g)
 
 
 def timed(fn, steps: int, warmup: int) -> list[float]:

@@ -1,49 +1,49 @@
-"""KV caches: one contract (base.KVCache), one class per strategy.
+"""KV caches: one contract (base.KVCache), one module per strategy, one registry (registry.py) naming them
+(contiguous, sliding, the KIVI-style int8/int4/int2, paged: registry.CACHES says what each holds).
 
-    contiguous   preallocated to max_len for every layer
-    sliding      ring buffer of `window` slots on local layers, contiguous on global ones
-    int8/int4/int2  KIVI-style quantized (keys per channel, values per token, fp residual)
-    paged        blocks from a pool, per-row block tables, freed when a sequence finishes
 Models with SSM layers (Mamba, Mamba-2, hybrids) get a state.ModelCache: the named cache for
 their attention layers (none for a pure SSM) plus a fixed-size state for each SSM layer.
+
+This package imports without torch (the CLI reads the registry); the cache classes, and torch
+with them, load on first use.
 """
 
 from __future__ import annotations
 
-import torch
+from importlib import import_module
 
-from kvwall.engine import CACHE_NAMES
-from kvwall.engine.caches.base import KVCache, NoCache
-from kvwall.engine.caches.contiguous import ContiguousCache
-from kvwall.engine.caches.paged import PagedCache
-from kvwall.engine.caches.quantized import QuantizedCache
-from kvwall.engine.caches.sliding import SlidingCache
-from kvwall.engine.caches.state import ModelCache, StateCache, has_state, without_state
-from kvwall.errors import KvwallError
-from kvwall.predict.formats import get_format
-from kvwall.spec.model import ModelSpec
+from kvwall.engine.caches.registry import BLOCK_SIZE, CACHE_NAMES, CACHES, RESIDUAL, CacheChoice, parse_cache
+
+_SHARED = {"KVCache": "base", "NoCache": "base", "ModelCache": "state", "StateCache": "state"}  # not strategies
 
 
+def make_cache(name: str | CacheChoice, spec, batch: int, max_len: int, dtype=None, device="cpu",
+               block_size: int = BLOCK_SIZE, residual: int = RESIDUAL):
+    """A cache by registry name; quantized names take format options (``int8:g32``); dtype None is float32.
+    Each strategy gets the keywords its registry entry lists (block_size, residual)."""
+    import torch
 
-def make_cache(name: str, spec: ModelSpec, batch: int, max_len: int, dtype=torch.float32, device="cpu",
-               block_size: int = 16, residual: int = 32) -> KVCache:
-    """A cache by name; quantized names take format options (``int8:g32``)."""
-    base = name.split(":")[0]
-    if has_state(spec) and base in CACHE_NAMES:
+    from kvwall.engine.caches.base import NoCache
+    from kvwall.engine.caches.state import ModelCache, StateCache, has_state, without_state
+
+    choice, dtype = parse_cache(name), dtype or torch.float32
+    if has_state(spec):  # the named cache for the attention layers, a fixed state for the SSM ones
         attn = without_state(spec)
-        kv = make_cache(name, attn, batch, max_len, dtype, device, block_size, residual) \
+        kv = make_cache(choice, attn, batch, max_len, dtype, device, block_size, residual) \
             if attn.attention_layers() else NoCache()
         return ModelCache(kv, StateCache(spec, batch, dtype, device))
-    if base == "contiguous":
-        return ContiguousCache(spec, batch, max_len, dtype, device)
-    if base == "sliding":
-        return SlidingCache(spec, batch, max_len, dtype, device)
-    if base in ("int8", "int4", "int2"):
-        return QuantizedCache(spec, batch, max_len, get_format(name), residual, dtype, device)
-    if base == "paged":
-        return PagedCache(spec, batch, block_size, None, max_len, dtype, device)
-    raise KvwallError(f"unknown cache {name!r}; caches: {', '.join(CACHE_NAMES)}")
+    knobs = choice.entry.take(block_size=block_size, residual=residual)
+    return choice.entry.load().create(choice, spec, batch, max_len, dtype, device, **knobs)
 
 
-__all__ = ["CACHE_NAMES", "KVCache", "NoCache", "make_cache", "ContiguousCache", "SlidingCache",
-           "QuantizedCache", "PagedCache", "ModelCache", "StateCache"]
+def __getattr__(name: str):
+    """The cache classes, imported on first use: kvwall.engine.caches.ContiguousCache and the like."""
+    if name in _SHARED:
+        return getattr(import_module(f"kvwall.engine.caches.{_SHARED[name]}"), name)
+    for entry in CACHES.values():
+        if entry.cls.endswith(":" + name):
+            return entry.load()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CACHE_NAMES", "CACHES", "CacheChoice", "parse_cache", "make_cache"]

@@ -2,7 +2,7 @@
 
     step(pos)                         once per forward pass, before the layers: check bounds, allocate
     update(layer, k, v, pos)          write the new tokens' K/V, return what attention reads:
-        k, v:  (B, Hkv, T, D)         the new tokens' keys and values
+        k, v:  (B, Hkv, T, D)         the new tokens' keys and values (for MLA: latent c_kv, rope key k_pe)
         pos:   (B, T)                 their positions in each sequence, -1 for padding; a row's valid
                                       tokens come first and are consecutive (right padding)
         -> k_all, v_all: (B, Hkv, S, D)  keys/values of S slots
@@ -14,9 +14,14 @@
     nbytes()                          bytes of K/V storage held (scales/zero points included, position
                                       bookkeeping excluded): equal to kvwall.predict's figure
 
-MLA (latent attention) layers use the same contract with one "head" whose k is the latent c_kv
-(kv_lora_rank wide) and whose v is the shared rope key (qk_rope_head_dim wide): the caches that
-hold K/V by shape (contiguous, sliding, paged) then hold exactly MLA's latent cache.
+The caches stay generic: what they hold for a layer is its mixer's kv_layout (kvwall.engine.mixers),
+an Attention spec of K/V heads and widths. MLA (latent attention) layers use the same contract with
+one "head" whose k is the latent c_kv (kv_lora_rank wide) and whose v is the shared rope key k_pe
+(qk_rope_head_dim wide): the caches that hold K/V by shape (contiguous, sliding, paged) then hold
+exactly MLA's latent cache.
+
+A new strategy is a KVCache subclass in its own module plus one line in registry.py; make_cache
+builds it through ``create``.
 """
 
 from __future__ import annotations
@@ -24,12 +29,19 @@ from __future__ import annotations
 import torch
 
 from kvwall.engine.layers.attention import attend, attend_causal, prefix_start, visible
+from kvwall.engine.mixers import kv_layout
 from kvwall.errors import KvwallError
-from kvwall.spec.model import Attention, LatentAttention, ModelSpec
+from kvwall.spec.model import Attention, ModelSpec
 
 
 class KVCache:
     name = "base"
+
+    @classmethod
+    def create(cls, choice, spec: ModelSpec, batch: int, max_len: int, dtype, device, **knobs) -> "KVCache":
+        """make_cache's way in: choice is the parsed name (registry.CacheChoice), knobs the registry entry's
+        keywords (block_size, residual). A strategy whose constructor needs more overrides this."""
+        return cls(spec, batch, max_len=max_len, dtype=dtype, device=device, **knobs)
 
     def step(self, pos: torch.Tensor) -> None:
         pass
@@ -67,22 +79,10 @@ class NoCache(KVCache):
         return 0
 
 
-def latent_as_kv(m: LatentAttention) -> Attention:
-    """The K/V shape a cache holds for an MLA layer: one head, k = latent c_kv, v = rope key k_pe."""
-    return Attention(m.n_heads, 1, m.kv_lora_rank, m.qk_rope_head_dim)
-
-
 def attention_specs(spec: ModelSpec) -> list[Attention | None]:
-    """Per layer: its Attention (the engine's caches hold K/V for these; MLA as latent_as_kv) or None."""
-    out = []
-    for i, layer in enumerate(spec.layers):
-        m = layer.mixer
-        if isinstance(m, LatentAttention):
-            m = latent_as_kv(m)
-        if m is not None and not isinstance(m, Attention):
-            raise KvwallError(f"layer {i} is {m.kind}; these KV caches hold softmax-attention layers only")
-        out.append(m)
-    return out
+    """Per layer: the K/V its mixer keeps (an Attention spec: heads and widths; MLA's latent and rope key
+    as one head) or None (no mixer; an SSM layer, whose fixed state is state.py's)."""
+    return [kv_layout(layer.mixer) for layer in spec.layers]
 
 
 def valid_tokens(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

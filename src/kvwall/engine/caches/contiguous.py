@@ -35,6 +35,8 @@ class ContiguousLayer:
 
 
 class ContiguousCache(KVCache):
+    """nbytes() = predict.memory(spec.with_window(None), batch, context=max_len).cache_bytes."""
+
     name = "contiguous"
 
     def __init__(self, spec: ModelSpec, batch: int, max_len: int, dtype=torch.float32, device="cpu"):

@@ -71,6 +71,8 @@ class BlockManager:
 
 
 class PagedCache(KVCache):
+    """nbytes() = predict.memory(spec.with_window(None), batch, context=tokens held, block_size).cache_bytes."""
+
     name = "paged"
 
     def __init__(self, spec: ModelSpec, batch: int, block_size: int = 16, n_blocks: int | None = None,

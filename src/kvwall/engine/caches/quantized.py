@@ -33,8 +33,9 @@ import torch
 from kvwall.engine.caches.base import KVCache, attention_specs, check_length
 from kvwall.engine.caches.quant import dequantize, group_size, quantize
 from kvwall.engine.caches.quant_kernel import quantized_decode
+from kvwall.engine.caches.registry import RESIDUAL
 from kvwall.errors import KvwallError
-from kvwall.predict.formats import Format
+from kvwall.predict.formats import Format, get_format
 from kvwall.spec.model import Attention, ModelSpec
 
 
@@ -137,7 +138,14 @@ class QuantizedLayer:
 
 
 class QuantizedCache(KVCache):
+    """nbytes() = predict.memory.kivi_cache_bytes (registry.py: kivi_bytes)."""
+
     name = "quantized"
+
+    @classmethod
+    def create(cls, choice, spec, batch, max_len, dtype, device, residual: int = RESIDUAL) -> "QuantizedCache":
+        """From the registry: the format is the cache's name and options (``int4:g64:sym``)."""
+        return cls(spec, batch, max_len, get_format(choice.format), residual, dtype, device)
 
     def __init__(self, spec: ModelSpec, batch: int, max_len: int, fmt: Format, residual: int = 32,
                  dtype=torch.float32, device="cpu"):

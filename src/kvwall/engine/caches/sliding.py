@@ -47,7 +47,8 @@ class RingLayer:
 
 
 class SlidingCache(ContiguousCache):
-    """A contiguous cache whose local layers are rings of `window` slots."""
+    """A contiguous cache whose local layers are rings of `window` slots.
+    nbytes() = predict.memory(spec, batch, context=max_len).cache_bytes."""
 
     name = "sliding"
 

@@ -17,20 +17,19 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvwall.engine.caches.base import KVCache
+from kvwall.engine.mixers import state_shapes
 from kvwall.errors import KvwallError
-from kvwall.spec.model import Mamba, Mamba2, ModelSpec
-
-SSM_KINDS = ("mamba", "mamba2")
+from kvwall.spec.model import ModelSpec
 
 
 def has_state(spec: ModelSpec) -> bool:
-    return any(spec.has(kind) for kind in SSM_KINDS)
+    """Whether any layer's mixer keeps a fixed state (an SSM layer)."""
+    return any(state_shapes(l.mixer) is not None for l in spec.layers)
 
 
 def without_state(spec: ModelSpec) -> ModelSpec:
     """The spec as the KV caches see it: SSM layers have no mixer to hold K/V for."""
-    layers = tuple(replace(l, mixer=None) if l.mixer is not None and l.mixer.kind in SSM_KINDS else l
-                   for l in spec.layers)
+    layers = tuple(replace(l, mixer=None) if state_shapes(l.mixer) is not None else l for l in spec.layers)
     return replace(spec, layers=layers)
 
 
@@ -40,11 +39,9 @@ class LayerState:
     ssm: torch.Tensor  # (B, E, N) or (B, H, P, N)
 
     @classmethod
-    def zeros(cls, m: Mamba | Mamba2, batch: int, dtype, device) -> "LayerState":
-        if isinstance(m, Mamba):
-            conv, ssm = (m.d_inner, m.d_conv), (m.d_inner, m.d_state)
-        else:
-            conv, ssm = (m.conv_dim, m.d_conv), (m.n_heads, m.head_dim, m.d_state)
+    def zeros(cls, shapes: tuple[tuple[int, ...], tuple[int, ...]], batch: int, dtype, device) -> "LayerState":
+        """shapes: the mixer's state_shapes, (conv, ssm) without the batch dimension."""
+        conv, ssm = shapes
         z = lambda shape: torch.zeros(batch, *shape, dtype=dtype, device=device)  # noqa: E731
         return cls(z(conv), z(ssm))
 
@@ -63,8 +60,8 @@ class StateCache(KVCache):
 
     def __init__(self, spec: ModelSpec, batch: int, dtype=torch.float32, device="cpu"):
         assert batch > 0, batch
-        self.layers = [LayerState.zeros(l.mixer, batch, dtype, device) if l.mixer is not None
-                       and l.mixer.kind in SSM_KINDS else None for l in spec.layers]
+        shapes = [state_shapes(l.mixer) for l in spec.layers]
+        self.layers = [LayerState.zeros(s, batch, dtype, device) if s is not None else None for s in shapes]
         self.seen = [0] * batch  # tokens each row's state has taken in
 
     def step(self, pos: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvwall.engine.layers.mixer import SequenceMixer
 from kvwall.engine.layers.norm import RMSNorm
 from kvwall.engine.layers.rope import apply_rope
 from kvwall.spec.model import Attention as AttentionSpec
@@ -101,8 +102,20 @@ def attend_causal(q, k, v, scale: float, window: int | None = None) -> torch.Ten
     return torch.cat(out, 2)
 
 
-class Attention(nn.Module):
+class Attention(SequenceMixer):
     """wqkv holds [q; k; v] fused (one matmul); wo projects heads back to hidden."""
+
+    @classmethod
+    def build(cls, m: AttentionSpec, spec, index: int) -> "Attention":
+        return cls(m, spec.hidden, index, spec.norm_eps, gemma_norm=spec.norm == "rms1p")
+
+    @staticmethod
+    def kv_layout(m: AttentionSpec) -> AttentionSpec:
+        return m  # the caches hold exactly its K and V heads
+
+    @staticmethod
+    def rotary(m: AttentionSpec) -> tuple:
+        return m.rope, m.head_dim
 
     def __init__(self, spec: AttentionSpec, hidden: int, index: int, norm_eps: float, gemma_norm: bool):
         super().__init__()

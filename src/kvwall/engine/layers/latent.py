@@ -3,7 +3,7 @@
 Symbols (the paper's, with the checkpoint's tensor names):
     h          the block input (B, T, hidden)
     c          = RMSNorm(W_DKV h), the latent (kv_lora_rank = r)               kv_a_proj_with_mqa, kv_a_layernorm
-    k_pe       = RoPE(W_KR h), one rotary key shared by all heads (d_r)        the same projection's last d_r
+    k_pe       = RoPE(W_KR h), the rope key, shared by all heads (d_r)        the same projection's last d_r
     q_i        = [q_nope_i (d_n) ; RoPE(q_pe_i) (d_r)] per head i             q_proj, or q_a_proj/q_a_layernorm/q_b_proj
     W_UK_i, W_UV_i  the up-projections of head i (d_n x r, d_v x r)           kv_b_proj, rows per head [W_UK_i; W_UV_i]
     k_i        = [W_UK_i c ; k_pe],  v_i = W_UV_i c
@@ -25,16 +25,31 @@ from torch import nn
 
 from kvwall.engine.layers.attention import attend, attend_causal, prefix_start, visible
 from kvwall.engine.layers.latent_kernel import mla_decode
+from kvwall.engine.layers.mixer import SequenceMixer
 from kvwall.engine.layers.norm import RMSNorm
 from kvwall.engine.layers.rope import apply_rope, apply_rope_interleaved
 from kvwall.errors import KvwallError
-from kvwall.spec.model import LatentAttention as LatentSpec
+from kvwall.spec.model import Attention as AttentionSpec, LatentAttention as LatentSpec
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 PATHS = ("auto", "naive", "absorbed")
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(SequenceMixer):
+    @classmethod
+    def build(cls, m: LatentSpec, spec, index: int) -> "LatentAttention":
+        return cls(m, spec.hidden, index)
+
+    @staticmethod
+    def kv_layout(m: LatentSpec) -> AttentionSpec:
+        """What the caches hold: one "head" whose k is the latent c_kv (r wide) and whose v is the rope key
+        k_pe (d_r wide), so the caches that hold K/V by shape hold exactly MLA's latent cache."""
+        return AttentionSpec(m.n_heads, 1, m.kv_lora_rank, m.qk_rope_head_dim)
+
+    @staticmethod
+    def rotary(m: LatentSpec) -> tuple:
+        return m.rope, m.qk_rope_head_dim
+
     def __init__(self, spec: LatentSpec, hidden: int, index: int):
         super().__init__()
         self.index = index  # which layer of the cache this attention reads and writes
@@ -56,21 +71,22 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: tuple | None, cache) -> torch.Tensor:
         B, T, _ = x.shape
         q_nope, q_pe = self.query(x)  # (B, T, H, dn), (B, T, H, dr)
-        c, k_pe = self.wkv_a(x).split([self.r, self.dr], dim=-1)  # (B, T, r), (B, T, dr)
-        c, k_pe = self.kv_norm(c), k_pe[:, :, None]  # (B, T, r), (B, T, 1, dr)
+        c, rope_key = self.wkv_a(x).split([self.r, self.dr], dim=-1)  # (B, T, r), (B, T, dr): c_kv, k_pe
+        c, rope_key = self.kv_norm(c), rope_key[:, :, None]  # (B, T, r), (B, T, 1, dr)
         if rope is not None:
-            q_pe, k_pe = self.rotate(q_pe, rope), self.rotate(k_pe, rope)
-        c_all, pe_all, k_pos = cache.update(self.index, c[:, None], k_pe.transpose(1, 2), pos)  # (B,1,S,r|dr)
-        c_all, pe_all = c_all.to(x.dtype), pe_all.to(x.dtype)
+            q_pe, rope_key = self.rotate(q_pe, rope), self.rotate(rope_key, rope)
+        # the cache's K/V contract with one head: its k holds the latent, its v the rope key (kv_layout)
+        c_all, rope_keys, k_pos = cache.update(self.index, c[:, None], rope_key.transpose(1, 2), pos)  # (B,1,S,r|dr)
+        c_all, rope_keys = c_all.to(x.dtype), rope_keys.to(x.dtype)
         absorbed = self.path == "absorbed" or (self.path == "auto" and T == 1)
         kernel = mla_decode() if absorbed and T == 1 and x.device.type == "cpu" else None
         if kernel is not None:  # decode: one C++ pass over the latent cache
-            y = self.absorbed_decode(q_nope, q_pe, c_all, pe_all, k_pos, pos, kernel)  # (B, H, 1, dv)
+            y = self.absorbed_decode(q_nope, q_pe, c_all, rope_keys, k_pos, pos, kernel)  # (B, H, 1, dv)
         elif not absorbed and (s0 := prefix_start(pos, k_pos)) is not None:  # a first prefill: plain causal
-            y = self.naive(q_nope, q_pe, c_all[:, :, s0:s0 + T], pe_all[:, :, s0:s0 + T], None)  # (B, H, T, dv)
+            y = self.naive(q_nope, q_pe, c_all[:, :, s0:s0 + T], rope_keys[:, :, s0:s0 + T], None)  # (B, H, T, dv)
         else:
             mask = visible(pos, k_pos, None)  # (B, 1, T, S)
-            y = (self.absorbed if absorbed else self.naive)(q_nope, q_pe, c_all, pe_all, mask)  # (B, H, T, dv)
+            y = (self.absorbed if absorbed else self.naive)(q_nope, q_pe, c_all, rope_keys, mask)  # (B, H, T, dv)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.H * self.dv))  # (B, T, hidden)
 
     def query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,35 +102,35 @@ class LatentAttention(nn.Module):
         w = self.wkv_b.weight.view(self.H, self.dn + self.dv, self.r)
         return w[:, :self.dn], w[:, self.dn:]
 
-    def naive(self, q_nope, q_pe, c, pe, mask) -> torch.Tensor:
+    def naive(self, q_nope, q_pe, c, rope_key, mask) -> torch.Tensor:
         """Up-project the S cached latents to per-head K and V, then ordinary attention -> (B, H, T, dv).
         mask None: the T queries and S = T keys are one causal prefix."""
         B, _, S, _ = c.shape
         kv = self.wkv_b(c[:, 0]).view(B, S, self.H, self.dn + self.dv).transpose(1, 2)  # (B, H, S, dn + dv)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)  # (B, H, S, dn), (B, H, S, dv)
-        k = torch.cat([k_nope, pe.expand(B, self.H, S, self.dr)], dim=-1)  # (B, H, S, dn + dr)
+        k = torch.cat([k_nope, rope_key.expand(B, self.H, S, self.dr)], dim=-1)  # (B, H, S, dn + dr)
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # (B, H, T, dn + dr)
         return attend_causal(q, k, v, self.scale) if mask is None else attend(q, k, v, mask, self.scale, None)
 
-    def absorbed(self, q_nope, q_pe, c, pe, mask) -> torch.Tensor:
+    def absorbed(self, q_nope, q_pe, c, rope_key, mask) -> torch.Tensor:
         """Attention in latent space: W_UK folded into q, W_UV applied after -> (B, H, T, dv)."""
         B, T, H, _ = q_nope.shape
         S = c.shape[2]
         w_uk, w_uv = self.up_weights()
         q_lat = torch.einsum("bthd,hdr->bhtr", q_nope, w_uk).reshape(B, H * T, self.r)  # (B, H*T, r)
         q_rot = q_pe.transpose(1, 2).reshape(B, H * T, self.dr)  # (B, H*T, dr)
-        scores = q_lat @ c[:, 0].transpose(1, 2) + q_rot @ pe[:, 0].transpose(1, 2)  # (B, H*T, S)
+        scores = q_lat @ c[:, 0].transpose(1, 2) + q_rot @ rope_key[:, 0].transpose(1, 2)  # (B, H*T, S)
         scores = (scores * self.scale).view(B, H, T, S).masked_fill(~mask, float("-inf"))
         p = scores.float().softmax(-1).to(c.dtype).view(B, H * T, S)  # (B, H*T, S)
         o_lat = (p @ c[:, 0]).view(B, H, T, self.r)  # (B, H, T, r): the attended latent
         return torch.einsum("bhtr,hvr->bhtv", o_lat, w_uv)  # (B, H, T, dv)
 
-    def absorbed_decode(self, q_nope, q_pe, c, pe, k_pos, pos, kernel) -> torch.Tensor:
+    def absorbed_decode(self, q_nope, q_pe, c, rope_key, k_pos, pos, kernel) -> torch.Tensor:
         """The absorbed path for one new token per row through latent_kernel.py -> (B, H, 1, dv)."""
         w_uk, w_uv = self.up_weights()
         q_lat = torch.einsum("bhd,hdr->bhr", q_nope[:, 0], w_uk)  # (B, H, r)
         q = torch.cat([q_lat, q_pe[:, 0]], dim=-1).float().contiguous()  # (B, H, r + dr)
-        o_lat = kernel(q, c[:, 0].float(), pe[:, 0].float(), k_pos.to(torch.int64).contiguous(),
+        o_lat = kernel(q, c[:, 0].float(), rope_key[:, 0].float(), k_pos.to(torch.int64).contiguous(),
                        pos[:, 0].to(torch.int64).contiguous(), self.scale)  # (B, H, r)
         return torch.einsum("bhr,hvr->bhv", o_lat.to(c.dtype), w_uv)[:, :, None]  # (B, H, 1, dv)
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvwall.engine.layers.mixer import SequenceMixer
 from kvwall.engine.layers.norm import RMSNorm
 from kvwall.engine.layers.scan_kernel import fused_scan
 from kvwall.spec.model import Mamba as MambaSpec
@@ -104,8 +105,16 @@ def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
-class Mamba(nn.Module):
+class Mamba(SequenceMixer):
     """Parameter names are Hugging Face's (in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj)."""
+
+    @classmethod
+    def build(cls, m: MambaSpec, spec, index: int) -> "Mamba":
+        return cls(m, spec.hidden, index)
+
+    @staticmethod
+    def state_shapes(m: MambaSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (m.d_inner, m.d_conv), (m.d_inner, m.d_state)  # conv (E, K), h (E, N)
 
     def __init__(self, spec: MambaSpec, hidden: int, index: int):
         super().__init__()

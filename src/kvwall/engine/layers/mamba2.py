@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvwall.engine.layers.mamba import causal_conv
+from kvwall.engine.layers.mixer import SequenceMixer
 from kvwall.spec.model import Mamba2 as Mamba2Spec
 
 
@@ -88,8 +89,16 @@ class GatedRMSNorm(nn.Module):
         return self.weight * g.flatten(-2).to(y.dtype)  # (B, T, E)
 
 
-class Mamba2(nn.Module):
+class Mamba2(SequenceMixer):
     """Parameter names are Hugging Face's (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj)."""
+
+    @classmethod
+    def build(cls, m: Mamba2Spec, spec, index: int) -> "Mamba2":
+        return cls(m, spec.hidden, index, spec.norm_eps)
+
+    @staticmethod
+    def state_shapes(m: Mamba2Spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (m.conv_dim, m.d_conv), (m.n_heads, m.head_dim, m.d_state)  # conv (E + 2GN, K), h (H, P, N)
 
     def __init__(self, spec: Mamba2Spec, hidden: int, index: int, norm_eps: float):
         super().__init__()

@@ -7,110 +7,22 @@ Why C++: at prefill the recurrence is ~T·E·N fused multiply-adds of elementwis
 built from torch ops makes several passes over (E, N) per token, and parallel (segment-sum) forms do
 more work still. One loop keeps h in registers/L1 and touches each input once. Each block walks a
 column of (T, E) rows kilobytes apart, which the hardware prefetcher does not follow, so the loop
-prefetches a few tokens ahead itself. It is built on first use (kvwall.engine.native); when it
-cannot be built, ``fused_scan()`` returns None and the engine uses ``scan_chunked``.
+prefetches a few tokens ahead itself. Its source is kernels/selective_scan.cpp, built on first use
+(kvwall.engine.native); when it cannot be built, ``fused_scan()`` returns None and the engine uses
+``scan_chunked``.
 """
 
 from __future__ import annotations
 
 import functools
 
-from kvwall.engine.native import CPP_COMMON, build, simd_width
-
-SOURCE = CPP_COMMON + r"""
-#if defined(__x86_64__)
-#include <xmmintrin.h>
-#endif
-
-// Vectorised over channels: a block of W channels (one SIMD vector) keeps its N states in registers
-// while it walks the tokens; B_t[n], C_t[n] are broadcast. No horizontal sums. NN > 0 fixes N at
-// compile time (the common d_state = 16) so the state loop unrolls into registers; NN = 0 is generic.
-struct Rows {  // a (B, T, X) tensor whose last dimension is contiguous: element (b, t, x) at b*sb + t*st + x
-  const float *p;
-  int64_t sb, st;
-  const float *at(int64_t b, int64_t t) const { return p + b * sb + t * st; }
-};
-
-template <int NN>
-void scan_block(int64_t b, int64_t e0, int64_t T, int64_t E, int64_t N, Rows pu, Rows pdt,
-                const float *pA, Rows pB, Rows pC, const float *ph, float *py, float *pho) {
-  constexpr int64_t AHEAD = 16;
-  constexpr int64_t CAP = NN > 0 ? NN : 256;
-  const int64_t n_state = NN > 0 ? NN : N;
-  Vec hs[CAP], a[CAP];
-  float buf[W];
-  for (int64_t n = 0; n < n_state; ++n) {
-    a[n] = Vec::loadu(pA + n * E + e0);
-    for (int64_t w = 0; w < W; ++w) buf[w] = ph[(b * E + e0 + w) * N + n];
-    hs[n] = Vec::loadu(buf);
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t i = (b * T + t) * E + e0;
-    if (t + AHEAD < T) {  // rows are kilobytes apart (a column walk): the hardware prefetcher won't follow
-      __builtin_prefetch(pu.at(b, t + AHEAD) + e0, 0, 3);
-      __builtin_prefetch(pdt.at(b, t + AHEAD) + e0, 0, 3);
-      __builtin_prefetch(py + i + AHEAD * E, 0, 3);
-    }
-    const Vec d = Vec::loadu(pdt.at(b, t) + e0), du = d * Vec::loadu(pu.at(b, t) + e0);
-    const float *bb = pB.at(b, t), *cc = pC.at(b, t);
-    Vec acc(0.f);
-#pragma GCC unroll 16
-    for (int64_t n = 0; n < n_state; ++n) {  // h = exp(d a) h + d u B ; y += C h
-      hs[n] = (d * a[n]).exp_u20() * hs[n] + du * Vec(bb[n]);
-      acc = acc + hs[n] * Vec(cc[n]);
-    }
-    acc.store(py + i);
-  }
-  for (int64_t n = 0; n < n_state; ++n) {
-    hs[n].store(buf);
-    for (int64_t w = 0; w < W; ++w) pho[(b * E + e0 + w) * N + n] = buf[w];
-  }
-}
-
-// u, dt: (B, T, E); At: (N, E) = A transposed; Bm, Cm: (B, T, N); h: (B, E, N); float32. u, dt, Bm, Cm may
-// be strided views (the model hands over slices of larger projections) as long as their last dim is dense.
-std::vector<torch::Tensor> selective_scan(torch::Tensor u, torch::Tensor dt, torch::Tensor At,
-                                          torch::Tensor Bm, torch::Tensor Cm, torch::Tensor h) {
-  const int64_t B = u.size(0), T = u.size(1), E = u.size(2), N = At.size(0);
-  TORCH_CHECK(E % W == 0, "d_inner must be a multiple of ", W);
-  TORCH_CHECK(N <= 256, "d_state must be at most 256");
-  auto y = torch::empty({B, T, E}, u.options());  // dense (B, T, E), whatever the strides of u
-  auto hout = torch::empty_like(h);
-  auto rows = [](const torch::Tensor &x) {
-    TORCH_CHECK(x.stride(2) == 1, "the last dimension must be dense");
-    return Rows{x.data_ptr<float>(), x.stride(0), x.stride(1)};
-  };
-  const Rows pu = rows(u), pdt = rows(dt), pB = rows(Bm), pC = rows(Cm);
-  const float *pA = At.data_ptr<float>(), *ph = h.data_ptr<float>();
-  float *py = y.data_ptr<float>(), *pho = hout.data_ptr<float>();
-  const int64_t blocks = E / W;
-  at::parallel_for(0, B * blocks, 1, [&](int64_t begin, int64_t end) {
-#if defined(__x86_64__)
-    const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040);  // flush denormals to zero: exp(ΔA) of a long decay underflows, and
-#endif                          // denormal arithmetic would be many times slower (values < 1e-38 only)
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / blocks, e0 = (job % blocks) * W;
-      if (N == 16)
-        scan_block<16>(b, e0, T, E, N, pu, pdt, pA, pB, pC, ph, py, pho);
-      else
-        scan_block<0>(b, e0, T, E, N, pu, pdt, pA, pB, pC, ph, py, pho);
-    }
-#if defined(__x86_64__)
-    _mm_setcsr(csr);
-#endif
-  });
-  return {y, hout};
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("selective_scan", &selective_scan); }
-"""
+from kvwall.engine.native import build, simd_width
 
 
 @functools.lru_cache(maxsize=1)
 def fused_scan():
     """The compiled scan (same signature and result as scan_reference), or None if it cannot be built."""
-    built = build("kvwall_selective_scan", SOURCE)
+    built = build("selective_scan", "scan_chunked (torch)")
     if built is None:
         return None  # the torch path stays correct, just slower
     mod, flags = built

@@ -1,0 +1,85 @@
+// The kernels' shared prelude: includes, the SIMD vector type, and the multiply-accumulate loops.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <limits>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+
+inline float hsum(const Vec &v) {  // the sum of a vector's lanes
+#if defined(__AVX512F__)
+  if constexpr (W == 16) return _mm512_reduce_add_ps(v);
+#endif
+  float lanes[W];
+  v.store(lanes);
+  for (int64_t step = W / 2; step > 0; step /= 2)  // a tree: log2(W) dependent adds, not W
+    for (int64_t i = 0; i < step; ++i) lanes[i] += lanes[i + step];
+  return lanes[0];
+}
+
+// io[j] += Σ_k coef[k] rows[k * stride + j] for U vectors of j, the k sum split S ways: U x S independent
+// FMA chains hide the FMA latency however narrow the span.
+template <int U, int S>
+inline void dot_rows(const float *coef, const float *rows, int64_t stride, int64_t K, float *io) {
+  Vec a[S][U];
+  for (int s = 0; s < S; ++s)
+    for (int u = 0; u < U; ++u) a[s][u] = s == 0 ? Vec::loadu(io + u * W) : Vec(0.f);
+  int64_t k = 0;
+  for (; k + S <= K; k += S)
+    for (int s = 0; s < S; ++s) {
+      const Vec c(coef[k + s]);
+      for (int u = 0; u < U; ++u) a[s][u] = at::vec::fmadd(c, Vec::loadu(rows + (k + s) * stride + u * W), a[s][u]);
+    }
+  for (; k < K; ++k) {
+    const Vec c(coef[k]);
+    for (int u = 0; u < U; ++u) a[0][u] = at::vec::fmadd(c, Vec::loadu(rows + k * stride + u * W), a[0][u]);
+  }
+  for (int u = 0; u < U; ++u) {
+    Vec t = a[0][u];
+    for (int s = 1; s < S; ++s) t = t + a[s][u];
+    t.store(io + u * W);
+  }
+}
+
+// s[lo, n) <- exp(s - max) over that range -> {max, sum of the new values}; max is -inf for an empty range
+inline std::pair<float, float> exp_shifted(float *s, int64_t lo, int64_t n) {
+  Vec vmax(-std::numeric_limits<float>::infinity());
+  int64_t t = lo;
+  for (; t + W <= n; t += W) vmax = at::vec::maximum(vmax, Vec::loadu(s + t));
+  float lanes[W], mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+  vmax.store(lanes);
+  for (int64_t i = 0; i < W; ++i) mx = std::max(mx, lanes[i]);
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible: every weight is 0
+    std::fill(s + lo, s + n, 0.f);
+    return {mx, 0.f};
+  }
+  Vec vsum(0.f);
+  for (t = lo; t + W <= n; t += W) {
+    const Vec e = (Vec::loadu(s + t) - Vec(mx)).exp();
+    e.store(s + t);
+    vsum = vsum + e;
+  }
+  sum = hsum(vsum);
+  for (; t < n; ++t) sum += (s[t] = std::exp(s[t] - mx));
+  return {mx, sum};
+}
+
+// io[j] += Σ_k coef[k] rows[k * stride + j] for j in [j0, j1)
+inline void dot_span(const float *coef, const float *rows, int64_t stride, int64_t K, float *io, int64_t j0,
+                     int64_t j1) {
+  int64_t j = j0;
+  for (; j + 4 * W <= j1; j += 4 * W) dot_rows<4, 2>(coef, rows + j, stride, K, io + j);
+  for (; j + 2 * W <= j1; j += 2 * W) dot_rows<2, 4>(coef, rows + j, stride, K, io + j);
+  for (; j + W <= j1; j += W) dot_rows<1, 8>(coef, rows + j, stride, K, io + j);
+  for (; j < j1; ++j)
+    for (int64_t k = 0; k < K; ++k) io[j] += coef[k] * rows[k * stride + j];
+}

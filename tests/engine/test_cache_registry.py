@@ -1,0 +1,123 @@
+"""The cache registry: one entry per strategy drives the CLI's names, make_cache and the predicted bytes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import resources
+
+import pytest
+
+from kvwall.engine import CACHE_NAMES
+from kvwall.engine.caches.registry import CACHES, CacheChoice, parse_cache, predicted_bytes
+from kvwall.errors import KvwallError
+from kvwall.spec.model import MLP, Attention, LatentAttention, Layer, Mamba, ModelSpec
+
+
+@pytest.mark.parametrize("text,name,options", [
+    ("contiguous", "contiguous", ()), ("paged", "paged", ()), ("int8:g32", "int8", ("g32",)),
+    ("int4:sym", "int4", ("sym",)), ("int4:g64:sym", "int4", ("g64", "sym")), ("int2", "int2", ()),
+])
+def test_parse_cache_accepts_names_and_format_options(text, name, options):
+    choice = parse_cache(text)
+    assert choice == CacheChoice(name, options) and choice.text == text
+
+
+@pytest.mark.parametrize("text,message", [
+    ("contiguous:junk", "contiguous takes no options"), ("paged:xyz", "paged takes no options"),
+    ("int4:g0", "option 'g0' not understood"), ("int8:gx", "option 'gx' not understood"),
+    ("int9", "unknown cache 'int9'; caches: contiguous, sliding, int8, int4, int2, paged"),
+    ("int4:g32:g64", "given twice"), ("", "unknown cache ''"),
+])
+def test_parse_cache_rejects_what_it_does_not_know(text, message):
+    with pytest.raises(KvwallError, match=message):
+        parse_cache(text)
+
+
+def test_quantized_choices_name_their_storage_format():
+    assert parse_cache("int4:g64:sym").format == "int4:g64:sym"
+    assert parse_cache("paged").format is None
+
+
+def test_cache_names_are_the_registry_and_import_without_torch():
+    assert CACHE_NAMES == tuple(CACHES) == ("contiguous", "sliding", "int8", "int4", "int2", "paged")
+    code = "import sys, kvwall.engine.caches.registry, kvwall.engine; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_kernel_sources_are_package_files():
+    kernels = resources.files("kvwall.engine") / "kernels"
+    names = {p.name for p in kernels.iterdir()}
+    assert {"common.h", "selective_scan.cpp", "quantized_decode.cpp", "mla_decode.cpp"} <= names
+    for name in ("selective_scan", "quantized_decode", "mla_decode"):
+        text = (kernels / f"{name}.cpp").read_text()
+        assert '#include "common.h"' in text and f'm.def("{name}"' in text
+
+
+# -- every entry builds through make_cache, and its bytes are the registry's predicted figure ----------------
+
+def attention_spec():
+    """GQA with a local layer (window 8) between two global ones: 4 query heads, 2 KV heads of 16."""
+    return ModelSpec("t", "llama", 32, 50, tuple(Layer(Attention(4, 2, 16, 16, w), MLP(32)) for w in (None, 8, None)))
+
+
+def latent_spec():
+    """Two MLA layers: latent 24 wide, rope key 8 wide."""
+    return ModelSpec("t", "deepseek_v2", 32, 50, tuple(Layer(LatentAttention(4, 24, None, 16, 8, 16), MLP(32))
+                                                     for _ in range(2)))
+
+
+def hybrid_spec():
+    """Mamba (d_inner 64, d_state 8, d_conv 4), attention, Mamba."""
+    mamba = Mamba(64, 8, 4, 4)
+    layers = (Layer(mamba, MLP(32)), Layer(Attention(4, 2, 16, 16), MLP(32)), Layer(mamba, MLP(32)))
+    return ModelSpec("t", "jamba", 32, 50, layers)
+
+
+def fill(cache, spec, batch: int, tokens: int, chunk: int = 5):
+    """Write `tokens` random tokens per row, `chunk` at a time, into every layer's KV cache."""
+    import torch
+
+    from kvwall.engine.caches.base import attention_specs
+
+    g = torch.Generator().manual_seed(0)
+    layouts = attention_specs(spec)
+    for start in range(0, tokens, chunk):
+        pos = torch.arange(start, min(tokens, start + chunk)).expand(batch, -1)  # (B, T)
+        cache.step(pos)
+        for i, a in enumerate(layouts):
+            if a is not None:
+                k = torch.randn(batch, a.n_kv_heads, pos.shape[1], a.head_dim, generator=g)  # (B, Hkv, T, D)
+                v = torch.randn(batch, a.n_kv_heads, pos.shape[1], a.v_head_dim, generator=g)  # (B, Hkv, T, Dv)
+                cache.update(i, k, v, pos)
+
+
+CASES = [(name, spec, tokens) for name in CACHE_NAMES for spec in (attention_spec, hybrid_spec)
+         for tokens in (5, 41, 100)]
+CASES += [(name, latent_spec, 41) for name in ("contiguous", "sliding", "paged")]  # quantized: not for MLA
+CASES += [("int4:g8:sym", attention_spec, 100), ("int8:g16", hybrid_spec, 41)]
+
+
+@pytest.mark.parametrize("name,make_spec,tokens", CASES)
+def test_every_registry_entry_builds_and_its_bytes_are_the_predicted_figure(name, make_spec, tokens):
+    pytest.importorskip("torch")
+    from kvwall.engine.caches import make_cache
+
+    spec, batch = make_spec(), 2
+    cache = make_cache(name, spec, batch, tokens, block_size=4, residual=8)
+    fill(cache, spec, batch, tokens)
+    assert cache.nbytes() == predicted_bytes(name, spec, batch, tokens, block_size=4, residual=8) > 0
+
+
+def test_predicted_figures_by_hand():
+    """Contiguous: 2 rows x 100 tokens x 3 layers x (K + V) x 2 heads x 16 x 4 B; sliding: the local layer
+    keeps 8; paged (blocks of 16): 41 tokens take 3 blocks = 48 slots; int8:g32 (residual 8): 32 tokens
+    quantized (keys: 2 heads x 16 channels x one 32-byte chunk + fp16 scale and zero; values: 32 tokens x
+    2 heads x (16 B + 4 B)), 9 in fp32."""
+    spec = attention_spec()
+    per_token = 2 * 2 * 16 * 4  # K and V of one layer, one token, fp32
+    assert predicted_bytes("contiguous", spec, 2, 100) == 2 * 100 * 3 * per_token
+    assert predicted_bytes("sliding", spec, 2, 100) == 2 * (100 + 8 + 100) * per_token
+    assert predicted_bytes("paged", spec, 2, 41, block_size=16) == 2 * 48 * 3 * per_token
+    quantized = 2 * 16 * (32 + 4) + 32 * 2 * (16 + 4)
+    assert predicted_bytes("int8:g32", spec, 2, 41, residual=8) == 2 * 3 * (quantized + 9 * per_token)
