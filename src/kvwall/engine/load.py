@@ -16,10 +16,11 @@ from typing import Callable
 
 import torch
 
-from kvwall.engine.model import ENGINE_FAMILIES, Transformer, check_supported
+from kvwall.engine.model import Transformer, check_supported
 from kvwall.errors import KvwallError
-from kvwall.spec.model import MLP, LatentAttention, Mamba, Mamba2, ModelSpec, MoE
+from kvwall.spec.families import family
 from kvwall.spec.hf import spec_from_config
+from kvwall.spec.model import ModelSpec
 from kvwall.spec.resolve import read_config_file
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -34,13 +35,20 @@ class Source:
     transpose: bool = False
 
 
-def _llama_layer(spec: ModelSpec, i: int) -> dict[str, Source]:
+@dataclass(frozen=True)
+class Style:
+    """How one checkpoint layout spells what other layouts spell alike (the family registry names the layout)."""
+
+    fused: bool = False  # Phi-3: qkv_proj and gate_up_proj already fused
+    experts: tuple[str, str, str, str] = ("mlp.", "gate_proj", "up_proj", "down_proj")  # where, gate, up, down
+
+
+def _llama_layer(spec: ModelSpec, i: int, style: Style) -> dict[str, Source]:
     """One decoder layer: its sequence mixer's tensors, its channel mixer's, the block's norms."""
     hf, me = f"model.layers.{i}.", f"layers.{i}."
     layer = spec.layers[i]
-    mixer = _latent_names if isinstance(layer.mixer, LatentAttention) else _attention_names
-    ffn = _moe_names if isinstance(layer.ffn, MoE) else _mlp_names
-    out = {**mixer(spec, i, hf + "self_attn.", me + "mixer."), **ffn(spec, i, hf, me + "ffn.")}
+    out = {**MIXER_NAMES[layer.mixer.kind](layer.mixer, hf + "self_attn.", me + "mixer.", style),
+           **FFN_NAMES[layer.ffn.kind](layer.ffn, hf, me + "ffn.", style)}
     out[me + "mixer_norm.weight"] = Source((hf + "input_layernorm.weight",))
     if spec.sandwich_norms:  # Gemma: post_attention_layernorm is the attention output's norm
         out[me + "post_mixer_norm.weight"] = Source((hf + "post_attention_layernorm.weight",))
@@ -51,9 +59,8 @@ def _llama_layer(spec: ModelSpec, i: int) -> dict[str, Source]:
     return out
 
 
-def _attention_names(spec: ModelSpec, i: int, hf: str, me: str) -> dict[str, Source]:
-    attn = spec.layers[i].mixer
-    if spec.model_type == "phi3":  # already fused
+def _attention_names(attn, hf: str, me: str, style: Style = Style()) -> dict[str, Source]:
+    if style.fused:
         out = {me + "wqkv.weight": Source((hf + "qkv_proj.weight",))}
     else:
         out = {me + "wqkv.weight": Source(tuple(hf + f"{x}_proj.weight" for x in "qkv"))}
@@ -68,9 +75,9 @@ def _attention_names(spec: ModelSpec, i: int, hf: str, me: str) -> dict[str, Sou
     return out
 
 
-def _mlp_names(spec: ModelSpec, i: int, hf: str, me: str) -> dict[str, Source]:
-    mlp, hf = spec.layers[i].ffn, hf + "mlp."
-    if spec.model_type == "phi3":  # already fused
+def _mlp_names(mlp, hf: str, me: str, style: Style = Style()) -> dict[str, Source]:
+    hf = hf + "mlp."
+    if style.fused:
         out = {me + "w13.weight": Source((hf + "gate_up_proj.weight",))}
     else:
         out = {me + "w13.weight": Source((hf + "gate_proj.weight", hf + "up_proj.weight"))}
@@ -81,9 +88,8 @@ def _mlp_names(spec: ModelSpec, i: int, hf: str, me: str) -> dict[str, Source]:
     return out
 
 
-def _latent_names(spec: ModelSpec, i: int, hf: str, me: str) -> dict[str, Source]:
+def _latent_names(m, hf: str, me: str, style: Style = Style()) -> dict[str, Source]:
     """MLA (DeepSeek-V2/V3 self_attn): q_proj or q_a_proj/q_a_layernorm/q_b_proj, kv_a, kv_a_layernorm, kv_b, o."""
-    m = spec.layers[i].mixer
     q_lora = [("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b")]
     pairs = (q_lora if m.q_lora_rank else [("q_proj", "wq")]) + [
         ("kv_a_proj_with_mqa", "wkv_a"), ("kv_a_layernorm", "kv_norm"), ("kv_b_proj", "wkv_b"), ("o_proj", "wo")]
@@ -94,13 +100,10 @@ def _latent_names(spec: ModelSpec, i: int, hf: str, me: str) -> dict[str, Source
     return out
 
 
-def _moe_names(spec: ModelSpec, i: int, hf: str, me: str) -> dict[str, Source]:
+def _moe_names(f, hf: str, me: str, style: Style = Style()) -> dict[str, Source]:
     """Router (+ V3 correction bias), experts one by one ([gate; up] fused, down), DeepSeek's shared experts."""
-    f = spec.layers[i].ffn
-    if spec.model_type == "mixtral":  # block_sparse_moe.experts.N.{w1: gate, w3: up, w2: down}
-        hf, (gate, up, down) = hf + "block_sparse_moe.", ("w1", "w3", "w2")
-    else:
-        hf, (gate, up, down) = hf + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    where, gate, up, down = style.experts
+    hf = hf + where
     out = {me + "router.weight": Source((hf + "gate.weight",))}
     if f.routing.bias:
         out[me + "router.bias"] = Source((hf + "gate.e_score_correction_bias",))
@@ -123,10 +126,10 @@ def _ends(spec: ModelSpec, embed: str, norm: str) -> dict[str, Source]:
     return out
 
 
-def llama_names(spec: ModelSpec) -> dict[str, Source]:
+def llama_names(spec: ModelSpec, style: Style = Style()) -> dict[str, Source]:
     out = _ends(spec, "model.embed_tokens.weight", "model.norm.weight")
     for i in range(spec.n_layers):
-        out.update(_llama_layer(spec, i))
+        out.update(_llama_layer(spec, i, style))
     return out
 
 
@@ -143,17 +146,21 @@ def gpt2_names(spec: ModelSpec) -> dict[str, Source]:
     return out
 
 
-def ssm_mixer_names(m: Mamba | Mamba2, hf: str, me: str) -> dict[str, Source]:
-    """A Mamba or Mamba-2 mixer's tensors: the engine keeps Hugging Face's names under the mixer."""
-    names = ["in_proj.weight", "conv1d.weight", "A_log", "D", "out_proj.weight"]
+def _ssm_names(m, extra: list[str], hf: str, me: str) -> dict[str, Source]:
+    """An SSM mixer's tensors: the engine keeps Hugging Face's names under the mixer."""
+    names = ["in_proj.weight", "conv1d.weight", "A_log", "D", "out_proj.weight", *extra]
     names += ["conv1d.bias"] if m.conv_bias else []
     names += ["in_proj.bias", "out_proj.bias"] if m.proj_bias else []
-    if isinstance(m, Mamba):
-        names += ["x_proj.weight", "dt_proj.weight", "dt_proj.bias"]
-        names += [f"{x}_layernorm.weight" for x in ("dt", "b", "c")] if m.inner_norms else []
-    else:
-        names += ["dt_bias", "norm.weight"]
     return {me + n: Source((hf + n,)) for n in names}
+
+
+def _mamba_names(m, hf: str, me: str, style: Style = Style()) -> dict[str, Source]:
+    norms = [f"{x}_layernorm.weight" for x in ("dt", "b", "c")] if m.inner_norms else []
+    return _ssm_names(m, ["x_proj.weight", "dt_proj.weight", "dt_proj.bias", *norms], hf, me)
+
+
+def _mamba2_names(m, hf: str, me: str, style: Style = Style()) -> dict[str, Source]:
+    return _ssm_names(m, ["dt_bias", "norm.weight"], hf, me)
 
 
 def mamba_names(spec: ModelSpec) -> dict[str, Source]:
@@ -162,7 +169,7 @@ def mamba_names(spec: ModelSpec) -> dict[str, Source]:
     for i, layer in enumerate(spec.layers):
         hf = f"backbone.layers.{i}."
         out[f"layers.{i}.mixer_norm.weight"] = Source((hf + "norm.weight",))
-        out.update(ssm_mixer_names(layer.mixer, hf + "mixer.", f"layers.{i}.mixer."))
+        out.update(MIXER_NAMES[layer.mixer.kind](layer.mixer, hf + "mixer.", f"layers.{i}.mixer."))
     return out
 
 
@@ -179,9 +186,9 @@ def _one_mlp(hf: str, me: str, gated: bool, bias: bool) -> dict[str, Source]:
     return out
 
 
-def _hybrid_ffn(f: MLP | MoE, hf: str, me: str, router: str) -> dict[str, Source]:
+def _hybrid_ffn(f, hf: str, me: str, router: str) -> dict[str, Source]:
     """A hybrid's channel mixer: a dense MLP, or router (+ correction bias) + experts.E + shared_experts."""
-    if isinstance(f, MLP):
+    if f.kind == "mlp":
         return _one_mlp(hf, me, f.gated, f.bias)
     out = {me + "router.weight": Source((hf + router + ".weight",))}
     if f.routing.bias:
@@ -198,10 +205,8 @@ def jamba_names(spec: ModelSpec) -> dict[str, Source]:
     out = _ends(spec, "model.embed_tokens.weight", "model.final_layernorm.weight")
     for i, layer in enumerate(spec.layers):
         hf, me = f"model.layers.{i}.", f"layers.{i}."
-        if isinstance(layer.mixer, Mamba):
-            out.update(ssm_mixer_names(layer.mixer, hf + "mamba.", me + "mixer."))
-        else:
-            out.update(_attention_names(spec, i, hf + "self_attn.", me + "mixer."))
+        where = "self_attn." if layer.mixer.keeps_tokens else "mamba."
+        out.update(MIXER_NAMES[layer.mixer.kind](layer.mixer, hf + where, me + "mixer."))
         out.update(_hybrid_ffn(layer.ffn, hf + "feed_forward.", me + "ffn.", "router"))
         out[me + "mixer_norm.weight"] = Source((hf + "input_layernorm.weight",))
         out[me + "ffn_norm.weight"] = Source((hf + "pre_ff_layernorm.weight",))
@@ -213,10 +218,8 @@ def nemotron_h_names(spec: ModelSpec) -> dict[str, Source]:
     out = _ends(spec, "backbone.embeddings.weight", "backbone.norm_f.weight")
     for i, layer in enumerate(spec.layers):
         hf, me = f"backbone.layers.{i}.", f"layers.{i}."
-        if isinstance(layer.mixer, Mamba2):
-            out.update(ssm_mixer_names(layer.mixer, hf + "mixer.", me + "mixer."))
-        elif layer.mixer is not None:
-            out.update(_attention_names(spec, i, hf + "mixer.", me + "mixer."))
+        if layer.mixer is not None:
+            out.update(MIXER_NAMES[layer.mixer.kind](layer.mixer, hf + "mixer.", me + "mixer."))
         else:
             out.update(_hybrid_ffn(layer.ffn, hf + "mixer.", me + "ffn.", "gate"))
         norm = "mixer_norm" if layer.mixer is not None else "ffn_norm"  # the block's one norm
@@ -224,10 +227,16 @@ def nemotron_h_names(spec: ModelSpec) -> dict[str, Source]:
     return out
 
 
-SSM_FAMILIES = ("mamba", "falcon_mamba", "mamba2")
-NAME_MAPS: dict[str, Callable[[ModelSpec], dict[str, Source]]] = {
-    "gpt2": gpt2_names, **{f: llama_names for f in ENGINE_FAMILIES if f != "gpt2"},
-    **{f: mamba_names for f in SSM_FAMILIES}, "jamba": jamba_names, "nemotron_h": nemotron_h_names}
+# Each mixer kind's tensors under a layer's prefix, by the spec's kind (the one place the loader tells kinds apart).
+MIXER_NAMES = {"attention": _attention_names, "latent": _latent_names, "mamba": _mamba_names, "mamba2": _mamba2_names}
+FFN_NAMES = {"mlp": _mlp_names, "moe": _moe_names}
+
+# The checkpoint layouts the family registry (kvwall.spec.families) names: layout -> the engine's tensor sources.
+LAYOUTS: dict[str, Callable[[ModelSpec], dict[str, Source]]] = {
+    "llama": llama_names,
+    "phi3": lambda spec: llama_names(spec, Style(fused=True)),
+    "mixtral": lambda spec: llama_names(spec, Style(experts=("block_sparse_moe.", "w1", "w3", "w2"))),
+    "gpt2": gpt2_names, "mamba": mamba_names, "jamba": jamba_names, "nemotron_h": nemotron_h_names}
 
 # Other spellings of the same tensors: bare GPT-2 checkpoints, multimodal Gemma 3 (v5, then v4 names), older Mamba.
 PREFIX_ALTERNATIVES = [("transformer.", ""), ("model.", "model.language_model."), ("model.", "language_model.model."),
@@ -398,7 +407,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
 
 def load_state(ckpt: Checkpoint, model: Transformer, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every engine parameter from the checkpoint, shape-checked, converted to dtype, checked finite."""
-    names = NAME_MAPS[model.spec.model_type](model.spec)
+    names = LAYOUTS[family(model.spec.model_type).layout](model.spec)
     expected = dict(model.named_parameters())
     assert set(names) == set(expected), sorted(set(names) ^ set(expected))
     check_names(ckpt, names, model)

@@ -25,17 +25,18 @@ from kvwall.engine.layers.norm import make_norm
 from kvwall.engine.layers.rope import Rotary
 from kvwall.engine.mixers import CHANNEL, SEQUENCE, make_ffn, make_mixer, rotary, runs
 from kvwall.errors import KvwallError
+from kvwall.spec.families import engine_families, family
 from kvwall.spec.model import ModelSpec
 
-ENGINE_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gemma2", "phi3",
-                   "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "mamba", "falcon_mamba", "mamba2",
-                   "jamba", "nemotron_h")
+ENGINE_FAMILIES = tuple(engine_families())  # derived from the family registry (kvwall.spec.families)
 
 
 def check_supported(spec: ModelSpec) -> None:
     """One line naming what the engine runs when a spec has something it does not."""
-    if spec.model_type not in ENGINE_FAMILIES:
-        raise KvwallError(f"the engine does not run model_type {spec.model_type!r} yet; it runs "
+    fam = family(spec.model_type)
+    if fam is None or not fam.runs_in_engine:
+        why = f" ({fam.why_not})" if fam else ""
+        raise KvwallError(f"the engine does not run model_type {spec.model_type!r} yet{why}; it runs "
                           f"{', '.join(ENGINE_FAMILIES)}")
     for i, layer in enumerate(spec.layers):  # a block has a mixer, a channel mixer or both (Nemotron-H: one)
         if not runs(spec, i):

@@ -1,7 +1,7 @@
 """The family registry: one entry per Hugging Face ``model_type``.
 
 Each entry says how its config.json becomes a ModelSpec (``parse``), which checkpoint layout the
-engine loads its weights from (``layout``: the tensor-name map in ``kvwall.spec.checkpoints``), and,
+engine loads its weights from (``layout``: the tensor-name map in ``kvwall.engine.load.LAYOUTS``), and,
 when the engine does not run it, why. Every supported list (the parsers, the engine's families,
 ``kvwall models``, the README) is derived from ``FAMILIES``; nothing else keeps a list of model types.
 """
@@ -19,7 +19,7 @@ from kvwall.spec.model import ModelSpec
 class Family:
     model_type: str
     parse: Callable[[hf.Config, str], ModelSpec]
-    layout: str | None  # checkpoint layout the engine loads; None: the predictor only
+    layout: str | None  # checkpoint layout the engine loads (engine/load.py LAYOUTS); None: the predictor only
     why_not: str = ""  # when layout is None: what the engine lacks
 
     @property
@@ -31,12 +31,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("gpt2", hf.parse_gpt2, "gpt2"),
     Family("llama", hf.parse_llama, "llama"),
     Family("mistral", hf.parse_llama, "llama"),
-    Family("mixtral", hf.parse_mixtral, "llama"),
+    Family("mixtral", hf.parse_mixtral, "mixtral"),
     Family("qwen2", hf.parse_qwen2, "llama"),
     Family("qwen3", hf.parse_qwen3, "llama"),
     Family("qwen2_moe", hf.parse_qwen_moe, None, "its sigmoid-gated shared expert is not built"),
     Family("qwen3_moe", hf.parse_qwen_moe, "llama"),
-    Family("phi3", hf.parse_phi3, "llama"),
+    Family("phi3", hf.parse_phi3, "phi3"),
     Family("gemma2", hf.parse_gemma2, "llama"),
     Family("gemma3_text", hf.parse_gemma3_text, "llama"),
     Family("gemma3", hf.parse_gemma3, "llama"),
