@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from kvwall.engine.mixers import mixer_class
 from kvwall.engine.model import Transformer, check_supported
 from kvwall.errors import KvwallError
 from kvwall.spec.families import family
@@ -47,7 +48,7 @@ def _llama_layer(spec: ModelSpec, i: int, style: Style) -> dict[str, Source]:
     """One decoder layer: its sequence mixer's tensors, its channel mixer's, the block's norms."""
     hf, me = f"model.layers.{i}.", f"layers.{i}."
     layer = spec.layers[i]
-    out = {**MIXER_NAMES[layer.mixer.kind](layer.mixer, hf + "self_attn.", me + "mixer.", style),
+    out = {**_mixer_names(layer.mixer, hf + "self_attn.", me + "mixer.", style),
            **FFN_NAMES[layer.ffn.kind](layer.ffn, hf, me + "ffn.", style)}
     out[me + "mixer_norm.weight"] = Source((hf + "input_layernorm.weight",))
     if spec.sandwich_norms:  # Gemma: post_attention_layernorm is the attention output's norm
@@ -56,22 +57,6 @@ def _llama_layer(spec: ModelSpec, i: int, style: Style) -> dict[str, Source]:
         out[me + "post_ffn_norm.weight"] = Source((hf + "post_feedforward_layernorm.weight",))
     else:
         out[me + "ffn_norm.weight"] = Source((hf + "post_attention_layernorm.weight",))
-    return out
-
-
-def _attention_names(attn, hf: str, me: str, style: Style = Style()) -> dict[str, Source]:
-    if style.fused:
-        out = {me + "wqkv.weight": Source((hf + "qkv_proj.weight",))}
-    else:
-        out = {me + "wqkv.weight": Source(tuple(hf + f"{x}_proj.weight" for x in "qkv"))}
-    if attn.qkv_bias:
-        out[me + "wqkv.bias"] = Source(tuple(hf + f"{x}_proj.bias" for x in "qkv"))
-    out[me + "wo.weight"] = Source((hf + "o_proj.weight",))
-    if attn.o_bias:
-        out[me + "wo.bias"] = Source((hf + "o_proj.bias",))
-    if attn.qk_norm:
-        out[me + "q_norm.weight"] = Source((hf + "q_norm.weight",))
-        out[me + "k_norm.weight"] = Source((hf + "k_norm.weight",))
     return out
 
 
@@ -85,18 +70,6 @@ def _mlp_names(mlp, hf: str, me: str, style: Style = Style()) -> dict[str, Sourc
     if mlp.bias:
         out[me + "w13.bias"] = Source((hf + "gate_proj.bias", hf + "up_proj.bias"))
         out[me + "w2.bias"] = Source((hf + "down_proj.bias",))
-    return out
-
-
-def _latent_names(m, hf: str, me: str, style: Style = Style()) -> dict[str, Source]:
-    """MLA (DeepSeek-V2/V3 self_attn): q_proj or q_a_proj/q_a_layernorm/q_b_proj, kv_a, kv_a_layernorm, kv_b, o."""
-    q_lora = [("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b")]
-    pairs = (q_lora if m.q_lora_rank else [("q_proj", "wq")]) + [
-        ("kv_a_proj_with_mqa", "wkv_a"), ("kv_a_layernorm", "kv_norm"), ("kv_b_proj", "wkv_b"), ("o_proj", "wo")]
-    out = {f"{me}{mine}.weight": Source((f"{hf}{theirs}.weight",)) for theirs, mine in pairs}
-    if m.bias:
-        biased = [("kv_a_proj_with_mqa", "wkv_a"), ("o_proj", "wo")] + ([("q_a_proj", "wq_a")] if m.q_lora_rank else [])
-        out.update({f"{me}{mine}.bias": Source((f"{hf}{theirs}.bias",)) for theirs, mine in biased})
     return out
 
 
@@ -146,21 +119,10 @@ def gpt2_names(spec: ModelSpec) -> dict[str, Source]:
     return out
 
 
-def _ssm_names(m, extra: list[str], hf: str, me: str) -> dict[str, Source]:
-    """An SSM mixer's tensors: the engine keeps Hugging Face's names under the mixer."""
-    names = ["in_proj.weight", "conv1d.weight", "A_log", "D", "out_proj.weight", *extra]
-    names += ["conv1d.bias"] if m.conv_bias else []
-    names += ["in_proj.bias", "out_proj.bias"] if m.proj_bias else []
-    return {me + n: Source((hf + n,)) for n in names}
-
-
-def _mamba_names(m, hf: str, me: str, style: Style = Style()) -> dict[str, Source]:
-    norms = [f"{x}_layernorm.weight" for x in ("dt", "b", "c")] if m.inner_norms else []
-    return _ssm_names(m, ["x_proj.weight", "dt_proj.weight", "dt_proj.bias", *norms], hf, me)
-
-
-def _mamba2_names(m, hf: str, me: str, style: Style = Style()) -> dict[str, Source]:
-    return _ssm_names(m, ["dt_bias", "norm.weight"], hf, me)
+def _mixer_names(m, hf: str, me: str, style: Style = Style()) -> dict[str, Source]:
+    """A sequence mixer's tensors, as its engine class names them (kvwall.engine.mixers, by the spec's kind)."""
+    names = mixer_class(m).checkpoint_names(m, hf, me, style.fused)
+    return {mine: Source(theirs) for mine, theirs in names.items()}
 
 
 def mamba_names(spec: ModelSpec) -> dict[str, Source]:
@@ -169,7 +131,7 @@ def mamba_names(spec: ModelSpec) -> dict[str, Source]:
     for i, layer in enumerate(spec.layers):
         hf = f"backbone.layers.{i}."
         out[f"layers.{i}.mixer_norm.weight"] = Source((hf + "norm.weight",))
-        out.update(MIXER_NAMES[layer.mixer.kind](layer.mixer, hf + "mixer.", f"layers.{i}.mixer."))
+        out.update(_mixer_names(layer.mixer, hf + "mixer.", f"layers.{i}.mixer."))
     return out
 
 
@@ -206,7 +168,7 @@ def jamba_names(spec: ModelSpec) -> dict[str, Source]:
     for i, layer in enumerate(spec.layers):
         hf, me = f"model.layers.{i}.", f"layers.{i}."
         where = "self_attn." if layer.mixer.keeps_tokens else "mamba."
-        out.update(MIXER_NAMES[layer.mixer.kind](layer.mixer, hf + where, me + "mixer."))
+        out.update(_mixer_names(layer.mixer, hf + where, me + "mixer."))
         out.update(_hybrid_ffn(layer.ffn, hf + "feed_forward.", me + "ffn.", "router"))
         out[me + "mixer_norm.weight"] = Source((hf + "input_layernorm.weight",))
         out[me + "ffn_norm.weight"] = Source((hf + "pre_ff_layernorm.weight",))
@@ -219,7 +181,7 @@ def nemotron_h_names(spec: ModelSpec) -> dict[str, Source]:
     for i, layer in enumerate(spec.layers):
         hf, me = f"backbone.layers.{i}.", f"layers.{i}."
         if layer.mixer is not None:
-            out.update(MIXER_NAMES[layer.mixer.kind](layer.mixer, hf + "mixer.", me + "mixer."))
+            out.update(_mixer_names(layer.mixer, hf + "mixer.", me + "mixer."))
         else:
             out.update(_hybrid_ffn(layer.ffn, hf + "mixer.", me + "ffn.", "gate"))
         norm = "mixer_norm" if layer.mixer is not None else "ffn_norm"  # the block's one norm
@@ -227,8 +189,7 @@ def nemotron_h_names(spec: ModelSpec) -> dict[str, Source]:
     return out
 
 
-# Each mixer kind's tensors under a layer's prefix, by the spec's kind (the one place the loader tells kinds apart).
-MIXER_NAMES = {"attention": _attention_names, "latent": _latent_names, "mamba": _mamba_names, "mamba2": _mamba2_names}
+# A channel mixer's tensors under a layer's prefix, by the spec's kind.
 FFN_NAMES = {"mlp": _mlp_names, "moe": _moe_names}
 
 # The checkpoint layouts the family registry (kvwall.spec.families) names: layout -> the engine's tensor sources.
@@ -293,7 +254,7 @@ def _shapes(file: Path, header: dict, data_bytes: int) -> dict[str, tuple[int, .
         if name == "__metadata__":
             continue
         try:
-            shape, (begin, end) = tuple(int(x) for x in info["shape"]), info["data_offsets"]
+            shape, (_, end) = tuple(int(x) for x in info["shape"]), info["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise _damaged(file, f"its header entry for {name!r} has no valid shape and data_offsets") from None
         if not isinstance(end, int) or end > data_bytes:

@@ -1,35 +1,40 @@
 """The engine's mixers by the spec's ``kind``: the one place that maps a layer's spec to its torch module.
 
-Sequence mixers (SEQUENCE) are SequenceMixer classes (layers/mixer.py): besides the module they
-answer, from the spec alone, what the caches and the rotary tables need, so that nothing else in
-the engine checks mixer types. Channel mixers (CHANNEL) map to their builders. A new mixer kind is
-its layer module plus one line here.
+Each kind has its module, ``kvwall/engine/layers/<kind>.py`` (attention, latent, mamba, mamba2; channel
+mixers mlp, moe), which ends with ``MIXER = <the class or builder>``. Sequence mixers are SequenceMixer
+classes (layers/mixer.py): besides the module they answer, from the spec alone, what the caches, the
+rotary tables and the checkpoint loader need, so nothing else in the engine checks mixer types. A new
+mixer kind is its layer module and nothing else here.
 """
 
 from __future__ import annotations
 
+import importlib
+from functools import lru_cache
+
 from torch import nn
 
-from kvwall.engine.layers.attention import Attention
-from kvwall.engine.layers.latent import LatentAttention
-from kvwall.engine.layers.mamba import Mamba
-from kvwall.engine.layers.mamba2 import Mamba2
 from kvwall.engine.layers.mixer import SequenceMixer
-from kvwall.engine.layers.mlp import make_mlp
-from kvwall.engine.layers.moe import MoE
 from kvwall.errors import KvwallError
 from kvwall.spec.model import ModelSpec
 
-SEQUENCE: dict[str, type[SequenceMixer]] = {"attention": Attention, "latent": LatentAttention, "mamba": Mamba,
-                                            "mamba2": Mamba2}
-CHANNEL = {"mlp": make_mlp, "moe": MoE}  # (spec, hidden) -> nn.Module
+
+@lru_cache(maxsize=None)
+def _found(kind: str):
+    """The MIXER of layers/<kind>.py, or None when the engine has no module for that kind."""
+    try:
+        module = importlib.import_module(f"kvwall.engine.layers.{kind}")
+    except ModuleNotFoundError:
+        return None
+    return getattr(module, "MIXER", None)
 
 
 def mixer_class(m) -> type[SequenceMixer]:
     """The engine class of a sequence mixer spec; a one-line error for a kind the engine does not run."""
-    if m.kind not in SEQUENCE:
-        raise KvwallError(f"the engine does not run {m.kind} layers; it runs {', '.join(SEQUENCE)}")
-    return SEQUENCE[m.kind]
+    cls = _found(m.kind)
+    if cls is None:
+        raise KvwallError(f"the engine does not run {m.kind} layers (no kvwall/engine/layers/{m.kind}.py)")
+    return cls
 
 
 def kv_layout(m):
@@ -50,8 +55,8 @@ def rotary(m) -> tuple:
 def runs(spec: ModelSpec, index: int) -> bool:
     """Whether the engine has a module for every part of layer `index`: a mixer, a channel mixer or both."""
     layer = spec.layers[index]
-    mixer_ok = layer.mixer is None or layer.mixer.kind in SEQUENCE
-    ffn_ok = layer.ffn is None or layer.ffn.kind in CHANNEL
+    mixer_ok = layer.mixer is None or _found(layer.mixer.kind) is not None
+    ffn_ok = layer.ffn is None or _found(layer.ffn.kind) is not None
     return mixer_ok and ffn_ok and (layer.mixer is not None or layer.ffn is not None)
 
 
@@ -64,4 +69,4 @@ def make_mixer(spec: ModelSpec, index: int) -> nn.Module | None:
 def make_ffn(spec: ModelSpec, index: int) -> nn.Module | None:
     """The layer's channel mixer (None: a Mamba block has none)."""
     f = spec.layers[index].ffn
-    return None if f is None else CHANNEL[f.kind](f, spec.hidden)
+    return None if f is None else _found(f.kind)(f, spec.hidden)

@@ -23,7 +23,7 @@ from kvwall.engine.caches.base import NoCache
 from kvwall.engine.caches.state import ModelCache, StateCache, has_state
 from kvwall.engine.layers.norm import make_norm
 from kvwall.engine.layers.rope import Rotary
-from kvwall.engine.mixers import CHANNEL, SEQUENCE, make_ffn, make_mixer, rotary, runs
+from kvwall.engine.mixers import make_ffn, make_mixer, rotary, runs
 from kvwall.errors import KvwallError
 from kvwall.spec.families import engine_families, family
 from kvwall.spec.model import ModelSpec
@@ -41,7 +41,7 @@ def check_supported(spec: ModelSpec) -> None:
     for i, layer in enumerate(spec.layers):  # a block has a mixer, a channel mixer or both (Nemotron-H: one)
         if not runs(spec, i):
             raise KvwallError(f"layer {i} of {spec.name} is {layer.describe()}; the engine runs "
-                              f"{' / '.join(SEQUENCE)} + {' / '.join(CHANNEL)} layers ({', '.join(ENGINE_FAMILIES)})")
+                              "attention / latent / mamba / mamba2 + mlp / moe layers")
 
 
 class Block(nn.Module):

@@ -110,6 +110,20 @@ class Attention(SequenceMixer):
         return cls(m, spec.hidden, index, spec.norm_eps, gemma_norm=spec.norm == "rms1p")
 
     @staticmethod
+    def checkpoint_names(m: AttentionSpec, hf: str, me: str, fused: bool = False) -> dict[str, tuple[str, ...]]:
+        """q/k/v_proj joined into wqkv (Phi-3: qkv_proj, already fused), o_proj, optional biases and q/k norms."""
+        qkv = (hf + "qkv_proj.weight",) if fused else tuple(hf + f"{x}_proj.weight" for x in "qkv")
+        out = {me + "wqkv.weight": qkv}
+        if m.qkv_bias:
+            out[me + "wqkv.bias"] = tuple(hf + f"{x}_proj.bias" for x in "qkv")
+        out[me + "wo.weight"] = (hf + "o_proj.weight",)
+        if m.o_bias:
+            out[me + "wo.bias"] = (hf + "o_proj.bias",)
+        if m.qk_norm:
+            out[me + "q_norm.weight"], out[me + "k_norm.weight"] = (hf + "q_norm.weight",), (hf + "k_norm.weight",)
+        return out
+
+    @staticmethod
     def kv_layout(m: AttentionSpec) -> AttentionSpec:
         return m  # the caches hold exactly its K and V heads
 
@@ -146,3 +160,6 @@ class Attention(SequenceMixer):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         y = cache.attend(self.index, q, k, v, pos, self.scale, self.window, self.softcap)  # (B, Hq, T, Dv)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_q * self.dv))  # (B, T, hidden)
+
+
+MIXER = Attention  # kvwall.engine.mixers finds it by the spec's kind

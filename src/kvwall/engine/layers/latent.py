@@ -41,6 +41,19 @@ class LatentAttention(SequenceMixer):
         return cls(m, spec.hidden, index)
 
     @staticmethod
+    def checkpoint_names(m: LatentSpec, hf: str, me: str, fused: bool = False) -> dict[str, tuple[str, ...]]:
+        """DeepSeek-V2/V3 self_attn: q_proj or q_a_proj/q_a_layernorm/q_b_proj, kv_a, kv_a_layernorm, kv_b, o."""
+        q_lora = [("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b")]
+        pairs = (q_lora if m.q_lora_rank else [("q_proj", "wq")]) + [
+            ("kv_a_proj_with_mqa", "wkv_a"), ("kv_a_layernorm", "kv_norm"), ("kv_b_proj", "wkv_b"), ("o_proj", "wo")]
+        out = {f"{me}{mine}.weight": (f"{hf}{theirs}.weight",) for theirs, mine in pairs}
+        if m.bias:
+            biased = [("kv_a_proj_with_mqa", "wkv_a"), ("o_proj", "wo")] + (
+                [("q_a_proj", "wq_a")] if m.q_lora_rank else [])
+            out.update({f"{me}{mine}.bias": (f"{hf}{theirs}.bias",) for theirs, mine in biased})
+        return out
+
+    @staticmethod
     def kv_layout(m: LatentSpec) -> AttentionSpec:
         """What the caches hold: one "head" whose k is the latent c_kv (r wide) and whose v is the rope key
         k_pe (d_r wide), so the caches that hold K/V by shape hold exactly MLA's latent cache."""
@@ -142,3 +155,6 @@ def set_path(model: nn.Module, path: str) -> None:
     for m in model.modules():
         if isinstance(m, LatentAttention):
             m.path = path
+
+
+MIXER = LatentAttention  # kvwall.engine.mixers finds it by the spec's kind

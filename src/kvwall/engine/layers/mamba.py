@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvwall.engine.layers.mixer import SequenceMixer
+from kvwall.engine.layers.mixer import SequenceMixer, ssm_names
 from kvwall.engine.layers.norm import RMSNorm
 from kvwall.engine.layers.scan_kernel import fused_scan
 from kvwall.spec.model import Mamba as MambaSpec
@@ -113,6 +113,11 @@ class Mamba(SequenceMixer):
         return cls(m, spec.hidden, index)
 
     @staticmethod
+    def checkpoint_names(m: MambaSpec, hf: str, me: str, fused: bool = False) -> dict[str, tuple[str, ...]]:
+        norms = [f"{x}_layernorm.weight" for x in ("dt", "b", "c")] if m.inner_norms else []  # Jamba
+        return ssm_names(m, ["x_proj.weight", "dt_proj.weight", "dt_proj.bias", *norms], hf, me)
+
+    @staticmethod
     def state_shapes(m: MambaSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (m.d_inner, m.d_conv), (m.d_inner, m.d_state)  # conv (E, K), h (E, N)
 
@@ -159,3 +164,6 @@ class Mamba(SequenceMixer):
         state.ssm.copy_(h)
         y = (y + u32 * self.D.float()).to(x.dtype) * F.silu(z)  # (B, T, E)
         return self.out_proj(y)  # (B, T, hidden)
+
+
+MIXER = Mamba  # kvwall.engine.mixers finds it by the spec's kind

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvwall.engine.layers.mamba import causal_conv
-from kvwall.engine.layers.mixer import SequenceMixer
+from kvwall.engine.layers.mixer import SequenceMixer, ssm_names
 from kvwall.spec.model import Mamba2 as Mamba2Spec
 
 
@@ -97,6 +97,10 @@ class Mamba2(SequenceMixer):
         return cls(m, spec.hidden, index, spec.norm_eps)
 
     @staticmethod
+    def checkpoint_names(m: Mamba2Spec, hf: str, me: str, fused: bool = False) -> dict[str, tuple[str, ...]]:
+        return ssm_names(m, ["dt_bias", "norm.weight"], hf, me)
+
+    @staticmethod
     def state_shapes(m: Mamba2Spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (m.conv_dim, m.d_conv), (m.n_heads, m.head_dim, m.d_state)  # conv (E + 2GN, K), h (H, P, N)
 
@@ -140,3 +144,6 @@ class Mamba2(SequenceMixer):
         state.ssm.copy_(h)
         y = y + u * self.D.float()[:, None]  # (B, T, H, P)
         return self.out_proj(self.norm(y.flatten(-2).to(x.dtype), z))  # (B, T, hidden)
+
+
+MIXER = Mamba2  # kvwall.engine.mixers finds it by the spec's kind

@@ -53,3 +53,6 @@ class PlainMLP(nn.Module):
 
 def make_mlp(spec: MLP, hidden: int) -> nn.Module:
     return GatedMLP(spec, hidden) if spec.gated else PlainMLP(spec, hidden)
+
+
+MIXER = make_mlp  # kvwall.engine.mixers finds it by the spec's kind
