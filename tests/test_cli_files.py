@@ -118,3 +118,21 @@ def test_two_reports_into_one_folder_at_once(tmp_path):
     assert any(rc == 0 for rc, _ in results)
     assert "</html>" in (out / "report.html").read_text()
     assert not [p.name for p in out.iterdir() if p.name.endswith(".part") or p.name.startswith(".kvwall-probe")]
+
+
+def test_claim_folder_sees_past_a_report_starting_beside_it(tmp_path):
+    """Another report's marker temporary or probe is not a user's file; anything else is."""
+    from kvwall.errors import KvwallError
+    from kvwall.report.build import MARKER, claim_folder
+
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / f".{MARKER}.x1.part").write_text("")
+    (out / ".kvwall-probe-x2").write_text("")
+    assert claim_folder(str(out)) == out and (out / MARKER).is_file()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(KvwallError, match="notes.txt"):
+        claim_folder(str(other))
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]

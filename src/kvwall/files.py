@@ -18,6 +18,7 @@ from typing import IO, Iterator
 from kvwall.errors import KvwallError
 
 PLOT_EXTS = (".png", ".pdf", ".svg")  # what kvwall's plots write (matplotlib picks the format from the name)
+PROBE_PREFIX = ".kvwall-probe-"  # the file that shows a folder takes new files, removed at once
 
 
 def user_path(text: str | os.PathLike, option: str) -> Path:
@@ -86,7 +87,7 @@ def _file_above(folder: Path) -> Path | None:
 def _probe(folder: Path, prefix: str) -> None:
     """Create and remove a file: the only test that also holds for root and for /proc-like folders."""
     try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".kvwall-probe-")
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=PROBE_PREFIX)
     except OSError as exc:
         raise KvwallError(f"{prefix}: the folder {folder} does not take new files ({exc.strerror}); "
                           "give a writable path") from None

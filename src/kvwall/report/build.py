@@ -10,12 +10,13 @@ from typing import Callable
 
 from kvwall import __version__
 from kvwall.errors import KvwallError
-from kvwall.files import check_folder, write_text
+from kvwall.files import PROBE_PREFIX, check_folder, write_text
 from kvwall.report.document import Document, Section, write_html, write_markdown
 from kvwall.units import fmt_tokens
 
 MARKER = ".kvwall-report"  # in every folder the report wrote: the only folders it writes into again
-_OURS = ".kvwall-"  # the marker, its temporary, and check_folder's probe (another report may be starting)
+# what another report starting in the same folder right now may have made: the marker, its temporary, a probe
+_OURS = (MARKER, f".{MARKER}.", PROBE_PREFIX)
 
 
 @dataclass
