@@ -297,3 +297,19 @@ def test_smollm2_answers_paris_like_transformers():
 @needs_gemma
 def test_gemma3_270m_matches_transformers():
     _real_check("gemma-3-270m", 64)
+
+
+def test_cli_verify_and_generate_take_a_gguf(tmp_path, capsys):
+    import json
+
+    from kvwall.cli import main
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf("llama"), "llama", Q.Q8_0)
+    assert main(["verify", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pass"] and out["max_abs_logit_diff"] <= 1e-4
+    assert main(["generate", str(path), "--prompt", "the cat", "--max-new-tokens", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # "t" is byte 116 after the 3 specials; "h"+"e" is the 2nd merge, " cat" the 8th
+    assert out["prompt_ids"] == [3 + 116, 3 + 256 + 1, 3 + 256 + 7] and len(out["ids"]) == 4
