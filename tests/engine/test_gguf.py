@@ -208,6 +208,9 @@ def test_spec_from_metadata(tmp_path):
     assert windows == [8, 8, 8, 8, 8, None]  # llama.cpp's 5:1 pattern
     assert spec.tied_embeddings and spec.vocab == VOCAB and spec.layers[0].mixer.head_dim == 256
     assert spec.bos_token_id == 1 and spec.eos_token_ids == (2,)
+    from kvwall.spec.resolve import load_spec
+
+    assert load_spec(str(path)) == spec  # `kvwall show x.gguf` reads the same metadata
 
 
 SENTENCES = ["The cat sat on the mat.", "Hello world! It's a  test.\n  Tabs\tand more", " the other cat ",

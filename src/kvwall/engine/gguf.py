@@ -97,7 +97,8 @@ def _dequantize(tensor) -> torch.Tensor:
         raise KvwallError(f"tensor {tensor.name} is stored as {tensor.tensor_type.name}, which the gguf package "
                           "cannot dequantize; upgrade gguf or use another quantization") from None
     shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape).copy())
+    arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 comes back as a view of the file
 
 
 def gguf_spec(ckpt: GGUFCheckpoint):

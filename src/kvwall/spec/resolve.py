@@ -33,6 +33,11 @@ def load_spec(arg: str) -> ModelSpec:
     name = catalog.find_model(arg)
     if name is not None:
         return spec_from_config(catalog.load_model_config(name), name=name, where=f"catalog/{name}.json")
+    from kvwall.spec.gguf_meta import PACKAGED, gguf_file, spec_from_gguf
+
+    gguf = gguf_file(arg)
+    if gguf is not None:  # a .gguf (or a packaged model's short name): its metadata is the config
+        return spec_from_gguf(gguf, name=arg if arg in PACKAGED else None)
     path = Path(arg).expanduser()
     if path.is_dir():
         cfg = path / "config.json"
