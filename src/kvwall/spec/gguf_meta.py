@@ -117,6 +117,9 @@ def _rope_scaling(meta: GGUFMeta) -> dict[str, Any]:
 
 
 def _llama_extras(meta: GGUFMeta, cfg: dict[str, Any]) -> dict[str, Any]:
+    if "rope_freqs.weight" in meta.tensors:  # Llama 3.1's frequency scaling, stored as a tensor of factors
+        raise KvwallError(f"{meta.path}: rotary scaling stored as rope_freqs (Llama 3.1 style) is not supported yet; "
+                          "load the Hugging Face checkpoint instead")
     # llama stores the rotary width, which is the head width (the file has no key_length)
     dims = meta.arch_field("rope.dimension_count")
     return {"head_dim": int(dims)} if dims and "head_dim" not in cfg else {}
