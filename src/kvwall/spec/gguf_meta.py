@@ -8,6 +8,7 @@ gets its ModelSpec from the same parser as a checkpoint directory. Short names (
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,9 +64,17 @@ def open_reader(path: str | Path):
     if not path.is_file():
         raise KvwallError(f"{path} does not exist; give the path of a .gguf file")
     try:
-        return gguf.GGUFReader(path)
+        return _reader(path.resolve(), path.stat().st_mtime_ns)
     except (ValueError, OSError, IndexError) as exc:
         raise KvwallError(f"{path} is not a readable GGUF file ({exc}); is the download complete?") from None
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: Path, mtime_ns: int):
+    """One parse per file: the model and the tokenizer both read it (parsing the metadata takes seconds)."""
+    import gguf
+
+    return gguf.GGUFReader(path)
 
 
 def _value(field) -> Any:
