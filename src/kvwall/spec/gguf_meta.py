@@ -65,7 +65,7 @@ def open_reader(path: str | Path):
         raise KvwallError(f"{path} does not exist; give the path of a .gguf file")
     try:
         return _reader(path.resolve(), path.stat().st_mtime_ns)
-    except (ValueError, OSError, IndexError) as exc:
+    except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:  # what the parser raises on garbage
         raise KvwallError(f"{path} is not a readable GGUF file ({exc}); is the download complete?") from None
 
 
