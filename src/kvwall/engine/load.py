@@ -348,11 +348,15 @@ def _assemble(ckpt: Checkpoint, src: Source) -> torch.Tensor:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
-    """config.json + safetensors in `path` -> an engine Transformer in eval mode."""
+    """config.json + safetensors in `path` (or a .gguf file) -> an engine Transformer in eval mode."""
     path = Path(path).expanduser()
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise KvwallError(f"dtype {dtype} is not one the engine loads (float32, bfloat16, float16)")
+    if path.suffix.lower() == ".gguf":  # llama.cpp's single-file format: its own loader, same name maps
+        from kvwall.engine.gguf import load_gguf
+
+        return load_gguf(path, dtype, device)
     if not (path / "config.json").is_file():
         raise KvwallError(f"{path} is not a checkpoint directory (no config.json)")
     spec = spec_from_config(read_config_file(path / "config.json"), name=path.name, where=str(path / "config.json"))

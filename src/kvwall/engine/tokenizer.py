@@ -24,7 +24,15 @@ class Text:
 
 
 def load_tokenizer(checkpoint: str | Path) -> Text | None:
-    """The checkpoint's tokenizer, or None when it has no tokenizer.json or `tokenizers` is missing."""
+    """The checkpoint's tokenizer, or None when it has no tokenizer.json or `tokenizers` is missing;
+    a .gguf file carries its own (rebuilt from its metadata)."""
+    if Path(checkpoint).suffix.lower() == ".gguf":
+        try:
+            from kvwall.engine.gguf_tokenizer import gguf_tokenizer
+
+            return gguf_tokenizer(checkpoint)
+        except ImportError:
+            return None
     path = Path(checkpoint) / "tokenizer.json"
     if not path.is_file():
         return None

@@ -66,6 +66,11 @@ def load_spec(arg: str) -> ModelSpec:
     name = catalog.find_model(arg)
     if name is not None:
         return spec_from_config(catalog.load_model_config(name), name=name, where=f"catalog/{name}.json")
+    from kvwall.spec.gguf_meta import PACKAGED, gguf_file, spec_from_gguf
+
+    gguf = gguf_file(arg)
+    if gguf is not None:  # a .gguf (or a packaged model's short name): its metadata is the config
+        return spec_from_gguf(gguf, name=arg if arg in PACKAGED else None)
     path = _expand(arg)
     if os.path.lexists(path) and not path.is_dir():
         return spec_from_config(read_config_file(path), name=path.stem if path.stem != "config" else path.parent.name,

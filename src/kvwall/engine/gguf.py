@@ -1,0 +1,119 @@
+"""Load a GGUF file (llama.cpp's format) into the engine.
+
+The config comes from the file's metadata (kvwall.spec.gguf_meta) and the tensors are served under
+their Hugging Face names by `GGUFCheckpoint`, dequantized to float32, so the same name maps and
+`load_state` that load a safetensors checkpoint load a .gguf. Two things llama.cpp's converter does
+to the weights are undone here, as transformers does on load: llama's Q and K rows are permuted
+(interleaved rotary pairs), and Gemma's RMSNorm weights are stored as 1 + w.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvwall.engine.model import Transformer, check_supported
+from kvwall.errors import KvwallError
+from kvwall.spec.gguf_meta import config_from_meta, open_reader, read_meta
+from kvwall.spec.hf import spec_from_config
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N."), per architecture
+_LAYER_COMMON = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAMES = {
+    "llama": {**_LAYER_COMMON, "ffn_norm": "post_attention_layernorm"},
+    "gemma3": {**_LAYER_COMMON, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+}
+_OUTSIDE = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_name(arch: str, gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None for a tensor kvwall ignores)."""
+    m = _BLOCK.match(gguf_name)
+    if m:
+        hf = _LAYER_NAMES[arch].get(m.group(2))
+        return None if hf is None else f"model.layers.{m.group(1)}.{hf}.{m.group(3)}"
+    stem, _, kind = gguf_name.rpartition(".")
+    return f"{_OUTSIDE[stem]}.{kind}" if stem in _OUTSIDE else None
+
+
+def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order: HF rotates the two halves of each head, ggml rotates adjacent
+    pairs, so the converter stored each head's rows (half, index) as (index, half); swap them back."""
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # (rows, cols)
+
+
+class GGUFCheckpoint:
+    """A .gguf's tensors by Hugging Face name, dequantized to float32 on request (engine/load.py's
+    Checkpoint interface: find, get, weight_map, path)."""
+
+    def __init__(self, path: str | Path, reader=None):
+        self.path = Path(path)
+        self.reader = reader if reader is not None else open_reader(path)
+        self.meta = read_meta(path, self.reader)
+        self.config = config_from_meta(self.meta)
+        arch = self.meta.arch
+        tensors = {t.name: t for t in self.reader.tensors}
+        self.weight_map = {hf: tensors[g] for g in tensors if (hf := hf_name(arch, g)) is not None}
+
+    def find(self, name: str) -> str | None:
+        return name if name in self.weight_map else None
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KvwallError(f"{self.path}: tensor {name!r} is missing from the GGUF file; "
+                              "is it a complete model of a supported architecture?")
+        return self._fix(name, _dequantize(self.weight_map[name]))
+
+    def _fix(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        arch, cfg = self.meta.arch, self.config
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            return unpermute_rows(w, cfg["num_attention_heads"])
+        if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            return unpermute_rows(w, cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            return w - 1.0  # llama.cpp stored Gemma's 1 + w; the engine's rms1p norm adds the 1
+        return w
+
+
+def _dequantize(tensor) -> torch.Tensor:
+    """One GGUF tensor as float32 torch, in PyTorch's (rows, cols) order."""
+    from gguf.quants import dequantize
+
+    try:
+        arr = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise KvwallError(f"tensor {tensor.name} is stored as {tensor.tensor_type.name}, which the gguf package "
+                          "cannot dequantize; upgrade gguf or use another quantization") from None
+    shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
+    arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 comes back as a view of the file
+
+
+def gguf_spec(ckpt: GGUFCheckpoint):
+    return spec_from_config(ckpt.config, name=ckpt.path.stem, where=str(ckpt.path))
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+    """A .gguf file -> an engine Transformer in eval mode (weights dequantized, then cast to dtype)."""
+    from kvwall.engine.load import load_state
+
+    ckpt = GGUFCheckpoint(path)
+    spec = gguf_spec(ckpt)
+    check_supported(spec)
+    with torch.device("meta"):
+        model = Transformer(spec)
+    model.load_state_dict(load_state(ckpt, model, dtype), assign=True)
+    assert not any(p.is_meta for p in model.parameters()), "every parameter comes from the file"
+    return model.to(device).eval()
