@@ -31,9 +31,13 @@ def add_model_knobs(p: argparse.ArgumentParser) -> None:
     f.add_argument("--state-format", metavar="F", help="SSM state (default: the model's 16-bit type)")
 
 
-def add_parallel(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=whole(1, 1 << 16), default=1, metavar="N", help="tensor-parallel GPUs (default 1)")
-    p.add_argument("--pp", type=whole(1, 1 << 16), default=1, metavar="N", help="pipeline-parallel stages (default 1)")
+def add_parallel(p: argparse.ArgumentParser, auto: bool = False) -> None:
+    """--tp / --pp; with `auto`, leaving both out means: the smallest tensor-parallel group that fits."""
+    default = "the smallest of 1, 2, 4, 8 on which the model and its cache fit" if auto else "1"
+    p.add_argument("--tp", type=whole(1, 1 << 16), default=None if auto else 1, metavar="N",
+                   help=f"tensor-parallel GPUs (default {default})")
+    p.add_argument("--pp", type=whole(1, 1 << 16), default=None if auto else 1, metavar="N",
+                   help="pipeline-parallel stages (default 1)")
 
 
 def add_json(p: argparse.ArgumentParser) -> None:
@@ -81,4 +85,9 @@ def model_and_formats(arg: str, args: argparse.Namespace) -> tuple[ModelSpec, Fo
 
 
 def parallel(args: argparse.Namespace) -> Parallel:
-    return Parallel(getattr(args, "tp", 1), getattr(args, "pp", 1))
+    return Parallel(getattr(args, "tp", None) or 1, getattr(args, "pp", None) or 1)
+
+
+def auto_parallel(args: argparse.Namespace) -> bool:
+    """Neither --tp nor --pp given: each point runs on the smallest tensor-parallel group that fits."""
+    return getattr(args, "tp", 1) is None and getattr(args, "pp", 1) is None

@@ -269,12 +269,13 @@ def _print_compare(data: dict) -> None:
     contexts = data["contexts"]
     rows = []
     for r in data["models"]:
-        if not r["weights_fit"]:
-            longest = "weights do not fit"
+        if not r["fits"]:
+            longest = "weights do not fit 8"
         elif r["max_context_unbounded"]:
             longest = "any (fixed state)"
         else:
             longest = f"{r['max_context']:,}" if r["max_context"] else "none"
+        longest += f" (tp {r['tp']})" if r["fits"] and r["tp"] > 1 else ""
         top = r["model_max_context"]
         rows.append([r["model"], r["family"], fmt_count(r["params"]), fmt_tokens(top) if top else "-",
                      fmt_bytes(r["cache_bytes_per_token"]), fmt_bytes(r["growth_bytes_per_token"]),
@@ -285,6 +286,7 @@ def _print_compare(data: dict) -> None:
              f"longest context next to the weights on {data['memory_target']}")
     caption = ("cache/token: bytes each token adds while every layer still keeps it; past windows: what each token adds "
                "once sliding layers are full. max ctx: the model's trained maximum (contexts past it are what-ifs). "
+               "longest ctx: on the smallest group of 1, 2, 4 or 8 such GPUs (tp N) that holds the weights; "
                "10% of memory kept in reserve for activations and runtime.")
     console().print(table(title, ["model", "family", "params", "max ctx", "cache/token", "past windows", "fixed state",
                                   *[f"@{fmt_tokens(c)}" for c in contexts], "longest ctx"], rows, caption=caption))

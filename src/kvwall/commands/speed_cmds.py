@@ -8,13 +8,13 @@ from kvwall import catalog
 from kvwall.commands import common
 from kvwall.errors import KvwallError
 from kvwall.predict import devices as dev
-from kvwall.predict.fit import fit
+from kvwall.predict.fit import TP_DEGREES, fit, fits_on, placement
+from kvwall.predict.memory import Parallel
 from kvwall.predict.roofline import (Roof, compute_bound_batch, decode, energy_estimate, prefill, speculative)
 from kvwall.files import PLOT_EXTS, check_output
 from kvwall.report import plots
 from kvwall.report.analysis import group_ops, roofline_points
 from kvwall.report.tables import console, table
-from kvwall.spec.model import LatentAttention
 from kvwall.units import fmt_bytes, fmt_tokens, one_of, parse_int_list, parse_token_list, parse_tokens, real, whole
 
 
@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=whole(1), default=1)
     p.add_argument("--plot", metavar="PNG", help="decode time per token vs context, one line per model")
     common.add_model_knobs(p)
-    common.add_parallel(p)
+    common.add_parallel(p, auto=True)
     add_roof_args(p)
     common.add_json(p)
     p.set_defaults(func=cmd_speed)
@@ -137,7 +137,7 @@ def _fit_note(fits: bool, model: str, device: str) -> list[str]:
 
 
 def _mla_mode(spec, absorbed) -> str | None:
-    if not any(isinstance(l.mixer, LatentAttention) for l in spec.layers):
+    if not spec.has("latent"):
         return None
     return "naive" if absorbed is False else "absorbed"
 
@@ -202,42 +202,72 @@ def _ms(s: float) -> str:
 def cmd_speed(args) -> int:
     plot = _plot_path(args)
     roof = roof_from(args)
-    par = common.parallel(args)
     contexts = parse_token_list(args.context, "context")
     prompt = parse_tokens(args.prompt, "prompt")
     if args.batch <= 0:
         raise KvwallError(f"--batch must be at least 1 (got {args.batch})")
-    out = []
-    for name in args.models:
-        spec, fm, notes = common.model_and_formats(name, args)
-        ttft = prefill(spec, prompt, args.batch, fm, roof, par).time_s
-        per_ctx = [{"context": c, "tpot_s": decode(spec, c, args.batch, fm, roof, par).time_s} for c in contexts]
-        for r in per_ctx:
-            r["tokens_per_s"] = 1 / r["tpot_s"]
-        fits = fit(spec, roof.device.memory_bytes, batch=args.batch, formats=fm, parallel=par).weights_fit
-        out.append({"model": spec.name, "family": spec.family(), "formats": fm.as_dict(), "ttft_s": ttft,
-                    "decode": per_ctx, "weights_fit": fits,
-                    "notes": notes + _fit_note(fits, spec.name, roof.device.name)})
+    out = [_speed_row(name, args, roof, contexts, prompt) for name in args.models]
     data = {"device": roof.device.name, "batch": args.batch, "prompt": prompt, "assumptions": roof.assumptions(),
             "models": out}
     if plot:
-        plots.lines({m["model"]: [(r["context"], r["tpot_s"] * 1e3) for r in m["decode"]] for m in out},
+        plots.lines({m["model"]: [(r["context"], r["tpot_s"] * 1e3) for r in m["decode"] if r["fits"]]
+                     for m in out},
                     "context (tokens)", "decode time per token (ms)",
                     f"The memory wall on {roof.device.name}: decode time vs context (batch {args.batch})", plot)
         data["plot"] = args.plot
     return common.emit(args, data, _print_speed)
 
 
+def _speed_row(name: str, args, roof: Roof, contexts: list[int], prompt: int) -> dict:
+    """One model: TTFT and decode speed per context, each on the group it fits (or --tp/--pp as given)."""
+    spec, fm, notes = common.model_and_formats(name, args)
+    auto = common.auto_parallel(args)
+
+    def point(context: int) -> dict:
+        if auto:
+            p = placement(spec, roof.device.memory_bytes, batch=args.batch, context=context, formats=fm)
+            par = Parallel(p.tp or TP_DEGREES[-1])
+        else:
+            par = common.parallel(args)
+        fits = fits_on(spec, roof.device.memory_bytes, par, batch=args.batch, context=context, formats=fm)
+        return {"context": context, "tp": par.tp, "pp": par.pp, "gpus": par.gpus, "fits": fits}
+
+    first = point(prompt)
+    ttft = prefill(spec, prompt, args.batch, fm, roof, Parallel(first["tp"], first["pp"])).time_s
+    per_ctx = []
+    for c in contexts:
+        r = point(c)
+        r["tpot_s"] = decode(spec, c, args.batch, fm, roof, Parallel(r["tp"], r["pp"])).time_s
+        r["tokens_per_s"] = 1 / r["tpot_s"]
+        per_ctx.append(r)
+    fits = all(r["fits"] for r in per_ctx)
+    return {"model": spec.name, "family": spec.family(), "formats": fm.as_dict(), "ttft_s": ttft,
+            "ttft_fits": first["fits"], "ttft_tp": first["tp"], "decode": per_ctx, "weights_fit": fits,
+            "notes": notes + ([] if fits else [f"{spec.name}: points marked (!) do not fit "
+                                                f"{'8 GPUs' if auto else 'this tp/pp'} of {roof.device.name}: "
+                                                "their times are what-ifs"])}
+
+
+def _cell(text: str, r: dict) -> str:
+    if not r["fits"]:
+        return text + " (!)"
+    return text + (f" (tp {r['tp']})" if r["tp"] > 1 else "")
+
+
 def _print_speed(data: dict) -> None:
     a, out, prompt = data["assumptions"], data["models"], data["prompt"]
     contexts = [r["context"] for r in out[0]["decode"]]
-    rows = [[m["model"] + ("" if m["weights_fit"] else " (!)"), m["family"], _ms(m["ttft_s"]),
-             *[f"{r['tokens_per_s']:,.1f}" for r in m["decode"]]] for m in out]
+    rows = [[m["model"], m["family"], _cell(_ms(m["ttft_s"]), {"fits": m["ttft_fits"], "tp": m["ttft_tp"]}),
+             *[_cell(f"{r['tokens_per_s']:,.1f}", r) for r in m["decode"]]] for m in out]
     console().print(table(
         f"decode tok/s per sequence on {data['device']} (batch {data['batch']}; TTFT for a {fmt_tokens(prompt)} prompt)",
         ["model", "family", "TTFT", *[f"@{fmt_tokens(c)}" for c in contexts]], rows,
         caption=f"ideal roofline: compute x{a['compute_eff']:g}, bandwidth x{a['mem_eff']:g}; contexts past a "
-                "model's trained maximum are what-ifs; (!) weights do not fit one device at this tp/pp"))
+                "model's trained maximum are what-ifs; (tp N): on the smallest group of N GPUs that holds the "
+                "weights and the batch's cache (10% reserve), --tp/--pp to fix it; (!) does not fit, a what-if"))
+    for m in out:
+        for note in m["notes"]:
+            console().print(f"note: {note}")
     if data.get("plot"):
         console().print(f"plot written to {data['plot']}")
 

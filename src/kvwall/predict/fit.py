@@ -161,31 +161,46 @@ class Placement:
         return {"fits": self.fits, "tp": self.tp, "gpus": self.gpus}
 
 
+def fits_on(spec: ModelSpec, memory_bytes: int, parallel: Parallel, *, batch: int = 1, context: int = 4096,
+            formats: Formats | None = None, reserve_bytes: int | None = None) -> bool:
+    """Whether the busiest GPU of `parallel` holds its weights and `batch` x `context` of cache, with the reserve."""
+    reserve = default_reserve(memory_bytes) if reserve_bytes is None else reserve_bytes
+    need = _need(spec, batch, context, formats or Formats.for_spec(spec), parallel, None)[1]
+    return need <= memory_bytes - reserve
+
+
 def placement(spec: ModelSpec, memory_bytes: int, *, batch: int = 1, context: int = 4096,
               formats: Formats | None = None, reserve_bytes: int | None = None) -> Placement:
     """The smallest tensor-parallel degree in TP_DEGREES whose busiest GPU holds its weights and cache
     (with the reserve); degrees the model's heads cannot be split into are skipped."""
-    reserve = default_reserve(memory_bytes) if reserve_bytes is None else reserve_bytes
     for tp in TP_DEGREES:
         try:
-            need = _need(spec, batch, context, formats or Formats.for_spec(spec), Parallel(tp), None)[1]
+            if fits_on(spec, memory_bytes, Parallel(tp), batch=batch, context=context, formats=formats,
+                       reserve_bytes=reserve_bytes):
+                return Placement(tp, batch, context)
         except KvwallError:  # tp does not divide the heads: try the next degree
             continue
-        if need <= memory_bytes - reserve:
-            return Placement(tp, batch, context)
     return Placement(None, batch, context)
 
 
+def longest_on_group(spec: ModelSpec, memory_bytes: int, batch: int = 1,
+                     formats: Formats | None = None) -> tuple[Placement, FitResult]:
+    """The smallest tensor-parallel group that holds the weights, and the longest context `batch` gets on it."""
+    p = placement(spec, memory_bytes, batch=batch, context=1, formats=formats)
+    return p, fit(spec, memory_bytes, batch=batch, formats=formats, parallel=Parallel(p.tp or TP_DEGREES[-1]))
+
+
 def compare_entry(spec: ModelSpec, formats: Formats, contexts: list[int], batch: int, memory_bytes: int) -> dict:
-    """One model's row of `kvwall compare`: cache per token and at each context, and the longest context that fits."""
-    f = fit(spec, memory_bytes, batch=batch, formats=formats)
+    """One model's row of `kvwall compare`: cache per token and at each context, and the longest context that fits
+    on the smallest tensor-parallel group (1, 2, 4 or 8 GPUs of this memory) that holds the weights."""
+    p, f = longest_on_group(spec, memory_bytes, batch, formats)
     return {
         "model": spec.name, "family": spec.family(), "params": spec.params(), "formats": formats.as_dict(),
         "cache_bytes_per_token": cache_bytes_per_token(spec, formats.kv),
         "growth_bytes_per_token": growth_bytes_per_token(spec, formats.kv),
         "state_bytes_per_sequence": state_bytes(spec, formats.state),
         "cache_bytes": {str(c): memory(spec, batch=batch, context=c, formats=formats).cache_bytes for c in contexts},
-        "weight_bytes": f.weight_bytes, "weights_fit": f.weights_fit,
+        "weight_bytes": f.weight_bytes, "weights_fit": p.fits, **p.as_dict(),
         "max_context": None if f.unbounded else f.max_context, "max_context_unbounded": f.unbounded,
         "model_max_context": spec.max_context,
     }

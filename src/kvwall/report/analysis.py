@@ -7,7 +7,7 @@ from typing import Iterable
 
 from kvwall import catalog
 from kvwall.predict.devices import balance_trend, get_device
-from kvwall.predict.fit import fit, placement
+from kvwall.predict.fit import longest_on_group, placement
 from kvwall.predict.memory import Formats, Parallel, cache_bytes_per_token, growth_bytes_per_token, memory, state_bytes
 from kvwall.predict.roofline import PhaseResult, Roof, decode, prefill
 from kvwall.report import plots
@@ -110,10 +110,9 @@ def _tok_s(spec, fm, roof: Roof, context: int) -> str:
 
 def _longest(spec, fm, memory_bytes: int) -> str:
     """Longest context for batch 1 on the smallest tensor-parallel group that holds the weights."""
-    p = placement(spec, memory_bytes, batch=1, context=1, formats=fm)
+    p, f = longest_on_group(spec, memory_bytes, 1, fm)
     if not p.fits:
         return "weights do not fit 8"
-    f = fit(spec, memory_bytes, batch=1, formats=fm, parallel=Parallel(p.tp))
     return ("any" if f.unbounded else f"{f.max_context:,}") + (f" (tp {p.tp})" if p.tp > 1 else "")
 
 
