@@ -65,3 +65,28 @@ def test_speculate_json(capsys):
 def test_errors(argv, message):
     proc = subprocess.run([sys.executable, "-m", "kvwall", *argv], capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_speed_runs_each_point_on_the_smallest_group_that_fits(capsys):
+    """H100: 80 GB, 72 GB after the reserve. Llama-3-70B's 141 GB of bf16 weights need 2 GPUs; at 512k tokens its
+    320 KiB x 524288 = 171.8 GB of cache needs 8 (tp 4: 42.9 + 35.3 GB per GPU is over 72). Llama-3-8B: 16 GB of
+    weights + 128 KiB x 524288 = 68.7 GB of cache is over 72 on one GPU, 42 GB per GPU on two."""
+    from kvwall.cli import main
+
+    assert main(["speed", "llama-3-70b", "llama-3-8b", "--device", "h100", "--context", "4k,512k", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    big, small = data["models"]
+    assert [(r["tp"], r["fits"]) for r in big["decode"]] == [(2, True), (8, True)]
+    assert [(r["tp"], r["gpus"]) for r in small["decode"]] == [(1, 1), (2, 2)]
+    assert main(["speed", "llama-3-70b", "--device", "h100", "--tp", "1", "--context", "4k", "--json"]) == 0
+    fixed = json.loads(capsys.readouterr().out)["models"][0]
+    assert fixed["decode"][0]["fits"] is False and "(!)" in fixed["notes"][0]
+
+
+def test_compare_names_the_group_that_holds_the_weights(capsys):
+    from kvwall.cli import main
+
+    assert main(["compare", "llama-3-70b", "deepseek-v3", "--json"]) == 0
+    rows = {r["model"]: r for r in json.loads(capsys.readouterr().out)["models"]}
+    assert (rows["llama-3-70b"]["tp"], rows["llama-3-70b"]["fits"]) == (2, True)
+    assert rows["deepseek-v3"]["fits"] is False and rows["deepseek-v3"]["tp"] is None

@@ -11,6 +11,7 @@ from kvwall.predict import devices as dev
 from kvwall.predict.fit import compare_entry, default_reserve, fit, headroom, parse_reserve
 from kvwall.predict.memory import cache_bytes_per_token, memory, state_bytes
 from kvwall.report.tables import console, table
+from kvwall.spec.families import family
 from kvwall.spec.resolve import load_spec
 from kvwall.units import fmt_bytes, fmt_count, fmt_tokens, parse_bytes, parse_token_list, parse_tokens, whole
 
@@ -79,17 +80,25 @@ def cmd_models(args) -> int:
         rows.append({
             "name": name, "hub_id": cfg.get("_hub_id"), "model_type": spec.model_type, "family": spec.family(),
             "params": spec.params(), "active_params": spec.active_params(), "layers": spec.n_layers,
-            "max_context": spec.max_context, "source": cfg.get("_source"), "unconfirmed": cfg.get("_unconfirmed", []),
+            "max_context": spec.max_context, "engine": _engine(spec.model_type), "source": cfg.get("_source"),
+            "unconfirmed": cfg.get("_unconfirmed", []),
         })
     return common.emit(args, rows, _print_models)
 
 
+def _engine(model_type: str) -> str:
+    """Whether kvwall's engine runs this model_type (from the family registry), or why not."""
+    fam = family(model_type)
+    return "runs" if fam and fam.runs_in_engine else f"no: {fam.why_not if fam else 'unknown model_type'}"
+
+
 def _print_models(rows: list[dict]) -> None:
     t = table("kvwall catalog: real models' config.json (sources: kvwall/catalog/models/*.json)",
-              ["name", "hub id", "type", "family", "params", "active", "layers", "max ctx"],
+              ["name", "hub id", "type", "family", "params", "active", "layers", "max ctx", "engine"],
               [[r["name"], r["hub_id"], r["model_type"], r["family"], fmt_count(r["params"]),
-                fmt_count(r["active_params"]), r["layers"], fmt_tokens(r["max_context"]) if r["max_context"] else "-"]
-               for r in rows])
+                fmt_count(r["active_params"]), r["layers"], fmt_tokens(r["max_context"]) if r["max_context"] else "-",
+                r["engine"]] for r in rows],
+              caption="engine: whether `kvwall generate / verify / bench` run the family (spec/families.py)")
     console().print(t)
 
 
