@@ -25,7 +25,7 @@ from kvwall.engine.caches.quant_kernel import quantized_decode
 from kvwall.engine.caches.quantized import QuantizedLayer
 from kvwall.engine.layers.attention import attend, visible
 from kvwall.measure.machine import llc_bytes
-from kvwall.predict.formats import get_format
+from kvwall.spec.formats import get_format
 from kvwall.spec.model import Attention
 
 from timing import median_ms  # benchmarks/timing.py (the script folder is on sys.path)

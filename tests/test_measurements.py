@@ -7,7 +7,7 @@ import pytest
 
 from kvwall.catalog import find_model, measurements
 from kvwall.predict.devices import get_device
-from kvwall.predict.formats import get_format
+from kvwall.spec.formats import get_format
 
 METRICS = {"decode_tok_s_per_seq", "tpot_s", "ttft_s", "throughput_tok_s"}
 KEYS = {"id", "model", "device", "power_cap_W", "n_devices", "tp", "engine", "engine_version", "weight_format",

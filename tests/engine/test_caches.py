@@ -17,7 +17,7 @@ from kvwall.engine.caches.quant import dequantize, group_size, quantize  # noqa:
 from kvwall.engine.generate import generate  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
 from kvwall.errors import KvwallError  # noqa: E402
-from kvwall.predict.formats import get_format  # noqa: E402
+from kvwall.spec.formats import get_format  # noqa: E402
 from kvwall.predict.memory import Formats, kivi_cache_bytes, memory  # noqa: E402
 from kvwall.spec.model import MLP, Attention, Layer, ModelSpec  # noqa: E402
 

@@ -21,7 +21,7 @@ from kvwall.engine.caches import ModelCache, make_cache  # noqa: E402
 from kvwall.engine.generate import generate  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
 from kvwall.errors import KvwallError  # noqa: E402
-from kvwall.predict.formats import get_format  # noqa: E402
+from kvwall.spec.formats import get_format  # noqa: E402
 from kvwall.predict.memory import Formats, memory  # noqa: E402
 from kvwall.spec.hf import spec_from_config  # noqa: E402
 from kvwall.spec.model import Attention, Mamba, Mamba2  # noqa: E402

@@ -16,7 +16,7 @@ from kvwall.engine.caches.quantized import QuantizedLayer  # noqa: E402
 from kvwall.engine.generate import generate  # noqa: E402
 from kvwall.engine.layers.attention import attend_reference, visible  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
-from kvwall.predict.formats import get_format  # noqa: E402
+from kvwall.spec.formats import get_format  # noqa: E402
 from kvwall.spec.model import Attention  # noqa: E402
 
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwall.errors import KvwallError
-from kvwall.predict.formats import get_format
+from kvwall.spec.formats import get_format
 from kvwall.predict.memory import Formats, Parallel, cache_bytes_per_token, memory, state_bytes
 from kvwall.spec.model import MLP, Attention, Layer, LatentAttention, Mamba, Mamba2, ModelSpec
 from kvwall.spec.resolve import load_spec

@@ -3,7 +3,7 @@
 import pytest
 
 from kvwall.predict.devices import get_device
-from kvwall.predict.formats import get_format
+from kvwall.spec.formats import get_format
 from kvwall.predict.memory import Formats, Parallel, memory
 from kvwall.predict.mixers.moe import expected_experts
 from kvwall.predict.ops import step_ops

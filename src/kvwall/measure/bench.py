@@ -17,7 +17,7 @@ from typing import Callable
 from kvwall.errors import KvwallError
 from kvwall.measure.archs import Arch
 from kvwall.predict.devices import Device
-from kvwall.predict.formats import get_format
+from kvwall.spec.formats import get_format
 from kvwall.engine.caches.registry import predicted_bytes
 from kvwall.predict.memory import Formats
 from kvwall.predict.roofline import Roof, decode, prefill

@@ -131,7 +131,7 @@ def quantized_attention_bandwidth(fmt: str, total_bytes: int = 512 << 20, runs: 
     import torch
 
     from kvwall.engine.caches.quantized import QuantizedCache
-    from kvwall.predict.formats import get_format
+    from kvwall.spec.formats import get_format
     from kvwall.spec.model import MLP, Attention, Layer, ModelSpec
 
     hkv, rep, d, s = DECODE_SHAPE

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from kvwall.errors import KvwallError
 from kvwall.predict import mixers
-from kvwall.predict.formats import Format, checkpoint_format, get_format, keep_16bit
+from kvwall.spec.formats import Format, checkpoint_format, get_format, keep_16bit
 from kvwall.spec.model import Layer, ModelSpec
 
 NEVER = 1 << 40  # a context no model reaches: a layer keeping fewer has a window; a batch fitting it never fills

@@ -25,7 +25,7 @@ expected number of distinct experts is ``E (1 - (1 - k/E)^T)``.
 from __future__ import annotations
 
 from kvwall.predict import mixers
-from kvwall.predict.formats import keep_16bit
+from kvwall.spec.formats import keep_16bit
 from kvwall.predict.memory import Formats
 from kvwall.predict.step import ACT_BYTES, GATHER, LINK, Op, Step, matmul
 from kvwall.spec.model import Layer, ModelSpec

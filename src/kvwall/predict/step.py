@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwall.predict.formats import Format
+from kvwall.spec.formats import Format
 
 ACT_BYTES = 2  # activations in 16-bit
 

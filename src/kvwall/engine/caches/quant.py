@@ -1,4 +1,4 @@
-"""Group-wise integer quantization with the byte layout of kvwall.predict.formats.
+"""Group-wise integer quantization with the byte layout of kvwall.spec.formats.
 
 A vector of n elements is cut into groups of g elements along its last dimension; each
 group stores `bits` per element, packed little-end-first into bytes (8 / bits values per
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvwall.errors import KvwallError
-from kvwall.predict.formats import Format
+from kvwall.spec.formats import Format
 
 
 def group_size(fmt: Format, n: int) -> int:

@@ -5,7 +5,7 @@ changes it) and R = `residual`:
 
 * keys, per channel: every chunk of g consecutive tokens is quantized along the token axis, one
   (scale, zero) per channel per chunk. One chunk of one channel is a g-element vector in
-  predict.formats' layout: ``fmt.vector_bytes(g)`` bytes.
+  spec.formats' layout: ``fmt.vector_bytes(g)`` bytes.
 * values, per token: each token's value vector is quantized along head_dim in groups of g:
   ``fmt.vector_bytes(v_head_dim)`` bytes.
 * residual: the newest tokens stay in full precision. When the residual reaches R + g tokens
@@ -35,7 +35,7 @@ from kvwall.engine.caches.quant import dequantize, group_size, quantize
 from kvwall.engine.caches.quant_kernel import quantized_decode
 from kvwall.engine.caches.registry import RESIDUAL
 from kvwall.errors import KvwallError
-from kvwall.predict.formats import Format, get_format
+from kvwall.spec.formats import Format, get_format
 from kvwall.spec.model import Attention, ModelSpec
 
 

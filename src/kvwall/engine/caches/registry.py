@@ -37,7 +37,7 @@ class CacheChoice:
 
     @property
     def format(self) -> str | None:
-        """The KV storage format it names (kvwall.predict.formats text) for a quantized strategy, else None."""
+        """The KV storage format it names (kvwall.spec.formats text) for a quantized strategy, else None."""
         return self.text if self.entry.quantized else None
 
 
@@ -93,7 +93,7 @@ def paged_bytes(spec, batch, tokens, choice, element, block_size: int = BLOCK_SI
 
 def kivi_bytes(spec, batch, tokens, choice, element, residual: int = RESIDUAL) -> int:
     """KIVI-style quantized K/V with a full-precision residual (every token kept), plus any SSM state."""
-    from kvwall.predict.formats import get_format
+    from kvwall.spec.formats import get_format
     from kvwall.predict.memory import kivi_cache_bytes, state_bytes
 
     kv = kivi_cache_bytes(spec.with_window(None), batch=batch, context=tokens, kv=get_format(choice.format),
@@ -155,7 +155,7 @@ def predicted_bytes(cache: str | CacheChoice, spec, batch: int, tokens: int, ele
                     block_size: int = BLOCK_SIZE, residual: int = RESIDUAL) -> int:
     """What kvwall.predict says the cache's nbytes() is once each of `batch` rows holds `tokens` tokens of a
     cache made for max_len = tokens, its K/V (and any SSM state) stored as `element` (the cache's dtype)."""
-    from kvwall.predict.formats import get_format
+    from kvwall.spec.formats import get_format
 
     choice = parse_cache(cache)
     knobs = choice.entry.take(block_size=block_size, residual=residual)

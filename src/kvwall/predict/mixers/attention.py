@@ -8,7 +8,7 @@ the K/V heads each GPU holds one (replicated) K/V head, and its K/V projection i
 from __future__ import annotations
 
 from kvwall.errors import KvwallError
-from kvwall.predict.formats import Format
+from kvwall.spec.formats import Format
 from kvwall.predict.step import ACT_BYTES, CACHE, Op, Step, matmul
 from kvwall.spec.model import Attention
 

@@ -11,7 +11,7 @@ output so attention runs in latent space (far fewer FLOPs, the same bytes).
 
 from __future__ import annotations
 
-from kvwall.predict.formats import Format
+from kvwall.spec.formats import Format
 from kvwall.predict.step import ACT_BYTES, CACHE, Op, Step, matmul, per_head
 from kvwall.spec.model import LatentAttention
 

@@ -5,7 +5,7 @@ Nothing grows with the context. Tensor parallel splits the d_inner channels.
 
 from __future__ import annotations
 
-from kvwall.predict.formats import Format
+from kvwall.spec.formats import Format
 from kvwall.predict.step import ACT_BYTES, SCAN, Op, Step, matmul, split
 from kvwall.spec.model import Mamba
 

@@ -3,7 +3,7 @@
 import pytest
 
 from kvwall.errors import KvwallError
-from kvwall.predict.formats import get_format
+from kvwall.spec.formats import get_format
 
 
 @pytest.mark.parametrize("name, n, expected", [
