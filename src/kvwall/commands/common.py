@@ -8,7 +8,7 @@ from typing import Any, Callable
 from kvwall.errors import KvwallError
 from kvwall.predict.memory import Formats, Parallel
 from kvwall.report.tables import print_json
-from kvwall.spec.model import Attention, ModelSpec
+from kvwall.spec.model import ModelSpec
 from kvwall.spec.resolve import load_spec
 from kvwall.units import parse_tokens, tokens_arg, whole
 
@@ -59,7 +59,7 @@ def reshape(spec: ModelSpec, args: argparse.Namespace) -> tuple[ModelSpec, list[
     notes = []
     if getattr(args, "kv_heads", None) is not None:
         n = args.kv_heads
-        heads = {layer.mixer.n_q_heads for layer in spec.layers if isinstance(layer.mixer, Attention)}
+        heads = {l.mixer.n_q_heads for l in spec.layers if l.mixer is not None and l.mixer.kind == "attention"}
         if not heads:
             raise KvwallError(f"--kv-heads: {spec.name} has no (non-latent) attention layers to re-shape")
         if n <= 0 or any(h % n for h in heads):
@@ -68,7 +68,7 @@ def reshape(spec: ModelSpec, args: argparse.Namespace) -> tuple[ModelSpec, list[
         notes.append(f"re-shaped: every attention layer has {n} KV heads")
     if getattr(args, "window", None) is not None:
         w = parse_tokens(args.window, "window")
-        if not spec.attention_layers() or not any(isinstance(l.mixer, Attention) for l in spec.layers):
+        if not spec.has("attention"):
             raise KvwallError(f"--window: {spec.name} has no (non-latent) attention layers to give a window")
         if spec.max_context and w >= spec.max_context:
             raise KvwallError(f"--window {w} is not shorter than {spec.name}'s maximum context {spec.max_context}; "

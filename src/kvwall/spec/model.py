@@ -82,6 +82,19 @@ class Attention:
     def cache_elems_per_token(self) -> int:
         return self.n_kv_heads * (self.head_dim + self.v_head_dim)
 
+    def sizes(self) -> dict[str, int]:
+        """Fields that must be whole numbers from 1 up, by their config names (spec/validate.py checks them)."""
+        out = {"num_attention_heads": self.n_q_heads, "num_key_value_heads": self.n_kv_heads,
+               "head_dim": self.head_dim, "value head dim": self.v_head_dim}
+        return out | ({"sliding_window": self.window} if self.window is not None else {})
+
+    def problems(self) -> list[str]:
+        """Rules between fields that do not hold, in words."""
+        if self.n_q_heads % self.n_kv_heads:
+            return [f"num_attention_heads {self.n_q_heads} is not a multiple of num_key_value_heads "
+                    f"{self.n_kv_heads}; fix one of them"]
+        return []
+
     def describe(self) -> str:
         grp = "MHA" if self.n_kv_heads == self.n_q_heads else ("MQA" if self.n_kv_heads == 1 else "GQA")
         s = f"{grp} {self.n_q_heads}q/{self.n_kv_heads}kv x {self.head_dim}"
@@ -131,6 +144,14 @@ class LatentAttention:
     def cache_elems_per_token(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def sizes(self) -> dict[str, int]:
+        return {"num_attention_heads": self.n_heads, "kv_lora_rank": self.kv_lora_rank,
+                "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+                "v_head_dim": self.v_head_dim}
+
+    def problems(self) -> list[str]:
+        return []
+
     def describe(self) -> str:
         return f"MLA {self.n_heads} heads, latent {self.kv_lora_rank} + rope {self.qk_rope_head_dim}"
 
@@ -168,6 +189,13 @@ class Mamba:
     def state_elems(self) -> int:
         """conv state (d_inner x d_conv) + SSM state (d_inner x d_state), per sequence."""
         return self.d_inner * self.d_conv + self.d_inner * self.d_state
+
+    def sizes(self) -> dict[str, int]:
+        return {"the Mamba inner width (expand x hidden_size or intermediate_size)": self.d_inner,
+                "state size": self.d_state, "conv kernel": self.d_conv, "dt rank": self.dt_rank}
+
+    def problems(self) -> list[str]:
+        return []
 
     def describe(self) -> str:
         return f"Mamba d_inner {self.d_inner}, d_state {self.d_state}, d_conv {self.d_conv}"
@@ -212,6 +240,15 @@ class Mamba2:
         """conv state (conv_dim x d_conv) + SSM state (n_heads x head_dim x d_state), per sequence."""
         return self.conv_dim * self.d_conv + self.n_heads * self.head_dim * self.d_state
 
+    def sizes(self) -> dict[str, int]:
+        return {"num_heads": self.n_heads, "head_dim": self.head_dim, "state size": self.d_state,
+                "n_groups": self.n_groups, "conv kernel": self.d_conv}
+
+    def problems(self) -> list[str]:
+        if self.n_heads % self.n_groups:
+            return [f"the {self.n_heads} Mamba-2 heads are not a multiple of n_groups {self.n_groups}; fix one of them"]
+        return []
+
     def describe(self) -> str:
         return f"Mamba-2 {self.n_heads} heads x {self.head_dim}, d_state {self.d_state}, groups {self.n_groups}"
 
@@ -234,6 +271,12 @@ class MLP:
 
     def active_params(self, hidden: int) -> int:
         return self.params(hidden)
+
+    def sizes(self) -> dict[str, int]:
+        return {"intermediate size": self.d_ff}
+
+    def problems(self) -> list[str]:
+        return []
 
     def describe(self) -> str:
         return f"MLP {self.d_ff}{' gated' if self.gated else ''}"
@@ -289,6 +332,24 @@ class MoE:
 
     def active_params(self, hidden: int) -> int:
         return self.params(hidden) - (self.n_experts - self.top_k) * self.expert_params(hidden)
+
+    def sizes(self) -> dict[str, int]:
+        return {"expert count": self.n_experts, "num_experts_per_tok": self.top_k, "expert width": self.d_expert}
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.top_k > self.n_experts:
+            out.append(f"num_experts_per_tok {self.top_k} is more than the {self.n_experts} experts; a token cannot "
+                       "use more experts than there are")
+        whole = all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (self.n_shared, self.d_shared))
+        if not whole:
+            out.append(f"the shared experts ({self.n_shared} of width {self.d_shared}) must be whole numbers, 0 or "
+                       "above; fix the config")
+        r = self.routing
+        if self.n_experts % r.n_group or not 1 <= r.topk_group <= r.n_group:
+            out.append(f"expert groups n_group {r.n_group} / topk_group {r.topk_group} do not fit {self.n_experts} "
+                       "experts (n_group must divide them, topk_group <= n_group); fix the config")
+        return out
 
     def describe(self) -> str:
         s = f"MoE {self.n_experts} experts top-{self.top_k} x {self.d_expert}"

@@ -16,7 +16,7 @@ import math
 from typing import Any, Callable
 
 from kvwall.errors import KvwallError
-from kvwall.spec.model import Attention, LatentAttention, Mamba, Mamba2, MLP, ModelSpec, MoE, Rope
+from kvwall.spec.model import ModelSpec, Rope
 
 MAX_LAYERS = 100_000
 MAX_DIM = 2**40  # far above any real width, vocabulary or context; keeps every product finite and fast
@@ -166,55 +166,11 @@ def check_spec(spec: ModelSpec, where: str) -> None:
 
 
 def _check_part(part: Any, where: str) -> None:
-    if isinstance(part, Attention):
-        _check_attention(part, where)
-    elif isinstance(part, LatentAttention):
-        _positive(where, {"num_attention_heads": part.n_heads, "kv_lora_rank": part.kv_lora_rank,
-                          "qk_nope_head_dim": part.qk_nope_head_dim, "qk_rope_head_dim": part.qk_rope_head_dim,
-                          "v_head_dim": part.v_head_dim})
-        _check_rope(part.rope, where)
-    elif isinstance(part, Mamba):
-        _positive(where, {"the Mamba inner width (expand x hidden_size or intermediate_size)": part.d_inner,
-                          "state size": part.d_state, "conv kernel": part.d_conv, "dt rank": part.dt_rank})
-    elif isinstance(part, Mamba2):
-        _check_mamba2(part, where)
-    elif isinstance(part, MoE):
-        _check_moe(part, where)
-    elif isinstance(part, MLP):
-        _positive(where, {"intermediate size": part.d_ff})
-
-
-def _check_attention(a: Attention, where: str) -> None:
-    _positive(where, {"num_attention_heads": a.n_q_heads, "num_key_value_heads": a.n_kv_heads,
-                      "head_dim": a.head_dim, "value head dim": a.v_head_dim})
-    if a.n_q_heads % a.n_kv_heads:
-        raise KvwallError(f"{where}: num_attention_heads {a.n_q_heads} is not a multiple of num_key_value_heads "
-                          f"{a.n_kv_heads}; fix one of them")
-    if a.window is not None:
-        _positive(where, {"sliding_window": a.window})
-    _check_rope(a.rope, where)
-
-
-def _check_mamba2(m: Mamba2, where: str) -> None:
-    _positive(where, {"num_heads": m.n_heads, "head_dim": m.head_dim, "state size": m.d_state,
-                      "n_groups": m.n_groups, "conv kernel": m.d_conv})
-    if m.n_heads % m.n_groups:
-        raise KvwallError(f"{where}: the {m.n_heads} Mamba-2 heads are not a multiple of n_groups {m.n_groups}; "
-                          "fix one of them")
-
-
-def _check_moe(m: MoE, where: str) -> None:
-    _positive(where, {"expert count": m.n_experts, "num_experts_per_tok": m.top_k, "expert width": m.d_expert})
-    if m.top_k > m.n_experts:
-        raise KvwallError(f"{where}: num_experts_per_tok {m.top_k} is more than the {m.n_experts} experts; "
-                          "a token cannot use more experts than there are")
-    if m.n_shared < 0 or m.d_shared < 0 or not _is_int(m.n_shared) or not _is_int(m.d_shared):
-        raise KvwallError(f"{where}: the shared experts ({m.n_shared} of width {m.d_shared}) must be whole "
-                          "numbers, 0 or above; fix the config")
-    r = m.routing
-    if m.n_experts % r.n_group or not 1 <= r.topk_group <= r.n_group:
-        raise KvwallError(f"{where}: expert groups n_group {r.n_group} / topk_group {r.topk_group} do not fit "
-                          f"{m.n_experts} experts (n_group must divide them, topk_group <= n_group); fix the config")
+    """Each mixer dataclass names its sizes and the rules between its fields (spec/model.py)."""
+    _positive(where, part.sizes())
+    for problem in part.problems():
+        raise KvwallError(f"{where}: {problem}")
+    _check_rope(getattr(part, "rope", None), where)
 
 
 def _check_rope(rope: Rope | None, where: str) -> None:
