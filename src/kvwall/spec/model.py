@@ -444,15 +444,15 @@ class ModelSpec:
 
     def family(self) -> str:
         """A short label of the model's memory kind: attention, MLA, SSM or hybrid."""
-        kinds = {layer.mixer.kind for layer in self.layers if layer.mixer is not None}
-        ssm = kinds & {"mamba", "mamba2"}
+        mixers = [layer.mixer for layer in self.layers if layer.mixer is not None]
+        kinds = {m.kind for m in mixers}
+        ssm = {m.kind for m in mixers if m.has_state}  # a fixed state instead of a growing cache
         if ssm and kinds - ssm:
             return "hybrid"
         if ssm:
             return "ssm"
         if kinds == {"latent"}:
             return "mla"
-        mixers = [layer.mixer for layer in self.layers if layer.mixer is not None]
         windows = {m.window for m in mixers if m.kind == "attention"}
         if None not in windows:
             return "sliding"
