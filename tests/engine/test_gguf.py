@@ -290,9 +290,10 @@ def _real_check(short: str, steps: int):
         diff = (mine(x) - ref(x).logits).abs().max().item()
         print(f"{short}: kvwall load {load_s:.1f} s, max |logit diff| {diff:.3g}")
         assert diff <= 1e-4
-        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=steps, do_sample=False,
-                            min_new_tokens=steps)[0, len(ids):].tolist()
-    # both run all the steps through EOS (transformers' min_new_tokens, kvwall's stop=())
+        ref.generation_config.eos_token_id = None  # no stop and no EOS suppression: plain argmax for all steps
+        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=steps,
+                            do_sample=False)[0, len(ids):].tolist()
+    # both run all the steps through EOS (kvwall: stop=())
     got = generate(mine, [ids], steps, "contiguous", Sampling(0.0, None, None, None), stop=()).tokens[0]
     assert got == want
     return tok.decode(got)
