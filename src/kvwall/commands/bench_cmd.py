@@ -62,7 +62,7 @@ def cmd_bench(args) -> int:
 
 
 def _print_archs(rows: list[dict]) -> None:
-    console().print(table("bench architectures (~120-145M parameters, random weights)", ["name", "cache", "what"],
+    console().print(table("bench architectures (121.1-144.5M parameters, random weights)", ["name", "cache", "what"],
                           [[r["name"], r["cache"], r["about"]] for r in rows]))
 
 

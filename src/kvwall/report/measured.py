@@ -55,7 +55,7 @@ def section(out: Path, plan_device, progress=None) -> Section:
                       "decode: median of the timed steps after warm-up; error = predicted / measured - 1")],
         figures=[Figure(fig, "Measured (solid) vs predicted (dashed) decode time per token vs context, per "
                              "architecture", "measured-vs-predicted")],
-        assumptions=["random weights, fp32, batch 1, matched size (~120-145M parameters)",
+        assumptions=["random weights, fp32, batch 1, matched size (121.1-144.5M parameters)",
                      "prediction: roofline on the `local` profile (measured streaming bandwidth and GEMM rate, plus the "
                      "engine's measured per-layer dispatch cost)",
                      "contexts above the prefill limit are filled with random K/V through the cache's own update()"],
