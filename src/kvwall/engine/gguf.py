@@ -56,7 +56,7 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 class GGUFCheckpoint:
     """A .gguf's tensors by Hugging Face name, dequantized to float32 on request (engine/load.py's
-    Checkpoint interface: find, get, weight_map, path)."""
+    Checkpoint interface: find, get, weight_map, shapes, path)."""
 
     def __init__(self, path: str | Path, reader=None):
         self.path = Path(path)
@@ -66,6 +66,7 @@ class GGUFCheckpoint:
         arch = self.meta.arch
         tensors = {t.name: t for t in self.reader.tensors}
         self.weight_map = {hf: tensors[g] for g in tensors if (hf := hf_name(arch, g)) is not None}
+        self.shapes = {hf: _torch_shape(t) for hf, t in self.weight_map.items()}  # checked before loading
 
     def find(self, name: str) -> str | None:
         return name if name in self.weight_map else None
@@ -87,6 +88,11 @@ class GGUFCheckpoint:
         return w
 
 
+def _torch_shape(tensor) -> tuple[int, ...]:
+    """A GGUF tensor's shape in PyTorch's order (GGUF lists the fastest-varying dimension first)."""
+    return tuple(int(x) for x in reversed(tensor.shape.tolist()))
+
+
 def _dequantize(tensor) -> torch.Tensor:
     """One GGUF tensor as float32 torch, in PyTorch's (rows, cols) order."""
     from gguf.quants import dequantize
@@ -96,8 +102,7 @@ def _dequantize(tensor) -> torch.Tensor:
     except NotImplementedError:
         raise KvwallError(f"tensor {tensor.name} is stored as {tensor.tensor_type.name}, which the gguf package "
                           "cannot dequantize; upgrade gguf or use another quantization") from None
-    shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
-    arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+    arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(_torch_shape(tensor))
     return torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 comes back as a view of the file
 
 
