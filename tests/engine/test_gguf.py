@@ -325,3 +325,20 @@ def test_cli_verify_and_generate_take_a_gguf(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     # "t" is byte 116 after the 3 specials; "h"+"e" is the 2nd merge, " cat" the 8th
     assert out["prompt_ids"] == [3 + 116, 3 + 256 + 1, 3 + 256 + 7] and len(out["ids"]) == 4
+
+
+def test_cli_generate_chat_sends_the_prompt_through_the_template(tmp_path, capsys):
+    """`generate --chat`: the prompt ids are the template's (<|im_start|> = id 1 opens, as in
+    test_chat_template), not the plain encoding; --chat without --prompt is one line, exit 2."""
+    import json
+
+    from kvwall.cli import main
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf("llama"), "llama", Q.F32)
+    assert main(["generate", str(path), "--prompt", "hi", "--chat", "--max-new-tokens", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_ids"] == gguf_tokenizer(path).encode_chat([{"role": "user", "content": "hi"}])
+    assert out["prompt_ids"][0] == 1 and out["prompt_ids"].count(1) == 2
+    assert main(["generate", str(path), "--prompt-ids", "1,2", "--chat"]) == 2
+    assert "--chat needs --prompt" in capsys.readouterr().err

