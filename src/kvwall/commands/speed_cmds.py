@@ -31,12 +31,7 @@ def add_roof_args(p: argparse.ArgumentParser) -> None:
 
 
 def roof_from(args) -> Roof:
-    for name in ("compute_eff", "mem_eff"):
-        v = getattr(args, name)
-        if not 0 < v <= 1:
-            raise KvwallError(f"--{name.replace('_', '-')} {v}: must be in (0, 1]")
-    if args.link_latency < 0:
-        raise KvwallError("--link-latency must not be negative")
+    """The roof the options describe (their ranges are checked by their argparse types)."""
     roof = Roof(dev.get_device(args.device), args.compute_dtype, args.compute_eff, args.mem_eff,
                 args.link_latency * 1e-6)
     if roof.bandwidth != roof.bandwidth:

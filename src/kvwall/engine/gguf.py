@@ -112,13 +112,9 @@ def gguf_spec(ckpt: GGUFCheckpoint):
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
     """A .gguf file -> an engine Transformer in eval mode (weights dequantized, then cast to dtype)."""
-    from kvwall.engine.load import load_state
+    from kvwall.engine.load import build_loaded
 
     ckpt = GGUFCheckpoint(path)
     spec = gguf_spec(ckpt)
     check_supported(spec)
-    with torch.device("meta"):
-        model = Transformer(spec)
-    model.load_state_dict(load_state(ckpt, model, dtype), assign=True)
-    assert not any(p.is_meta for p in model.parameters()), "every parameter comes from the file"
-    return model.to(device).eval()
+    return build_loaded(spec, ckpt, dtype, device)

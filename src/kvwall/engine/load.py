@@ -362,6 +362,12 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
     spec = spec_from_config(read_config_file(path / "config.json"), name=path.name, where=str(path / "config.json"))
     check_supported(spec)
     ckpt = Checkpoint(path)  # reads the headers first: a damaged file fails before the model is built
+    return build_loaded(spec, ckpt, dtype, device)
+
+
+def build_loaded(spec: ModelSpec, ckpt, dtype: torch.dtype, device: str) -> Transformer:
+    """The model of `spec` built empty (meta), filled from a checkpoint (safetensors or GGUF: find, get,
+    weight_map, shapes), in eval mode on `device`."""
     with torch.device("meta"):
         model = Transformer(spec)
     state = load_state(ckpt, model, dtype)

@@ -161,9 +161,8 @@ def _worker(job: dict):
         raise KvwallError(f"the benchmark of {job['name']} failed: {err[-1] if err else 'no message'}")
 
 
-def summary(results: list[dict], archs: list[Arch] | None = None) -> dict:
-    """Counts against the goal, and for each architecture outside it a reason taken from this run's own points.
-    (`archs` is accepted for existing callers; the reasons no longer depend on the architecture's name.)"""
+def summary(results: list[dict]) -> dict:
+    """Counts against the goal, and for each architecture outside it a reason taken from this run's own points."""
     bw = [r for r in results if r["decode_bound"] == "memory"]
     within = [r for r in bw if r["within_goal"]]
     outside = [r["arch"] for r in bw if not r["within_goal"]]
@@ -267,4 +266,4 @@ def bench_data(plan: Plan, device: Device, results: list[dict], seconds: float) 
     return {"machine": {"host": platform.node(), "cpu_count": os.cpu_count(), "bandwidth_Bps": device.bandwidth,
                         "peak_flops": device.peak_flops, "profile_source": device.source},
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seconds": round(seconds, 1),
-            "steps": plan.steps, "results": results, "skipped": plan.skipped, "summary": summary(results, plan.archs)}
+            "steps": plan.steps, "results": results, "skipped": plan.skipped, "summary": summary(results)}

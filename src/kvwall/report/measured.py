@@ -32,7 +32,7 @@ def section(out: Path, plan_device, progress=None) -> Section:
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     t0 = time.time()
     results = bench.run(plan, device)
-    s = bench.summary(results, plan.archs)
+    s = bench.summary(results)
     fig = out / "measured-vs-predicted.png"
     plot_results(results, device, fig)
     rows = [[r["arch"], fmt_tokens(r["context"]), f"{r['decode_s'] * 1e3:.1f}", f"{r['decode_pred_s'] * 1e3:.1f}",
