@@ -79,5 +79,5 @@ def _groups(s: dict) -> list[tuple[str, dict]]:
 
 
 def _summary_row(name: str, st: dict) -> list:
-    return [name, st["n"], _pct(st["median_abs_error"]).lstrip("+"), _pct(st["median_error"]), _pct(st["max_abs_error"]).lstrip("+"),
-            st["worst"] or "-"]
+    return [name, st["n"], _pct(st["median_abs_error"]).lstrip("+"), _pct(st["median_error"]),
+            _pct(st["max_abs_error"]).lstrip("+"), st["worst"] or "-"]
