@@ -20,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvwall.commands import bench_cmd, calibrate_cmd, engine_cmds, memory_cmds, report_cmd, speed_cmds
+    from kvwall.commands import bench_cmd, calibrate_cmd, engine_cmds, memory_cmds, report_cmd, speed_cmds, validate_cmd
 
     p = _Parser(
         prog="kvwall",
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     report_cmd.register(sub)
     calibrate_cmd.register(sub)
     bench_cmd.register(sub)
+    validate_cmd.register(sub)
     return p
 
 

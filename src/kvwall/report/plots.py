@@ -144,3 +144,30 @@ def grouped_bars(labels: list[str], groups: dict[str, list[float]], ylabel: str,
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def versus(points: list[dict], xlabel: str, ylabel: str, title: str, path: str | Path) -> Path:
+    """Predicted against measured, log-log, one marker per group, with the y = x line.
+
+    points: [{"group", "measured", "predicted"}], both positive and in the same unit per point."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 6))
+    markers = "osD^vP*X<>"
+    groups = list(dict.fromkeys(p["group"] for p in points))
+    for i, g in enumerate(groups):
+        sel = [p for p in points if p["group"] == g]
+        ax.scatter([p["measured"] for p in sel], [p["predicted"] for p in sel], marker=markers[i % len(markers)],
+                   s=36, alpha=0.8, label=f"{g} ({len(sel)})")
+    values = [v for p in points for v in (p["measured"], p["predicted"])] or [1.0]
+    lo, hi = min(values) / 2, max(values) * 2
+    ax.plot([lo, hi], [lo, hi], color="black", lw=1, label="y = x")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(True, which="both", alpha=0.2)
+    return _save(fig, path)
