@@ -26,7 +26,7 @@ def test_parse_cache_accepts_names_and_format_options(text, name, options):
 @pytest.mark.parametrize("text,message", [
     ("contiguous:junk", "contiguous takes no options"), ("paged:xyz", "paged takes no options"),
     ("int4:g0", "option 'g0' not understood"), ("int8:gx", "option 'gx' not understood"),
-    ("int9", "unknown cache 'int9'; caches: contiguous, sliding, int8, int4, int2, paged"),
+    ("int9", "unknown cache 'int9'; caches: contiguous, sliding, fp8, int8, int4, int2, paged"),
     ("int4:g32:g64", "given twice"), ("", "unknown cache ''"),
 ])
 def test_parse_cache_rejects_what_it_does_not_know(text, message):
@@ -40,7 +40,7 @@ def test_quantized_choices_name_their_storage_format():
 
 
 def test_cache_names_are_the_registry_and_import_without_torch():
-    assert CACHE_NAMES == tuple(CACHES) == ("contiguous", "sliding", "int8", "int4", "int2", "paged")
+    assert CACHE_NAMES == tuple(CACHES) == ("contiguous", "sliding", "fp8", "int8", "int4", "int2", "paged")
     code = "import sys, kvwall.engine.caches.registry, kvwall.engine; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 

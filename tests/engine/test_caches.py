@@ -196,5 +196,5 @@ def test_block_manager_out_of_blocks_is_an_error():
 
 
 def test_unknown_cache_name():
-    with pytest.raises(KvwallError, match="unknown cache 'ring'.*contiguous, sliding, int8, int4, int2, paged"):
+    with pytest.raises(KvwallError, match="unknown cache 'ring'.*contiguous, sliding, fp8, int8, int4, int2, paged"):
         make_cache("ring", spec_of(), 1, 8)

@@ -83,6 +83,15 @@ def windowed_bytes(spec, batch, tokens, choice, element) -> int:
     return memory(spec, batch=batch, context=tokens, formats=_formats(element)).cache_bytes
 
 
+def fp8_bytes(spec, batch, tokens, choice, element) -> int:
+    """Every layer preallocated for every token, K/V one byte each (fp8), any SSM state in the cache dtype."""
+    from kvwall.predict.memory import Formats, memory
+    from kvwall.spec.formats import get_format
+
+    fm = Formats(element, get_format("fp8"), element)
+    return memory(spec.with_window(None), batch=batch, context=tokens, formats=fm).cache_bytes
+
+
 def paged_bytes(spec, batch, tokens, choice, element, block_size: int = BLOCK_SIZE) -> int:
     """Whole blocks per row, every layer keeps every token."""
     from kvwall.predict.memory import memory
@@ -111,6 +120,8 @@ CACHES: dict[str, CacheEntry] = {e.name: e for e in [
     CacheEntry("sliding", "kvwall.engine.caches.sliding:SlidingCache",
                "a ring of `window` slots on local layers, contiguous on global ones",
                "memory(spec, context=max_len).cache_bytes", windowed_bytes),
+    CacheEntry("fp8", "kvwall.engine.caches.fp8:Fp8Cache", "contiguous, K/V stored as 8-bit floats (e4m3)",
+               "memory(spec.with_window(None), context=max_len, kv=fp8).cache_bytes", fp8_bytes),
     CacheEntry("int8", about="KIVI-style int8 (keys per channel, values per token, fp residual)", **_QUANT),
     CacheEntry("int4", about="KIVI-style int4", **_QUANT),
     CacheEntry("int2", about="KIVI-style int2", **_QUANT),
