@@ -342,3 +342,22 @@ def test_cli_generate_chat_sends_the_prompt_through_the_template(tmp_path, capsy
     assert out["prompt_ids"][0] == 1 and out["prompt_ids"].count(1) == 2
     assert main(["generate", str(path), "--prompt-ids", "1,2", "--chat"]) == 2
     assert "--chat needs --prompt" in capsys.readouterr().err
+
+
+def test_show_counts_the_files_weights_in_their_own_formats(tmp_path, capsys):
+    """Tiny llama in Q4_1: 2 layers of q/k/v/o (64x64, 32x64, 32x64, 64x64) and gate/up/down (128x64 x2, 64x128),
+    embeddings and head VOCABx64, all quantized; norms stay F32 (64 each: 2 per layer + the final one)."""
+    import json
+
+    from kvwall.cli import main
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf("llama"), "llama", Q.Q4_1)
+    assert main(["show", str(path), "--json"]) == 0
+    rows = {r["type"]: r for r in json.loads(capsys.readouterr().out)["file_weights"]}
+    per_layer = 64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 3 * 128 * 64
+    quantized = 2 * per_layer + 2 * VOCAB * 64
+    assert rows["Q4_1"]["params"] == quantized
+    assert rows["Q4_1"]["bytes"] == quantized // 32 * 20  # Q4_1: 20 bytes per block of 32 (2 fp16 + 16 B quants)
+    assert rows["F32"]["bytes"] == 5 * 64 * 4
+    assert all(r["predicted_bytes"] == r["bytes"] for r in rows.values())

@@ -34,3 +34,15 @@ def test_bytes_per_element_of_nvfp4_is_4_5_bits():
 def test_bad_formats(bad):
     with pytest.raises(KvwallError):
         get_format(bad)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_block_formats_match_ggml(name):
+    """Bytes per block equal the gguf package's GGML_QUANT_SIZES (llama.cpp's block structs)."""
+    gguf = pytest.importorskip("gguf")
+    block, size = gguf.constants.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+    fmt = get_format(name.lower())
+    assert fmt.group == block and fmt.vector_bytes(block) == size
+    assert fmt.bytes(3, 4 * block) == 3 * 4 * size
+    with pytest.raises(KvwallError, match="fixed layout"):
+        get_format(name.lower() + ":g64")

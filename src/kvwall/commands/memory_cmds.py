@@ -12,6 +12,7 @@ from kvwall.predict.fit import compare_entry, default_reserve, fit, headroom, pa
 from kvwall.predict.memory import cache_bytes_per_token, memory, state_bytes
 from kvwall.report.tables import console, table
 from kvwall.spec.families import family
+from kvwall.spec.gguf_meta import file_weights, gguf_file, read_meta
 from kvwall.spec.resolve import load_spec
 from kvwall.units import fmt_bytes, fmt_count, fmt_tokens, parse_bytes, parse_token_list, parse_tokens, whole
 
@@ -159,6 +160,9 @@ def cmd_show(args) -> int:
         "layer_groups": [{"layer": desc, "indices": idx} for desc, idx in spec.layer_groups()],
         "notes": list(spec.notes) + notes,
     }
+    gguf = gguf_file(args.model)
+    if gguf is not None:  # the weights as the file stores them, in its own quantized formats
+        data["file_weights"] = file_weights(read_meta(gguf))
     return common.emit(args, data, lambda data: _print_show(data, spec, fm))
 
 
@@ -174,8 +178,18 @@ def _print_show(data: dict, spec, fm) -> None:
     t = table("layers", ["layer", "count", "indices"],
               [[desc, len(idx), _ranges(idx)] for desc, idx in spec.layer_groups()])
     c.print(t)
+    if "file_weights" in data:
+        _print_file_weights(data["file_weights"])
     for note in data["notes"]:
         c.print(f"note: {note}")
+
+
+def _print_file_weights(rows: list[dict]) -> None:
+    total = sum(r["bytes"] for r in rows)
+    body = [[r["type"], r["tensors"], f"{r['params']:,}", fmt_bytes(r["bytes"]), f"{8 * r['bytes'] / r['params']:.2f}"]
+            for r in rows]
+    console().print(table(f"weights in the file: {fmt_bytes(total)} ({total:,} B)",
+                          ["GGML type", "tensors", "parameters", "bytes", "bits/param"], body))
 
 
 def _ranges(idx: list[int]) -> str:

@@ -24,11 +24,29 @@ mxfp4       4     32     e8m0 (1 B)   -            0.5 + 1/32  = 0.53125
 
 Integer formats take a group size suffix: ``int4:g128`` (weights, GPTQ/AWQ
 style), ``int8:g64``; ``int8:sym`` drops the zero point.
+
+llama.cpp's GGUF block formats are fixed layouts in the same terms (block structs
+in ggml-common.h; a "scale" here is every per-block byte that is not a quant):
+
+=====  ====  =====  ===================================  ==============
+name   bits  block  per-block metadata                   bytes / block
+=====  ====  =====  ===================================  ==============
+q4_0   4     32     fp16 d                               18
+q4_1   4     32     fp16 d, fp16 m                       20
+q5_0   5     32     fp16 d (+ the fifth bits, counted)   22
+q5_1   5     32     fp16 d, fp16 m                       24
+q8_0   8     32     fp16 d                               34
+q2_k   2     256    16 B sub-scales, fp16 d, dmin        84
+q3_k   3     256    12 B sub-scales, fp16 d (+ hmask)    110
+q4_k   4     256    12 B sub-scales, fp16 d, dmin        144
+q5_k   5     256    12 B sub-scales, fp16 d, dmin        176
+q6_k   6     256    16 B sub-scales, fp16 d              210
+=====  ====  =====  ===================================  ==============
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvwall.errors import KvwallError
 
@@ -41,10 +59,11 @@ class Format:
     scale_bytes: int = 0
     zero_bytes: int = 0
     torch_dtype: str | None = None  # the element type an engine stores (None: packed integers)
+    fixed: bool = False  # a fixed block layout (nvfp4, GGUF blocks): no :gN / :sym options
 
     @property
     def label(self) -> str:
-        if self.group is None or self.name.startswith(("nvfp4", "mxfp4")):
+        if self.group is None or self.fixed:
             return self.name
         return f"{self.name}:g{self.group}" + ("" if self.zero_bytes else ":sym")
 
@@ -79,10 +98,21 @@ _BASE = {
     "int8": Format("int8", 8, 128, 2, 2),
     "int4": Format("int4", 4, 32, 2, 2),
     "int2": Format("int2", 2, 32, 2, 2),
-    "nvfp4": Format("nvfp4", 4, 16, 1, 0),
-    "mxfp4": Format("mxfp4", 4, 32, 1, 0),
+    "nvfp4": Format("nvfp4", 4, 16, 1, 0, fixed=True),
+    "mxfp4": Format("mxfp4", 4, 32, 1, 0, fixed=True),
+    # GGUF blocks (see the table above): scale_bytes + zero_bytes = the block's non-quant bytes
+    "q4_0": Format("q4_0", 4, 32, 2, 0, fixed=True),
+    "q4_1": Format("q4_1", 4, 32, 2, 2, fixed=True),
+    "q5_0": Format("q5_0", 5, 32, 2, 0, fixed=True),
+    "q5_1": Format("q5_1", 5, 32, 2, 2, fixed=True),
+    "q8_0": Format("q8_0", 8, 32, 2, 0, fixed=True),
+    "q2_k": Format("q2_k", 2, 256, 20, 0, fixed=True),
+    "q3_k": Format("q3_k", 3, 256, 14, 0, fixed=True),
+    "q4_k": Format("q4_k", 4, 256, 16, 0, fixed=True),
+    "q5_k": Format("q5_k", 5, 256, 16, 0, fixed=True),
+    "q6_k": Format("q6_k", 6, 256, 18, 0, fixed=True),
 }
-_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "e4m3": "fp8_e4m3",
+_ALIASES = {"float32": "fp32", "f32": "fp32", "float16": "fp16", "f16": "fp16", "half": "fp16", "bfloat16": "bf16", "e4m3": "fp8_e4m3",
             "e5m2": "fp8_e5m2", "float8": "fp8", "fp4": "nvfp4"}
 FORMAT_NAMES = sorted(_BASE)
 
@@ -96,12 +126,12 @@ def get_format(text: str) -> Format:
                           "(integer formats take :gN for group size, e.g. int4:g128)")
     fmt = _BASE[base]
     for opt in parts[1:]:
-        if fmt.group is None or base in ("nvfp4", "mxfp4"):
+        if fmt.group is None or fmt.fixed:
             raise KvwallError(f"format {text!r}: {base} has a fixed layout and takes no options")
         if opt == "sym":
-            fmt = Format(fmt.name, fmt.bits, fmt.group, fmt.scale_bytes, 0)
+            fmt = replace(fmt, zero_bytes=0)
         elif opt.startswith("g") and opt[1:].isdigit() and int(opt[1:]) > 0:
-            fmt = Format(fmt.name, fmt.bits, int(opt[1:]), fmt.scale_bytes, fmt.zero_bytes)
+            fmt = replace(fmt, group=int(opt[1:]))
         else:
             raise KvwallError(f"format {text!r}: option {opt!r} not understood; use :gN (group size) or :sym")
     return fmt

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,27 @@ def _gemma3_extras(meta: GGUFMeta, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 _ARCH_EXTRAS = {"llama": _llama_extras, "gemma3": _gemma3_extras}
+
+
+def file_weights(meta: GGUFMeta) -> list[dict[str, Any]]:
+    """The weights as the file stores them, one row per GGML type (largest first): tensors, parameters, bytes,
+    and the bytes the predictor's format of that name gives for the same tensors (None for a type it lacks)."""
+    from kvwall.spec.formats import get_format
+
+    rows: dict[str, dict[str, Any]] = {}
+    for t in meta.tensors.values():
+        row = rows.setdefault(t.kind, {"type": t.kind, "tensors": 0, "params": 0, "bytes": 0, "predicted_bytes": 0})
+        rows_n, width = math.prod(t.shape[:-1]), t.shape[-1]
+        row["tensors"] += 1
+        row["params"] += rows_n * width
+        row["bytes"] += t.n_bytes
+        try:
+            fmt = get_format(t.kind)
+        except KvwallError:  # a GGML type the predictor has no format for
+            row["predicted_bytes"] = None
+        if row["predicted_bytes"] is not None:
+            row["predicted_bytes"] += fmt.bytes(rows_n, width)
+    return sorted(rows.values(), key=lambda r: -r["bytes"])
 
 
 def spec_from_gguf(path: str | Path, name: str | None = None):
