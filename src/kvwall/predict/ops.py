@@ -27,8 +27,10 @@ from __future__ import annotations
 from kvwall.predict import mixers
 from kvwall.spec.formats import keep_16bit
 from kvwall.predict.memory import Formats
-from kvwall.predict.step import ACT_BYTES, GATHER, LINK, Op, Step, matmul
+from kvwall.predict.step import ACT_BYTES, CACHE, GATHER, LINK, SCAN, Op, Step, matmul
 from kvwall.spec.model import Layer, ModelSpec
+
+PER_SEQUENCE = (CACHE, SCAN)  # ops whose work follows each sequence's own context, not just its token count
 
 def layer_ops(i: int, layer: Layer, spec: ModelSpec, st: Step, fm: Formats, tp: int, mla_absorbed: bool) -> list[Op]:
     m, f = layer.mixer, layer.ffn
@@ -54,3 +56,32 @@ def step_ops(spec: ModelSpec, st: Step, fm: Formats, tp: int = 1, mla_absorbed: 
         ops += layer_ops(i, layer, spec, st, fm, tp, absorbed)
     ops.append(matmul("lm_head", None, st.batch, spec.hidden, spec.vocab / tp, w16))  # last position only
     return ops
+
+
+def mixed_ops(spec: ModelSpec, groups: list[Step], fm: Formats, tp: int = 1) -> list[Op]:
+    """One step over a mixed batch, as a continuous-batching server runs it: each group is a uniform Step
+    (decode tokens at one context, or a prefill chunk), and all groups share one forward.
+
+    Per-token ops (projections, MLPs, experts, embedding, all-reduces) run once over all the tokens; the
+    per-sequence ops (attention over each cache, SSM scans) are summed over the groups, their weights read
+    once; the LM head runs on each sequence's last token. One group gives exactly `step_ops` of it.
+    """
+    if not groups or any(g.batch < 1 or g.new < 1 or g.past < 0 for g in groups):
+        raise ValueError(f"a mixed step needs groups of >= 1 sequence and >= 1 new token each, got {groups}")
+    absorbed = all(g.new == 1 for g in groups)  # MLA: absorbed only when every row decodes
+    tokens, seqs = sum(g.tokens for g in groups), sum(g.batch for g in groups)
+    base = step_ops(spec, Step(1, 0, tokens), fm, tp, absorbed)
+    parts = [step_ops(spec, g, fm, tp, absorbed) for g in groups]
+    out = [op if op.kind not in PER_SEQUENCE else _summed([p[j] for p in parts]) for j, op in enumerate(base)]
+    out[-1] = matmul("lm_head", None, seqs, spec.hidden, spec.vocab / tp, keep_16bit(fm.weights))
+    return out
+
+
+def _summed(ops: list[Op]) -> Op:
+    """The same op over several groups: work and traffic add up, its weights are read once."""
+    first = ops[0]
+    assert all(o.name == first.name and o.layer == first.layer for o in ops), "groups gave different op lists"
+    total = {k: sum(getattr(o, k) for o in ops) for k in ("flops", "cache_read", "cache_write", "state_bytes",
+                                                          "act_bytes", "link_bytes")}
+    return Op(first.name, first.layer, weight_bytes=max(o.weight_bytes for o in ops), kernel=first.kernel,
+              kind=first.kind, **total)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from kvwall.errors import KvwallError
 from kvwall.predict.devices import Device
 from kvwall.predict.memory import Formats, Parallel, pipeline_stages
-from kvwall.predict.ops import step_ops
+from kvwall.predict.ops import mixed_ops, step_ops
 from kvwall.predict.step import ACT_BYTES, CACHE, LINK, Op, Step
 from kvwall.spec.model import ModelSpec
 
@@ -117,8 +117,22 @@ class PhaseResult:
 def run_step(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Parallel | None = None,
              name: str = "step", mla_absorbed: bool | None = None) -> PhaseResult:
     """Time one step on the roofline; with pipeline parallel, stages run one after another."""
+    return time_ops(spec, step, step_ops(spec, step, fm, (par or Parallel()).tp, mla_absorbed), roof, par, name)
+
+
+def run_mix(spec: ModelSpec, groups: list[Step], fm: Formats, roof: Roof, par: Parallel | None = None,
+            name: str = "mixed step") -> PhaseResult:
+    """Time one continuous-batching step: prefill chunks and decode tokens of different sequences in one
+    forward (`mixed_ops`). Its `step` reports the sequences, their mean past and new tokens."""
+    ops = mixed_ops(spec, groups, fm, (par or Parallel()).tp)
+    seqs, tokens = sum(g.batch for g in groups), sum(g.tokens for g in groups)
+    past = sum(g.batch * g.past for g in groups) // seqs
+    return time_ops(spec, Step(seqs, past, tokens / seqs), ops, roof, par, name)
+
+
+def time_ops(spec: ModelSpec, step: Step, ops: list[Op], roof: Roof, par: Parallel | None, name: str) -> PhaseResult:
+    """The step's ops on the roofline, one after another, plus the device's fixed cost per step."""
     par = par or Parallel()
-    ops = step_ops(spec, step, fm, par.tp, mla_absorbed)
     if par.pp > 1:
         pipeline_stages(spec.n_layers, par.pp)  # validates pp against the layer count
         ops.append(Op("pipeline send", None, link_bytes=(par.pp - 1) * step.tokens * spec.hidden * ACT_BYTES,
