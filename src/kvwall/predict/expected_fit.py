@@ -7,7 +7,7 @@ The fit: least squares on log(predicted rate / measured rate) over the rows, eve
 1 instead of chasing one row. Rows with an ``exclude_from_fit`` reason in the table are scored but never
 fitted.
 
-Leave-one-out: for each fitted row, refit without it (starting from the full fit) and predict it, so that the
+Leave-one-out: for each fitted row, refit without it (from the same start as the full fit) and predict it, so that the
 error shown for a row is never of a fit that saw the row.
 """
 
@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from kvwall.predict.expected import PARAMS, expected_roof
-from kvwall.predict.table import Prepared, figures
+from kvwall.predict.table import Prepared, figures, rate
 
 RIDGE = 0.3  # weight of a ridge parameter's log(value)^2 against one row's log error^2
 LOG_RANGE = (-25.0, 3.0)  # clip: fractions and seconds between e^-25 and e^3
@@ -31,8 +31,12 @@ def in_fit(prep: Prepared) -> bool:
 
 def log_errors(preps: list[Prepared], params: dict) -> list[float]:
     """log(predicted rate / measured rate) of each row under these parameters."""
-    return [math.log1p(figures(p, expected_roof(p.device, p.dtype, p.fm, p.spec, p.row["tp"], params))["error"])
-            for p in preps]
+    out = []
+    for p in preps:
+        predicted = figures(p, expected_roof(p.device, p.dtype, p.fm, p.spec, p.row["tp"], params))["predicted"]
+        metric = p.row["metric"]
+        out.append(math.log(max(rate(metric, predicted), 1e-300)) - math.log(rate(metric, p.row["value"])))
+    return out
 
 
 def _params(x: np.ndarray) -> dict:
@@ -81,13 +85,12 @@ def _lm_step(x, r, jac, damping, rows):
     return None, r, damping
 
 
-def leave_one_out(preps: list[Prepared], full: dict, iterations: int = 30,
-                  only: list[int] | None = None) -> list[float]:
-    """Each row's error under a fit without it (rows never fitted: the full fit's error); `only`: these
-    indices of `preps`, in that order."""
+def leave_one_out(preps: list[Prepared], full: dict, only: list[int] | None = None) -> list[float]:
+    """Each row's error under a fit without it, made as the full one was (same start; rows never fitted: the
+    full fit's error); `only`: these indices of `preps`, in that order."""
     out = []
     for i in range(len(preps)) if only is None else only:
         p = preps[i]
-        params = fit(preps[:i] + preps[i + 1:], full, iterations) if in_fit(p) else full
+        params = fit(preps[:i] + preps[i + 1:]) if in_fit(p) else full
         out.append(math.expm1(log_errors([p], params)[0]))
     return out

@@ -2,7 +2,7 @@
 
 * ideal: the roofline at the datasheet peaks (efficiency 1.0, no fixed costs);
 * expected: predict/expected.py's fitted figures, scored leave-one-out (each row predicted by a fit that did
-  not see it; predict/expected_fit.py). The stored fit (catalog/efficiency.json) starts every refit.
+  not see it; predict/expected_fit.py); rows never fitted are scored with the stored fit (catalog/efficiency.json).
 
 Each row is predicted with its weight and KV formats, tensor parallel ``tp`` and the conventions in
 predict/table.py (``CONVENTIONS``, stated in every output).
