@@ -1,6 +1,7 @@
 """Roofline time: each op takes max(FLOPs / peak, bytes / bandwidth); a step is the sum of its ops.
 
-Assumptions, stated in every output:
+Assumptions, stated in every output (``mode``: this is the ideal roof; predict/expected.py builds the
+expected one from the same fields):
 
 * peak = the device's dense peak for the compute dtype x ``compute_eff``;
   bandwidth = its memory bandwidth x ``mem_eff`` (defaults 1.0: an ideal
