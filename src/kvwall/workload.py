@@ -95,7 +95,8 @@ def stream(n: int, prompt: Lengths, output: Lengths, rate: float | None = None, 
 
 def load_dataset(path: str | Path, n: int | None = None, rate: float | None = None, seed: int = 0) -> list[Request]:
     """Requests from a JSONL file, one object a line: {"prompt": text} or {"prompt_tokens": N}, and
-    {"output_tokens": M}. A malformed line is a one-line error naming it. Arrivals as in `stream`."""
+    {"output_tokens": M}, optionally {"arrival_s": T} (a recorded trace: replayed as recorded, `rate` ignored).
+    A malformed line is a one-line error naming it. Without recorded arrivals: as in `stream`."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -105,11 +106,15 @@ def load_dataset(path: str | Path, n: int | None = None, rate: float | None = No
     if not rows:
         raise KvwallError(f"dataset {path} has no requests; write one JSON object per line")
     rows = rows[:n] if n else rows
-    times = [r.arrival_s for r in stream(len(rows), Lengths("fixed", 1), Lengths("fixed", 1), rate, seed)]
-    return [Request(i, t, p, o, text) for i, (t, (p, o, text)) in enumerate(zip(times, rows))]
+    recorded = [t for *_, t in rows if t is not None]
+    if recorded and len(recorded) < len(rows):
+        raise KvwallError(f"dataset {path}: some lines have arrival_s and some do not; give it on every line or none")
+    if not recorded:
+        recorded = [r.arrival_s for r in stream(len(rows), Lengths("fixed", 1), Lengths("fixed", 1), rate, seed)]
+    return [Request(i, t, p, o, text) for i, (t, (p, o, text, _)) in enumerate(zip(recorded, rows))]
 
 
-def _row(path: Path, k: int, line: str) -> tuple[int, int, str | None]:
+def _row(path: Path, k: int, line: str) -> tuple[int, int, str | None, float | None]:
     where = f"dataset {path} line {k}"
     try:
         obj = json.loads(line)
@@ -123,7 +128,10 @@ def _row(path: Path, k: int, line: str) -> tuple[int, int, str | None]:
     for name, v in (("prompt_tokens (or a prompt text)", tokens), ("output_tokens", out)):
         if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 2**31):
             raise KvwallError(f"{where}: {name} must be a whole number from 1, got {v!r}")
-    return tokens, out, text if isinstance(text, str) else None
+    at = obj.get("arrival_s")
+    if at is not None and not (isinstance(at, (int, float)) and not isinstance(at, bool) and 0 <= at < 1e9):
+        raise KvwallError(f"{where}: arrival_s must be a time in seconds >= 0, got {at!r}")
+    return tokens, out, text if isinstance(text, str) else None, None if at is None else float(at)
 
 
 def _check_count(n: int) -> None:
