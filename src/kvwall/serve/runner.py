@@ -82,13 +82,19 @@ class Runner:
                               f"{fmt_bytes(self.block_bytes)}; give more KV memory (e.g. --kv-memory 512MiB)")
         return kv_memory // self.block_bytes
 
-    def add(self, r: Request, sampling: Sampling = Sampling()) -> None:
-        """Queue a request; a one-line error for tokens outside the vocabulary or a sequence past the context."""
+    def check(self, r: Request, sampling: Sampling = Sampling()) -> None:
+        """A one-line error for a request that cannot run (bad sampling, a token outside the vocabulary, past
+        the context or the pool); reads only, so another thread may call it while this one steps."""
         sampling.check()
         vocab = self.model.spec.vocab
         if any(not 0 <= t < vocab for t in r.prompt):
             raise KvwallError(f"a prompt token id is outside the vocabulary [0, {vocab})")
         self.model.check_context(len(r.prompt) + r.max_tokens)
+        self.sched.check_fits(r)
+
+    def add(self, r: Request, sampling: Sampling = Sampling()) -> None:
+        """Queue a request (after check())."""
+        self.check(r, sampling)
         self.sched.add(r)
         seed = sampling.seed
         gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None

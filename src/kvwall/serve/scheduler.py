@@ -76,6 +76,7 @@ class Step:
     chunks: list[Chunk]
     copies: list[tuple[int, int]]  # (source, destination) blocks to copy before the forward (copy-on-write)
     preempted: list[Request]
+    sampled: dict[Request, int] = field(default_factory=dict)  # filled by finish(): each new token
 
 
 class Scheduler:
@@ -92,13 +93,17 @@ class Scheduler:
 
     def add(self, r: Request) -> None:
         """Queue a request; one that could not fit the whole pool alone is refused (it would never run)."""
+        self.check_fits(r)
+        self.waiting.append(r)
+
+    def check_fits(self, r: Request) -> None:
+        """A one-line error for a request this scheduler could never run; changes nothing."""
         if not r.prompt or r.max_tokens < 1:
             raise KvwallError("a request needs at least one prompt token and max_tokens >= 1")
         need = self.pool.blocks_for(len(r.prompt) + r.max_tokens)
         if need > self.pool.n_blocks:
             raise KvwallError(f"{len(r.prompt)} prompt + {r.max_tokens} new tokens need {need} KV blocks; the pool "
                               f"has {self.pool.n_blocks}: shorten the request or give the server more KV memory")
-        self.waiting.append(r)
 
     def abort(self, r: Request) -> None:
         """Drop a request wherever it is (a client that went away): its blocks go back to the pool now."""
@@ -203,7 +208,7 @@ class Scheduler:
     def finish(self, step: Step, sampled: dict[Request, int]) -> list[Request]:
         """Record a step: `sampled` maps each request -> its new token for the chunks that sample. Returns the
         requests that finished (retired: their blocks are free again)."""
-        done = []
+        done, step.sampled = [], sampled
         for c in step.chunks:
             r = c.request
             r.computed = c.start + c.n
