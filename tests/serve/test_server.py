@@ -223,3 +223,63 @@ def test_bad_requests_get_a_400_and_the_server_keeps_serving(server, body, statu
     ok = httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": "w1 w2 w3", "max_tokens": 3,
                                                     "temperature": 0}).json()
     assert ok["choices"][0]["text"] == solo_text(model, tok, [1, 2, 3], 3)
+
+
+def test_kvwall_serve_command_serves_and_stops_on_ctrl_c(tiny_model, tmp_path):
+    """The CLI end to end: `kvwall serve DIR --port P` answers, then SIGINT drains and exits with status 0."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    src, model = tiny_model("llama")
+    ckpt = tmp_path / "tiny"
+    shutil.copytree(src, ckpt)
+    tok = word_tokenizer(ckpt / "tokenizer.json")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvwall", "serve", str(ckpt), "--port", str(port),
+                             "--kv-memory", "1MiB", "--block-size", "8", "--api-key", "k"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):  # bounded: 60 s (torch import and model load)
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 5, "temperature": 0}
+        assert httpx.post(base + "/v1/completions", json=body).status_code == 401  # no key
+        r = httpx.post(base + "/v1/completions", json=body, headers={"Authorization": "Bearer k"}).json()
+        assert r["choices"][0]["text"] == solo_text(model, tok, [1, 2, 3], 5)
+        assert metric(base, "kv_blocks_free") == 1024 * 1024 // (3 * 2 * 32 * 4 * 8)  # 170 blocks of 6 KiB
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "KV pool 170 blocks of 8 tokens" in err
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--kv-memory", "lots"], "bad --kv-memory 'lots'"),
+    (["--cache", "int4"], "--cache 'int4': the paged pool stores fp32, bf16, fp16"),
+    (["--kv-memory", "1KiB"], "holds no block"),
+])
+def test_kvwall_serve_refuses_bad_options_in_one_line(tiny_model, capsys, args, fragment):
+    from kvwall.cli import main
+
+    path, _ = tiny_model("llama")
+    assert main(["serve", str(path), "--port", str(free_port()), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvwall: error: ") and fragment in err and err.count("\n") == 1
+
+
+def test_kvwall_serve_refuses_a_port_in_use(tiny_model, capsys):
+    from kvwall.cli import main
+
+    path, _ = tiny_model("llama")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert main(["serve", str(path), "--port", str(s.getsockname()[1])]) == 2
+    assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
