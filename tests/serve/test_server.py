@@ -283,3 +283,27 @@ def test_kvwall_serve_refuses_a_port_in_use(tiny_model, capsys):
         s.listen()
         assert main(["serve", str(path), "--port", str(s.getsockname()[1])]) == 2
     assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", [["--concurrency", "4"], ["--rate", "50"]])
+def test_loadtest_against_the_server(server, capsys, mode):
+    """8 streamed requests of 5 prompt words (unknown words: one token each) and 6 output tokens each."""
+    from kvwall.cli import main
+
+    base, _, _, _ = server
+    args = ["loadtest", base, "--model", NAME, *mode, "--requests", "8", "--prompt-tokens", "5",
+            "--output-tokens", "6", "--slo-ttft", "30s", "--json"]
+    assert main(args) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["completed"], d["errors"], d["output_tokens"], d["prompt_tokens"]) == (8, 0, 48, 40)
+    assert all(len(s["itl"]) == 5 for s in d["samples"])  # one text chunk per token: 5 gaps after the first
+    assert 0 < d["ttft_s"]["p50"] <= d["e2e_s"]["p50"] and d["goodput"] == d["request_throughput"]
+    assert main(["loadtest", base, "--model", "nope", "--concurrency", "1", "--requests", "1"]) == 2
+    assert "HTTP 400" in capsys.readouterr().err
+
+
+def test_percentiles_interpolate_like_numpy_docs():
+    from kvwall.measure.loadtest import percentiles
+
+    p = percentiles([1.0, 2.0, 3.0, 4.0])
+    assert (p["p50"], p["p90"], p["mean"]) == (2.5, pytest.approx(3.7), 2.5)  # 1 + 0.9 * 3 = 3.7

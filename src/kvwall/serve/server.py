@@ -3,7 +3,7 @@
     POST /v1/completions        prompt (text, token ids, or a list of one text), max_tokens (default 16)
     POST /v1/chat/completions   messages through the model's chat template (a plain "role: text" one without)
         both: temperature (default 1), top_p, seed, stop (a string or up to 4), stream (server-sent events,
-        stream_options.include_usage), n = 1 only; the answer carries usage counts
+        stream_options.include_usage), n = 1 only, ignore_eos (vLLM's extension); the answer carries usage
     GET  /v1/models, /health, /metrics (Prometheus text: requests, KV blocks, preemptions, prefix hits, tok/s)
 
 A bad request gets OpenAI's error object with status 400 (401 without the --api-key when one is set) and
@@ -69,6 +69,7 @@ class Job:
     stops: list[str]
     stream: bool
     usage_in_stream: bool
+    ignore_eos: bool = False  # vLLM's and llama.cpp's extension: run to max_tokens (load tests)
 
 
 def _number(body: dict, key: str, default, lo: float, hi: float, whole: bool = False):
@@ -131,7 +132,7 @@ def parse_job(body: dict, tok, chat: bool) -> Job:
         raise BadRequest("stream must be true or false", "stream")
     options = body.get("stream_options") or {}
     return Job(prompt, max_tokens, sampling, _stops(body), stream,
-               bool(isinstance(options, dict) and options.get("include_usage")))
+               bool(isinstance(options, dict) and options.get("include_usage")), body.get("ignore_eos") is True)
 
 
 # -- text out --------------------------------------------------------------------------------------------
@@ -204,7 +205,8 @@ class Api:
             job = self._job(await self._body(request), chat)
         except BadRequest as e:
             return error_response(e)
-        r = Request(uuid.uuid4().hex, job.prompt, job.max_tokens, frozenset(self.worker.runner.model.spec.eos_token_ids))
+        eos = () if job.ignore_eos else self.worker.runner.model.spec.eos_token_ids
+        r = Request(uuid.uuid4().hex, job.prompt, job.max_tokens, frozenset(eos))
         h = Handle(r, job.sampling, asyncio.get_running_loop())
         self.worker.submit(h)
         reply = Reply(self, h, job, chat)
