@@ -189,7 +189,7 @@ def test_concurrent_requests_equal_solo_runs(server):
 def test_a_disconnect_mid_stream_frees_its_blocks(server, monkeypatch):
     base, runner, _, _ = server
     slow = runner.forward
-    monkeypatch.setattr(runner, "forward", lambda step: (time.sleep(0.01), slow(step))[1])  # 400 tokens: 4 s
+    monkeypatch.setattr(runner, "forward", lambda rows: (time.sleep(0.01), slow(rows))[1])  # 400 tokens: 4 s
     before = metric(base, "generation_tokens_total")
     body = {"model": NAME, "prompt": "w1 w2", "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.stream("POST", base + "/v1/completions", json=body) as resp:

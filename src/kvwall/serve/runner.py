@@ -6,6 +6,11 @@ never attended). The pool's block tables come from the scheduler (ScheduledPages
 each row's blocks, so rows of any lengths share the forward. Rows whose chunk ends their sequence
 give a logit at their last token and sample the next one with their own sampling settings.
 
+A step that mixes decode rows (one token) with prefill chunks runs them as two forwards, decode rows
+(B, 1) and chunks (B', T): in one (B + B', T) batch every decode row would carry T - 1 padding
+tokens through every matmul (32 decode rows beside a 512-token chunk: 16k wasted tokens), while a
+second forward costs one more read of the weights.
+
 Memory: the pool is `kv_memory` bytes rounded down to whole blocks; one block is block_size tokens of
 K and V in every attention layer, in the pool's dtype (fp32, bf16 or fp16): the predictor's paged
 figure for one row of block_size tokens (caches.registry.predicted_bytes).
@@ -22,7 +27,7 @@ from kvwall.engine.caches.registry import predicted_bytes
 from kvwall.engine.caches.state import has_state
 from kvwall.engine.generate import Sampling, check_logits, pick
 from kvwall.errors import KvwallError
-from kvwall.serve.scheduler import Request, Scheduler, Step
+from kvwall.serve.scheduler import Chunk, Request, Scheduler, Step
 from kvwall.units import fmt_bytes
 
 
@@ -113,8 +118,10 @@ class Runner:
             return step, []
         for src, dst in step.copies:
             self.cache.copy_block(src, dst)
-        logits = self.forward(step)  # (B, V)
-        done = self.sched.finish(step, self.sample(step, logits))
+        sampled = {}
+        for rows in self.groups(step.chunks):
+            sampled.update(self.sample(rows, self.forward(rows)))  # forward: (B, V)
+        done = self.sched.finish(step, sampled)
         for r in done:
             self.sampling.pop(r, None)
         self.steps += 1
@@ -122,26 +129,33 @@ class Runner:
         self.busy_s += time.perf_counter() - t0
         return step, done
 
-    def forward(self, step: Step) -> torch.Tensor:
-        """The step's chunks as right-padded rows -> logits (B, V) at each row's last token."""
-        T = max(c.n for c in step.chunks)
-        tokens = torch.zeros(len(step.chunks), T, dtype=torch.long)  # (B, T)
-        pos = torch.full((len(step.chunks), T), -1, dtype=torch.long)  # (B, T), -1 on padding
-        for i, c in enumerate(step.chunks):
+    @staticmethod
+    def groups(chunks: list[Chunk]) -> list[list[Chunk]]:
+        """Decode rows apart from prefill chunks (each group one forward): no decode row is padded to a chunk."""
+        decode = [c for c in chunks if c.n == 1]
+        prefill = [c for c in chunks if c.n > 1]
+        return [g for g in (decode, prefill) if g]
+
+    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Chunks as right-padded rows -> logits (B, V) at each row's last token."""
+        T = max(c.n for c in chunks)
+        tokens = torch.zeros(len(chunks), T, dtype=torch.long)  # (B, T)
+        pos = torch.full((len(chunks), T), -1, dtype=torch.long)  # (B, T), -1 on padding
+        for i, c in enumerate(chunks):
             tokens[i, :c.n] = torch.tensor(c.request.tokens[c.start:c.start + c.n])
             pos[i, :c.n] = torch.arange(c.start, c.start + c.n)
-        self.cache.plan([c.request.blocks for c in step.chunks], [c.start + c.n for c in step.chunks])
+        self.cache.plan([c.request.blocks for c in chunks], [c.start + c.n for c in chunks])
         logits = self.model(tokens.to(self.device), pos.to(self.device), self.cache, last_only=True)[:, 0]
         check_logits(logits, f"at serving step {self.steps + 1}")
         return logits
 
-    def sample(self, step: Step, logits: torch.Tensor) -> dict[Request, int]:
+    def sample(self, chunks: list[Chunk], logits: torch.Tensor) -> dict[Request, int]:
         """The next token of each row whose chunk ended its sequence, with that request's own sampling."""
-        rows = [i for i, c in enumerate(step.chunks) if c.sample]
+        rows = [i for i, c in enumerate(chunks) if c.sample]
         greedy = logits.argmax(-1).tolist()  # (B,)
         out = {}
         for i in rows:
-            r = step.chunks[i].request
+            r = chunks[i].request
             s, gen = self.sampling[r]
             out[r] = greedy[i] if s.temperature == 0 else int(pick(logits[i:i + 1], s, gen)[0])
         self.generated += len(rows)
