@@ -212,6 +212,9 @@ def test_a_disconnect_mid_stream_frees_its_blocks(server, monkeypatch):
     ({"model": NAME, "prompt": ""}, 400, "empty"),
     ({"model": NAME, "prompt": "w1", "stop": [1]}, 400, "stop"),
     ({"model": NAME, "messages": "hi"}, 400, "messages"),
+    ({"model": NAME, "prompt": "   "}, 400, "encodes to no tokens"),
+    ({"model": NAME, "prompt": "w1", "seed": -1}, 400, "seed"),
+    ({"model": NAME, "prompt": "w1", "max_tokens": 10_000}, 400, "maximum context"),
 ])
 def test_bad_requests_get_a_400_and_the_server_keeps_serving(server, body, status, fragment):
     base, _, model, tok = server

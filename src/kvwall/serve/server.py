@@ -126,7 +126,7 @@ def parse_job(body: dict, tok, chat: bool) -> Job:
     max_tokens = _number({"max_tokens": limit}, "max_tokens", CHAT_MAX_TOKENS if chat else 16, 1, 1 << 24, True)
     sampling = Sampling(temperature=_number(body, "temperature", 1.0, 0, 2),
                         top_p=_number(body, "top_p", None, 1e-9, 1),
-                        seed=_number(body, "seed", None, -(1 << 63), (1 << 63) - 1, whole=True))
+                        seed=_number(body, "seed", None, 0, (1 << 63) - 1, whole=True))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be true or false", "stream")
@@ -232,7 +232,10 @@ class Api:
         return body
 
     def _job(self, body: dict, chat: bool) -> Job:
-        job = parse_job(body, self.tok, chat)
+        try:
+            job = parse_job(body, self.tok, chat)
+        except KvwallError as e:  # the tokenizer's: no chat template, a text that encodes to nothing
+            raise BadRequest(str(e), "messages" if chat else "prompt") from None
         try:
             self.worker.runner.check(Request("check", job.prompt, job.max_tokens), job.sampling)
         except KvwallError as e:
