@@ -113,3 +113,14 @@ def test_seeded_sampling_repeats_and_bad_requests_are_refused(tiny_model):
         runner.add(Request(1, [VOCAB], 2))
     with pytest.raises(KvwallError, match="maximum context of 512"):
         Runner(model, n_blocks=100, block_size=16).add(Request(2, [1] * 500, 20))
+
+
+def test_an_fp8_pool_holds_four_times_the_blocks_and_serves(tiny_model):
+    """fp8 K/V are one byte: 3,072 B per block of 16 on the tiny llama, 32 blocks in 100,000 B. Decoding over the
+    rounded K/V stays close: the first tokens of a short prompt match the fp32 run on this peaked model."""
+    _, model = tiny_model("llama")
+    runner = Runner(model, kv_memory=100_000, kv_dtype=torch.float8_e4m3fn)
+    assert runner.block_bytes == 3072 and runner.sched.pool.n_blocks == 32
+    r = Request(0, PREFIX[:10], 3)
+    serve(runner, [(0, r)])
+    assert r.out[:2] == solo(model, r.prompt, 3)[:2]

@@ -265,13 +265,14 @@ def test_kvwall_serve_command_serves_and_stops_on_ctrl_c(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("args, fragment", [
     (["--kv-memory", "lots"], "bad --kv-memory 'lots'"),
-    (["--cache", "int4"], "--cache 'int4': the paged pool stores fp32, bf16, fp16"),
+    (["--cache", "int4"], "--cache 'int4': the paged pool stores fp32, bf16, fp16, fp8"),
     (["--kv-memory", "1KiB"], "holds no block"),
 ])
 def test_kvwall_serve_refuses_bad_options_in_one_line(tiny_model, capsys, args, fragment):
     from kvwall.cli import main
 
     path, _ = tiny_model("llama")
+    capsys.readouterr()  # what building the checkpoint printed
     assert main(["serve", str(path), "--port", str(free_port()), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvwall: error: ") and fragment in err and err.count("\n") == 1
@@ -281,6 +282,7 @@ def test_kvwall_serve_refuses_a_port_in_use(tiny_model, capsys):
     from kvwall.cli import main
 
     path, _ = tiny_model("llama")
+    capsys.readouterr()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()

@@ -10,7 +10,7 @@ from pathlib import Path
 from kvwall.errors import KvwallError
 from kvwall.units import fmt_bytes, parse_bytes, whole
 
-POOL_DTYPES = ("fp32", "bf16", "fp16")  # what the paged pool stores (quantized paged blocks: not yet)
+POOL_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # serve.runner.POOL_FORMATS (torch-free here); int8/int4: not yet
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -64,17 +64,16 @@ def _check_port(host: str, port: int) -> None:
 
 
 def _run(args, path: Path, kv_memory: int) -> int:
-    import torch
     import uvicorn
 
     from kvwall.engine.load import load_model
     from kvwall.engine.tokenizer import load_tokenizer
-    from kvwall.serve.runner import Runner
+    from kvwall.serve.runner import POOL_FORMATS, Runner
     from kvwall.serve.server import Api
     from kvwall.serve.worker import Worker
 
     model = load_model(path, args.dtype)
-    kv_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.cache)
+    kv_dtype = POOL_FORMATS.get(args.cache)
     runner = Runner(model, kv_memory=kv_memory, block_size=args.block_size, chunk=args.chunk,
                     max_batch=args.max_batch, kv_dtype=kv_dtype)
     name = args.name or Path(args.checkpoint).name

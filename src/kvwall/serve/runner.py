@@ -12,8 +12,9 @@ tokens through every matmul (32 decode rows beside a 512-token chunk: 16k wasted
 second forward costs one more read of the weights.
 
 Memory: the pool is `kv_memory` bytes rounded down to whole blocks; one block is block_size tokens of
-K and V in every attention layer, in the pool's dtype (fp32, bf16 or fp16): the predictor's paged
-figure for one row of block_size tokens (caches.registry.predicted_bytes).
+K and V in every attention layer, in the pool's format (fp32, bf16, fp16, or fp8: e4m3 clamped, no
+scale, as the fp8 cache): the predictor's paged figure for one row of block_size tokens
+(caches.registry.predicted_bytes). A smaller format holds more blocks, so more requests run at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 
 import torch
 
+from kvwall.engine.caches.fp8 import E4M3_MAX
 from kvwall.engine.caches.paged import PagedCache
 from kvwall.engine.caches.registry import predicted_bytes
 from kvwall.engine.caches.state import has_state
@@ -48,7 +50,9 @@ class ScheduledPages(PagedCache):
         self.k_pos = torch.where(slots < lengths, slots, -1)  # (B, nb * bs): slot j holds position j
 
     def update(self, layer, k, v, pos):
-        dtype = self.pools[layer][0].dtype  # a bf16 pool under an fp32 model stores rounded K/V
+        dtype = self.pools[layer][0].dtype  # a bf16 or fp8 pool under an fp32 model stores rounded K/V
+        if dtype == torch.float8_e4m3fn:  # e4m3fn has no infinity: clamp, as the fp8 cache does
+            k, v = k.clamp(-E4M3_MAX, E4M3_MAX), v.clamp(-E4M3_MAX, E4M3_MAX)
         return super().update(layer, k.to(dtype), v.to(dtype), pos)
 
     def copy_block(self, src: int, dst: int) -> None:
@@ -59,10 +63,13 @@ class ScheduledPages(PagedCache):
         raise AssertionError("the scheduler frees blocks; rows are not released")
 
 
+POOL_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+
+
 def block_bytes(spec, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block (block_size tokens of K and V in every attention layer) in `dtype`."""
-    return predicted_bytes("paged", spec, 1, block_size, element=str(dtype).removeprefix("torch."),
-                           block_size=block_size)
+    element = next(name for name, d in POOL_FORMATS.items() if d == dtype)
+    return predicted_bytes("paged", spec, 1, block_size, element=element, block_size=block_size)
 
 
 class Runner:
