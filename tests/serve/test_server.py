@@ -312,3 +312,21 @@ def test_percentiles_interpolate_like_numpy_docs():
 
     p = percentiles([1.0, 2.0, 3.0, 4.0])
     assert (p["p50"], p["p90"], p["mean"]) == (2.5, pytest.approx(3.7), 2.5)  # 1 + 0.9 * 3 = 3.7
+
+
+def test_loadtest_sends_a_dataset_and_plots(server, tmp_path, capsys):
+    from kvwall.cli import main
+
+    base, _, _, _ = server
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "w1 w2 w3"}\n\n{"prompt": "w4 w5"}\n')
+    png = tmp_path / "cdf.png"
+    args = ["loadtest", base, "--model", NAME, "--concurrency", "2", "--requests", "3", "--output-tokens", "4",
+            "--dataset", str(data), "--plot", str(png), "--json"]
+    assert main(args) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["prompt_tokens"] == 3 + 2 + 3 and d["output_tokens"] == 12  # prompts in turn: 3, 2, 3 tokens
+    assert png.stat().st_size > 0
+    data.write_text('{"text": "w1"}\n')
+    assert main(args) == 2
+    assert 'line 1: expected a JSON object with a non-empty "prompt" string' in capsys.readouterr().err

@@ -8,6 +8,7 @@ import re
 
 from kvwall.commands import common
 from kvwall.errors import KvwallError
+from kvwall.files import PLOT_EXTS, check_output
 from kvwall.report.tables import console, table
 from kvwall.units import real, whole
 
@@ -35,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=duration, default=120.0, help="per request (default 120s)")
     p.add_argument("--slo-ttft", type=duration, help="goodput counts requests with TTFT at most this, e.g. 1s")
     p.add_argument("--slo-tpot", type=duration, help="... and time per output token at most this, e.g. 100ms")
+    p.add_argument("--dataset", metavar="JSONL", help='prompts, one {"prompt": "..."} per line, sent in turn')
+    p.add_argument("--plot", metavar="PNG", help="latency CDFs (TTFT, TPOT, end to end)")
     p.add_argument("--api-key", metavar="KEY")
     common.add_json(p)
     p.set_defaults(func=cmd_loadtest)
@@ -47,14 +50,21 @@ def cmd_loadtest(args) -> int:
         raise KvwallError("loadtest needs httpx: pip install 'kvwall[serve]'") from None
     from kvwall.measure import loadtest
 
-    loadtest.base_url(args.url)  # a one-line error for a malformed URL before anything is sent
+    loadtest.base_url(args.url)  # one-line errors for a malformed URL or path before anything is sent
+    plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
+    dataset = loadtest.read_dataset(args.dataset) if args.dataset else None
     load = loadtest.Load(args.url, args.model, args.requests, args.rate, args.concurrency, args.prompt_tokens,
-                         args.output_tokens, args.seed, args.timeout, args.api_key)
+                         args.output_tokens, args.seed, args.timeout, args.api_key, dataset)
     samples, wall = asyncio.run(_with_progress(load, quiet=args.json))
     data = loadtest.summarize(load, samples, wall, args.slo_ttft, args.slo_tpot)
     if not data["completed"]:
         raise KvwallError(f"no request to {args.url} completed ({data['first_errors'][0]}); is the server up and "
                           f"serving {args.model!r}?")
+    if plot:
+        from kvwall.report.measured import plot_loadtest
+
+        plot_loadtest(data, plot)
+        data["plot"] = str(plot)
     return common.emit(args, data, _print)
 
 

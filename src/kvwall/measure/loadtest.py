@@ -9,7 +9,7 @@ Arrivals are Poisson at `rate` requests/s (exponential gaps, seeded) or a fixed 
 
 Output tokens come from the server's usage (stream_options.include_usage), else one per text chunk.
 Prompts are `prompt_tokens` words drawn from a fixed list (about one token each; the usage gives the
-true count); ignore_eos asks the server to run to `output_tokens`. Every loop is bounded: N requests,
+true count), or a dataset's prompts in turn (JSON lines, {"prompt": ...}); ignore_eos asks the server to run to `output_tokens`. Every loop is bounded: N requests,
 each with a timeout.
 """
 
@@ -45,6 +45,7 @@ class Load:
     seed: int = 0
     timeout: float = 120.0  # seconds, per request
     api_key: str | None = None
+    dataset: list[str] | None = None  # prompts to send in turn instead of random words
 
 
 @dataclass
@@ -66,8 +67,33 @@ class Sample:
 
 
 def prompts(load: Load) -> list[str]:
+    """The dataset's prompts in turn (repeated as needed), else `prompt_tokens` seeded random words each."""
+    if load.dataset:
+        return [load.dataset[i % len(load.dataset)] for i in range(load.requests)]
     rng = random.Random(load.seed)
     return [" ".join(rng.choice(WORDS) for _ in range(load.prompt_tokens)) for _ in range(load.requests)]
+
+
+def read_dataset(path) -> list[str]:
+    """A JSON-lines file, one {"prompt": "..."} per line (blank lines skipped) -> the prompts."""
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise KvwallError(f"cannot read the dataset {path}: {getattr(e, 'strerror', None) or e}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            prompt = json.loads(line)["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            prompt = None
+        if not isinstance(prompt, str) or not prompt:
+            raise KvwallError(f"{path} line {n}: expected a JSON object with a non-empty \"prompt\" string")
+        out.append(prompt)
+    if not out:
+        raise KvwallError(f"{path} holds no prompts; write one {{\"prompt\": \"...\"}} per line")
+    return out
 
 
 def base_url(url: str) -> str:
