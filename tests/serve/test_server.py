@@ -330,3 +330,19 @@ def test_loadtest_sends_a_dataset_and_plots(server, tmp_path, capsys):
     data.write_text('{"text": "w1"}\n')
     assert main(args) == 2
     assert 'line 1: expected a JSON object with a non-empty "prompt" string' in capsys.readouterr().err
+
+
+def test_loadtest_sweep_runs_each_load_and_plots(server, tmp_path, capsys):
+    from kvwall.cli import main
+
+    base, _, _, _ = server
+    png = tmp_path / "sweep.png"
+    assert main(["loadtest", base, "--model", NAME, "--sweep", "concurrency=1,3", "--requests", "3",
+                 "--prompt-tokens", "4", "--output-tokens", "3", "--plot", str(png), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [p["load"] for p in d["points"]] == [1, 3] and [p["mode"] for p in d["points"]] == [
+        "concurrency 1", "concurrency 3"]
+    assert all(p["completed"] == 3 and p["output_tokens"] == 9 for p in d["points"]) and png.stat().st_size > 0
+    for bad in ("speed=1", "concurrency=1.5", "rate=", "rate=-1"):
+        assert main(["loadtest", base, "--model", NAME, "--sweep", bad]) == 2
+        assert "--sweep must be rate=R1,R2,... or concurrency=C1,C2,..." in capsys.readouterr().err

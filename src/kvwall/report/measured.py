@@ -89,3 +89,13 @@ def plot_loadtest(data: dict, path: str | Path) -> Path:
         series[label] = [(v, (i + 1) / len(values)) for i, v in enumerate(values)]
     return plots.lines(series, "latency (ms)", "fraction of requests at or below",
                        f"{data['model']} at {data['url']} ({data['mode']}, {data['completed']} requests)", path)
+
+
+def plot_sweep(data: dict, path: str | Path) -> Path:
+    """A loadtest sweep: output-token throughput (left) and p99 end-to-end latency (right) against the load."""
+    from kvwall.report import plots
+
+    pts = [p for p in data["points"] if p["e2e_s"]]
+    return plots.two_axes([p["load"] for p in pts], ("output tokens/s", [p["output_token_throughput"] for p in pts]),
+                          ("p99 end-to-end latency (s)", [p["e2e_s"]["p99"] for p in pts]),
+                          f"offered load ({data['sweep']})", f"{data['model']} at {data['url']}", path)
