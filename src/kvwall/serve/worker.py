@@ -83,6 +83,8 @@ class Worker:
                 self.handles[h.request] = h
             except KvwallError as e:
                 h.push(("error", str(e)))
+            except Exception as e:  # a bug must fail this request, not stop the engine thread
+                h.push(("error", f"the engine could not take the request: {e}"))
         elif kind == "abort" and self.handles.pop(h.request, None) is not None:
             self.runner.abort(h.request)
 
