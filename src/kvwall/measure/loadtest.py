@@ -9,8 +9,8 @@ Arrivals are Poisson at `rate` requests/s (exponential gaps, seeded) or a fixed 
 
 Output tokens come from the server's usage (stream_options.include_usage), else one per text chunk.
 Prompts are `prompt_tokens` words drawn from a fixed list (about one token each; the usage gives the
-true count), or a dataset's prompts in turn (JSON lines, {"prompt": ...}); ignore_eos asks the server to run to `output_tokens`. Every loop is bounded: N requests,
-each with a timeout.
+true count), or a dataset's prompts in turn (JSON lines, {"prompt": ...}); ignore_eos asks the server
+to run to `output_tokens`. Every loop is bounded: N requests, each with a timeout.
 """
 
 from __future__ import annotations
