@@ -346,3 +346,16 @@ def test_loadtest_sweep_runs_each_load_and_plots(server, tmp_path, capsys):
     for bad in ("speed=1", "concurrency=1.5", "rate=", "rate=-1"):
         assert main(["loadtest", base, "--model", NAME, "--sweep", bad]) == 2
         assert "--sweep must be rate=R1,R2,... or concurrency=C1,C2,..." in capsys.readouterr().err
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_blocks(server, monkeypatch):
+    """Not streamed: the server notices the closed connection while it waits (polled each second) and aborts."""
+    base, runner, _, _ = server
+    slow = runner.forward
+    monkeypatch.setattr(runner, "forward", lambda rows: (time.sleep(0.01), slow(rows))[1])  # 400 tokens: 4 s
+    before = metric(base, "generation_tokens_total")
+    body = {"model": NAME, "prompt": "w3 w4", "max_tokens": 400, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/completions", json=body, timeout=0.5)
+    wait_idle(base)
+    assert metric(base, "generation_tokens_total") - before < 400

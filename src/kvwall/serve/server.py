@@ -264,16 +264,27 @@ class Reply:
         self.object = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
         self.text = TextStream(api.tok, job.stops)
+        self.next_check = time.monotonic() + 1.0  # when to ask again whether the client is still there
+
+    async def next_event(self, disconnected=None) -> tuple:
+        """The engine's next event; with `disconnected` (a whole answer: nothing is written until the end), at
+        most every second whether the client went away (Disconnected). A stream learns it from its writes."""
+        while True:
+            try:
+                event = await asyncio.wait_for(self.h.events.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                event = None
+            if disconnected is not None and time.monotonic() >= self.next_check:
+                self.next_check = time.monotonic() + 1.0
+                if await disconnected():
+                    raise Disconnected
+            if event is not None:
+                return event
 
     async def events(self, disconnected=None):
         """(text delta, finish reason or None) until the request ends; BadRequest(500) on an engine error."""
         while True:
-            try:
-                kind, value = await asyncio.wait_for(self.h.events.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if disconnected is not None and await disconnected():
-                    raise Disconnected from None
-                continue
+            kind, value = await self.next_event(disconnected)
             if kind == "error":
                 self.h.finished = True
                 raise BadRequest(value, status=400 if "context" in value or "KV" in value else 500)
