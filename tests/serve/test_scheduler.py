@@ -145,3 +145,13 @@ def test_a_request_larger_than_the_pool_is_refused():
         s.add(Request("x", [1] * 6, 4))
     with pytest.raises(KvwallError, match="max_tokens >= 1"):
         s.add(Request("y", [1], 0))
+
+
+def test_admission_leaves_a_block_for_each_decoding_request():
+    """4 blocks of 2. A ([1, 2], 5 new: 4 blocks at the end) decodes holding 2 blocks when B (3 tokens + 4 new)
+    arrives: taking the 2 free blocks would leave A none to grow into at step 3, so B waits until A finishes
+    instead of being admitted and preempted two steps later."""
+    s = Scheduler(4, block_size=2, chunk=64)
+    a, b = Request("a", [1, 2], 5), Request("b", [3, 4, 5], 4)
+    drive(s, [(0, a), (1, b)])
+    assert s.preemptions == 0 and a.out == solo([1, 2], 5) and b.out == solo([3, 4, 5], 4)

@@ -11,8 +11,9 @@ pool. Each step (``schedule``) gives out at most `chunk` tokens (the token budge
    hold them, the newest running request is preempted (its blocks freed, put back at the head of
    the queue to be recomputed later), until they fit or the request itself was the newest;
 2. waiting requests, in arrival order, while budget, seats and blocks last (none when this step
-   preempted): first the blocks of their prompt's prefix that the prefix cache holds, then a
-   first chunk.
+   preempted), leaving one free block per decoding request (so a newcomer is not preempted at
+   once when they grow): first the blocks of their prompt's prefix that the prefix cache holds,
+   then a first chunk.
 
 A chunk that reaches the end of a request's tokens yields a logit, and the caller samples the next
 token; ``finish`` records it, seals the blocks that became full, and retires requests that hit a
@@ -147,7 +148,8 @@ class Scheduler:
             hit = self.pool.cached_prefix(r.tokens)
             start = min(len(hit) * self.pool.block_size, r.length - 1)  # all cached: recompute the last token
             n = min(r.length - start, budget)
-            if self.pool.revive_cost(hit) + self._needs_after(len(hit), start, n) > self.pool.n_free():
+            need = self.pool.revive_cost(hit) + self._needs_after(len(hit), start, n)
+            if need + self._reserve() > self.pool.n_free():
                 return
             self.waiting.popleft()
             self._attach(r, hit, start)
@@ -155,6 +157,12 @@ class Scheduler:
             step.chunks.append(Chunk(r, r.computed, n))
             self.running.append(r)
             budget -= n
+
+    def _reserve(self) -> int:
+        """Free blocks an admission must leave: one per running request that is decoding (it may need a new
+        block within the next block_size steps), so that a newcomer is not preempted again at once. None
+        while nothing runs: a request that fits the empty pool always gets in."""
+        return sum(1 for r in self.running if r.computed >= len(r.prompt))
 
     def _attach(self, r: Request, hit: list[int], computed: int) -> None:
         """r takes the cached blocks of its prefix; `computed` of its tokens are then in the pool."""
