@@ -75,3 +75,27 @@ def plot_results(results: list[dict], device, path: str | Path) -> Path:
     return plots.lines(series, "context (tokens)", "decode time per token (ms)",
                        f"Measured (solid) vs predicted (dashed) decode time on this machine "
                        f"({device.bandwidth / 1e9:.0f} GB/s)", path, logy=True, dashed=dashed)
+
+
+def plot_loadtest(data: dict, path: str | Path) -> Path:
+    """Latency CDFs of a loadtest (kvwall.measure.loadtest.summarize): TTFT, TPOT and end-to-end, in ms."""
+    from kvwall.report import plots
+
+    ok = [s for s in data["samples"] if s["ok"]]
+    tpot = [(s["e2e"] - s["ttft"]) / (s["output_tokens"] - 1) for s in ok if s["output_tokens"] > 1]
+    series = {}
+    for label, values in (("TTFT", [s["ttft"] for s in ok]), ("TPOT", tpot), ("end to end", [s["e2e"] for s in ok])):
+        values = sorted(v * 1e3 for v in values)
+        series[label] = [(v, (i + 1) / len(values)) for i, v in enumerate(values)]
+    return plots.lines(series, "latency (ms)", "fraction of requests at or below",
+                       f"{data['model']} at {data['url']} ({data['mode']}, {data['completed']} requests)", path)
+
+
+def plot_sweep(data: dict, path: str | Path) -> Path:
+    """A loadtest sweep: output-token throughput (left) and p99 end-to-end latency (right) against the load."""
+    from kvwall.report import plots
+
+    pts = [p for p in data["points"] if p["e2e_s"]]
+    return plots.two_axes([p["load"] for p in pts], ("output tokens/s", [p["output_token_throughput"] for p in pts]),
+                          ("p99 end-to-end latency (s)", [p["e2e_s"]["p99"] for p in pts]),
+                          f"offered load ({data['sweep']})", f"{data['model']} at {data['url']}", path)

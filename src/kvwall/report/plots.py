@@ -177,3 +177,19 @@ def versus(points: list[dict], xlabel: str, ylabel: str, title: str, path: str |
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(True, which="both", alpha=0.2)
     return _save(fig, path)
+
+
+def two_axes(x: list[float], left: tuple[str, list[float]], right: tuple[str, list[float]], xlabel: str, title: str,
+             path: str | Path) -> Path:
+    """Two quantities of different units against one x: `left` on the left axis (solid), `right` on the right
+    (dashed); each is (label, values)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot(x, left[1], marker="o", color="tab:blue")
+    ax.set_ylabel(left[0], color="tab:blue")
+    twin = ax.twinx()
+    twin.plot(x, right[1], marker="s", ls="--", color="tab:red")
+    twin.set_ylabel(right[0], color="tab:red")
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    return _save(fig, path)
