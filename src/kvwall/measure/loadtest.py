@@ -1,0 +1,194 @@
+"""Drive any OpenAI-compatible server (kvwall serve, vLLM, llama.cpp's server) with a stream of requests.
+
+Arrivals are Poisson at `rate` requests/s (exponential gaps, seeded) or a fixed number of clients
+(`concurrency`) each sending its next request when the last one ends. Every request streams
+/v1/completions (server-sent events) and is timed on the client:
+
+    TTFT   time to the first text chunk            e2e    time to the end of the stream
+    ITL    gaps between text chunks                TPOT   (e2e - TTFT) / (output tokens - 1)
+
+Output tokens come from the server's usage (stream_options.include_usage), else one per text chunk.
+Prompts are `prompt_tokens` words drawn from a fixed list (about one token each; the usage gives the
+true count); ignore_eos asks the server to run to `output_tokens`. Every loop is bounded: N requests,
+each with a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kvwall.errors import KvwallError
+
+WORDS = ("the of and to in is was for on that with as by at from his her are this have one had not but what all "
+         "were when we there can an your which their said if do will each about how up out them then she many "
+         "some so these would other into has more two like him see time could no make than first been its who "
+         "now people my made over did down only way find use may water long little very after words called just "
+         "where most know get through back much before go good new write our used me man too any day same right "
+         "look think also around another came come work three word must because does part even place well").split()
+
+
+@dataclass
+class Load:
+    url: str
+    model: str
+    requests: int
+    rate: float | None = None  # requests per second (Poisson); None: fixed concurrency
+    concurrency: int | None = None
+    prompt_tokens: int = 128
+    output_tokens: int = 64
+    seed: int = 0
+    timeout: float = 120.0  # seconds, per request
+    api_key: str | None = None
+
+
+@dataclass
+class Sample:
+    start: float  # seconds since the run began
+    ok: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def prompts(load: Load) -> list[str]:
+    rng = random.Random(load.seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(load.prompt_tokens)) for _ in range(load.requests)]
+
+
+def base_url(url: str) -> str:
+    """http://host:port or .../v1 -> http://host:port/v1."""
+    url = url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise KvwallError(f"{url!r} is not an http(s) URL; give e.g. http://127.0.0.1:8000")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+async def one(client, load: Load, prompt: str, t0: float) -> Sample:
+    """One streamed completion, timed; an HTTP or stream error becomes the sample's error."""
+    s = Sample(time.perf_counter() - t0)
+    body = {"model": load.model, "prompt": prompt, "max_tokens": load.output_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    try:
+        await asyncio.wait_for(_stream(client, load, body, s), load.timeout)
+    except asyncio.TimeoutError:
+        s.error = f"timed out after {load.timeout:g} s"
+    except Exception as e:  # a refused connection, a reset, a malformed event: counted, not fatal
+        s.error = f"{type(e).__name__}: {e}"
+    return s
+
+
+async def _stream(client, load: Load, body: dict, s: Sample) -> None:
+    start, last, chunks = time.perf_counter(), None, 0
+    async with client.stream("POST", base_url(load.url) + "/completions", json=body) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")[:200]
+            raise RuntimeError(f"HTTP {resp.status_code}: {text}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(str(event["error"].get("message", event["error"])))
+            now = time.perf_counter()
+            if event.get("choices") and event["choices"][0].get("text"):
+                chunks += 1
+                if last is None:
+                    s.ttft = now - start
+                else:
+                    s.itl.append(now - last)
+                last = now
+            if event.get("usage"):
+                s.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+                s.output_tokens = event["usage"].get("completion_tokens", 0)
+    s.e2e = time.perf_counter() - start
+    s.output_tokens = s.output_tokens or chunks
+    s.ok = s.ttft is not None
+    if not s.ok:
+        s.error = "the stream carried no text"
+
+
+async def run(load: Load, progress=None) -> tuple[list[Sample], float]:
+    """All requests, Poisson or fixed concurrency -> (samples, wall seconds)."""
+    import httpx
+
+    texts, rng = prompts(load), random.Random(load.seed + 1)
+    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=load.timeout, headers=headers, limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def send(i: int) -> Sample:
+            s = await one(client, load, texts[i], t0)
+            if progress:
+                progress(s)
+            return s
+
+        if load.rate:
+            samples = await _poisson(send, load, rng)
+        else:
+            samples = await _clients(send, load)
+        return samples, time.perf_counter() - t0
+
+
+async def _poisson(send, load: Load, rng: random.Random) -> list[Sample]:
+    tasks = []
+    for i in range(load.requests):
+        tasks.append(asyncio.create_task(send(i)))
+        if i + 1 < load.requests:
+            await asyncio.sleep(rng.expovariate(load.rate))
+    return list(await asyncio.gather(*tasks))
+
+
+async def _clients(send, load: Load) -> list[Sample]:
+    todo = iter(range(load.requests))
+    samples: list[Sample] = []
+
+    async def client_loop():
+        for i in todo:  # the clients share one iterator: each request is sent once
+            samples.append(await send(i))
+
+    await asyncio.gather(*(client_loop() for _ in range(min(load.concurrency, load.requests))))
+    return samples
+
+
+# -- the summary --------------------------------------------------------------------------------------------
+
+def percentiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"mean": float(np.mean(values)), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def summarize(load: Load, samples: list[Sample], wall: float, slo_ttft: float | None = None,
+              slo_tpot: float | None = None) -> dict:
+    ok = [s for s in samples if s.ok]
+    tpots = [s.tpot for s in ok if s.tpot is not None]
+    good = [s for s in ok if (slo_ttft is None or s.ttft <= slo_ttft) and
+            (slo_tpot is None or s.tpot is None or s.tpot <= slo_tpot)]
+    out_tokens = sum(s.output_tokens for s in ok)
+    errors = [s.error for s in samples if not s.ok]
+    return {"url": load.url, "model": load.model, "requests": len(samples), "completed": len(ok),
+            "errors": len(errors), "first_errors": errors[:3], "wall_s": wall,
+            "mode": f"poisson {load.rate:g}/s" if load.rate else f"concurrency {load.concurrency}",
+            "request_throughput": len(ok) / wall, "output_token_throughput": out_tokens / wall,
+            "prompt_tokens": sum(s.prompt_tokens for s in ok), "output_tokens": out_tokens,
+            "goodput": len(good) / wall, "slo_ttft_s": slo_ttft, "slo_tpot_s": slo_tpot,
+            "ttft_s": percentiles([s.ttft for s in ok]), "tpot_s": percentiles(tpots),
+            "itl_s": percentiles([g for s in ok for g in s.itl]), "e2e_s": percentiles([s.e2e for s in ok]),
+            "samples": [asdict(s) for s in samples]}

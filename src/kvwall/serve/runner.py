@@ -1,0 +1,170 @@
+"""One scheduler step as one forward over the paged pool: mixed prefill chunks and decode tokens, then sampling.
+
+Each chunk of the step is one row of a right-padded (B, T) batch, T the longest chunk: row i holds
+tokens [start, start + n) of its request at their true positions, padding is -1 (never written,
+never attended). The pool's block tables come from the scheduler (ScheduledPages); attention reads
+each row's blocks, so rows of any lengths share the forward. Rows whose chunk ends their sequence
+give a logit at their last token and sample the next one with their own sampling settings.
+
+A step that mixes decode rows (one token) with prefill chunks runs them as two forwards, decode rows
+(B, 1) and chunks (B', T): in one (B + B', T) batch every decode row would carry T - 1 padding
+tokens through every matmul (32 decode rows beside a 512-token chunk: 16k wasted tokens), while a
+second forward costs one more read of the weights.
+
+Memory: the pool is `kv_memory` bytes rounded down to whole blocks; one block is block_size tokens of
+K and V in every attention layer, in the pool's dtype (fp32, bf16 or fp16): the predictor's paged
+figure for one row of block_size tokens (caches.registry.predicted_bytes).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvwall.engine.caches.paged import PagedCache
+from kvwall.engine.caches.registry import predicted_bytes
+from kvwall.engine.caches.state import has_state
+from kvwall.engine.generate import Sampling, check_logits, pick
+from kvwall.errors import KvwallError
+from kvwall.serve.scheduler import Chunk, Request, Scheduler, Step
+from kvwall.units import fmt_bytes
+
+
+class ScheduledPages(PagedCache):
+    """The paged pool whose block tables the scheduler sets before each forward (``plan``), instead of
+    growing them row by row; update() and the gather are PagedCache's."""
+
+    def plan(self, tables: list[list[int]], lengths: list[int]) -> None:
+        """Row i reads blocks tables[i], holding lengths[i] tokens once this step's tokens are written."""
+        self._tables, self._lengths = tables, lengths
+
+    def step(self, pos):
+        width = max(1, max(len(t) for t in self._tables))
+        table = [t + [0] * (width - len(t)) for t in self._tables]
+        self.table = torch.tensor(table, dtype=torch.long, device=self.device)  # (B, nb)
+        slots = torch.arange(width * self.block_size, device=self.device)[None]  # (1, nb * bs)
+        lengths = torch.tensor(self._lengths, device=self.device)[:, None]  # (B, 1)
+        self.k_pos = torch.where(slots < lengths, slots, -1)  # (B, nb * bs): slot j holds position j
+
+    def update(self, layer, k, v, pos):
+        dtype = self.pools[layer][0].dtype  # a bf16 pool under an fp32 model stores rounded K/V
+        return super().update(layer, k.to(dtype), v.to(dtype), pos)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for k, v in filter(None, self.pools):
+            k[dst], v[dst] = k[src], v[src]  # (Hkv, bs, D)
+
+    def release(self, row: int) -> None:
+        raise AssertionError("the scheduler frees blocks; rows are not released")
+
+
+def block_bytes(spec, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block (block_size tokens of K and V in every attention layer) in `dtype`."""
+    return predicted_bytes("paged", spec, 1, block_size, element=str(dtype).removeprefix("torch."),
+                           block_size=block_size)
+
+
+class Runner:
+    def __init__(self, model, kv_memory: int | None = None, n_blocks: int | None = None, block_size: int = 16,
+                 chunk: int = 512, max_batch: int = 64, kv_dtype: torch.dtype | None = None):
+        if has_state(model.spec):
+            raise KvwallError(f"{model.spec.name} has SSM layers; serving runs attention-only models for now")
+        w = next(model.parameters())
+        self.model, self.device, dtype = model, w.device, kv_dtype or w.dtype
+        self.block_bytes = block_bytes(model.spec, block_size, dtype)
+        n_blocks = n_blocks or self._blocks_in(kv_memory)
+        self.cache = ScheduledPages(model.spec, 1, block_size, n_blocks, dtype=dtype, device=self.device)
+        assert self.cache.block_bytes() == self.block_bytes, "the pool's block is the predictor's"
+        self.sched = Scheduler(n_blocks, block_size, chunk, max_batch)
+        self.sampling: dict[Request, tuple[Sampling, torch.Generator | None]] = {}
+        self.generated = self.computed = self.steps = 0
+        self.busy_s = 0.0
+
+    def _blocks_in(self, kv_memory: int | None) -> int:
+        if not kv_memory or kv_memory < self.block_bytes:
+            raise KvwallError(f"a KV memory of {fmt_bytes(kv_memory or 0)} holds no block of "
+                              f"{fmt_bytes(self.block_bytes)}; give more KV memory (e.g. --kv-memory 512MiB)")
+        return kv_memory // self.block_bytes
+
+    def check(self, r: Request, sampling: Sampling = Sampling()) -> None:
+        """A one-line error for a request that cannot run (bad sampling, a token outside the vocabulary, past
+        the context or the pool); reads only, so another thread may call it while this one steps."""
+        sampling.check()
+        vocab = self.model.spec.vocab
+        if any(not 0 <= t < vocab for t in r.prompt):
+            raise KvwallError(f"a prompt token id is outside the vocabulary [0, {vocab})")
+        self.model.check_context(len(r.prompt) + r.max_tokens)
+        self.sched.check_fits(r)
+
+    def add(self, r: Request, sampling: Sampling = Sampling()) -> None:
+        """Queue a request (after check())."""
+        self.check(r, sampling)
+        self.sched.add(r)
+        seed = sampling.seed
+        gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        self.sampling[r] = (sampling, gen)
+
+    def abort(self, r: Request) -> None:
+        self.sched.abort(r)
+        self.sampling.pop(r, None)
+
+    @torch.inference_mode()
+    def step(self) -> tuple[Step, list[Request]]:
+        """Schedule, run one forward, sample; returns the step and the requests that finished in it."""
+        t0 = time.perf_counter()
+        step = self.sched.schedule()
+        if not step.chunks:
+            return step, []
+        for src, dst in step.copies:
+            self.cache.copy_block(src, dst)
+        sampled = {}
+        for rows in self.groups(step.chunks):
+            sampled.update(self.sample(rows, self.forward(rows)))  # forward: (B, V)
+        done = self.sched.finish(step, sampled)
+        for r in done:
+            self.sampling.pop(r, None)
+        self.steps += 1
+        self.computed += sum(c.n for c in step.chunks)
+        self.busy_s += time.perf_counter() - t0
+        return step, done
+
+    @staticmethod
+    def groups(chunks: list[Chunk]) -> list[list[Chunk]]:
+        """Decode rows apart from prefill chunks (each group one forward): no decode row is padded to a chunk."""
+        decode = [c for c in chunks if c.n == 1]
+        prefill = [c for c in chunks if c.n > 1]
+        return [g for g in (decode, prefill) if g]
+
+    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Chunks as right-padded rows -> logits (B, V) at each row's last token."""
+        T = max(c.n for c in chunks)
+        tokens = torch.zeros(len(chunks), T, dtype=torch.long)  # (B, T)
+        pos = torch.full((len(chunks), T), -1, dtype=torch.long)  # (B, T), -1 on padding
+        for i, c in enumerate(chunks):
+            tokens[i, :c.n] = torch.tensor(c.request.tokens[c.start:c.start + c.n])
+            pos[i, :c.n] = torch.arange(c.start, c.start + c.n)
+        self.cache.plan([c.request.blocks for c in chunks], [c.start + c.n for c in chunks])
+        logits = self.model(tokens.to(self.device), pos.to(self.device), self.cache, last_only=True)[:, 0]
+        check_logits(logits, f"at serving step {self.steps + 1}")
+        return logits
+
+    def sample(self, chunks: list[Chunk], logits: torch.Tensor) -> dict[Request, int]:
+        """The next token of each row whose chunk ended its sequence, with that request's own sampling."""
+        rows = [i for i, c in enumerate(chunks) if c.sample]
+        greedy = logits.argmax(-1).tolist()  # (B,)
+        out = {}
+        for i in rows:
+            r = chunks[i].request
+            s, gen = self.sampling[r]
+            out[r] = greedy[i] if s.temperature == 0 else int(pick(logits[i:i + 1], s, gen)[0])
+        self.generated += len(rows)
+        return out
+
+    def run_all(self, limit: int = 100_000) -> None:
+        """Step until no request is left (bounded: a stuck scheduler is a bug, not an endless loop)."""
+        for _ in range(limit):
+            if not self.sched.has_work():
+                return
+            self.step()
+        raise AssertionError(f"requests still unfinished after {limit} steps")

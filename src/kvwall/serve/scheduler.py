@@ -1,0 +1,253 @@
+"""Continuous (iteration-level) batching over a paged pool: which tokens of which requests run in each step.
+
+Torch-free: plain Python over token and block counts, so the predictor can replay the same policy.
+
+A request's tokens are its prompt followed by what it generated; `computed` of them have K/V in the
+pool. Each step (``schedule``) gives out at most `chunk` tokens (the token budget) to at most
+`max_batch` requests:
+
+1. running requests, oldest first: each gets its pending tokens (a prefill chunk, or the one token
+   a decoding request sampled last step) up to what is left of the budget. When the pool cannot
+   hold them, the newest running request is preempted (its blocks freed, put back at the head of
+   the queue to be recomputed later), until they fit or the request itself was the newest;
+2. waiting requests, in arrival order, while budget, seats and blocks last (none when this step
+   preempted): first the blocks of their prompt's prefix that the prefix cache holds, then a
+   first chunk.
+
+A chunk that reaches the end of a request's tokens yields a logit, and the caller samples the next
+token; ``finish`` records it, seals the blocks that became full, and retires requests that hit a
+stop token or their length at once (their blocks go back to the pool).
+
+Every request makes progress: the oldest running request is never preempted for a newer one, and
+``add`` refuses a request that could not fit the whole pool alone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvwall.errors import KvwallError
+from kvwall.serve.blocks import BlockManager
+
+
+@dataclass(eq=False)
+class Request:
+    id: object
+    prompt: list[int]
+    max_tokens: int  # new tokens at most
+    stop: frozenset[int] = frozenset()  # token ids that end it (kept in its output)
+    out: list[int] = field(default_factory=list)
+    computed: int = 0  # leading tokens whose K/V are in the pool
+    blocks: list[int] = field(default_factory=list)  # block table: logical block i -> pool block
+    hashes: list[int] = field(default_factory=list)  # hash of each sealed (full, computed) block, in order
+    preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
+    finish: str | None = None  # "stop", "length" or "abort" once retired
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.out)
+
+    @property
+    def pending(self) -> int:
+        return self.length - self.computed
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens [start, start + n) of a request run in this step; `sample`: the step yields its next token."""
+
+    request: Request
+    start: int
+    n: int
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.n == self.request.length
+
+
+@dataclass
+class Step:
+    chunks: list[Chunk]
+    copies: list[tuple[int, int]]  # (source, destination) blocks to copy before the forward (copy-on-write)
+    preempted: list[Request]
+    sampled: dict[Request, int] = field(default_factory=dict)  # filled by finish(): each new token
+
+
+class Scheduler:
+    def __init__(self, n_blocks: int, block_size: int = 16, chunk: int = 512, max_batch: int = 64):
+        if chunk < 1 or max_batch < 1:
+            raise KvwallError(f"the token budget ({chunk}) and the batch ({max_batch}) must be at least 1")
+        self.pool = BlockManager(n_blocks, block_size)
+        self.chunk, self.max_batch = chunk, max_batch
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the newest is preempted first
+        self.preemptions = 0
+
+    # -- requests in and out ----------------------------------------------------------------------
+
+    def add(self, r: Request) -> None:
+        """Queue a request; one that could not fit the whole pool alone is refused (it would never run)."""
+        self.check_fits(r)
+        self.waiting.append(r)
+
+    def check_fits(self, r: Request) -> None:
+        """A one-line error for a request this scheduler could never run; changes nothing."""
+        if not r.prompt or r.max_tokens < 1:
+            raise KvwallError("a request needs at least one prompt token and max_tokens >= 1")
+        need = self.pool.blocks_for(len(r.prompt) + r.max_tokens)
+        if need > self.pool.n_blocks:
+            raise KvwallError(f"{len(r.prompt)} prompt + {r.max_tokens} new tokens need {need} KV blocks; the pool "
+                              f"has {self.pool.n_blocks}: shorten the request or give the server more KV memory")
+
+    def abort(self, r: Request) -> None:
+        """Drop a request wherever it is (a client that went away): its blocks go back to the pool now."""
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        self._retire(r, "abort")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> Step:
+        step = Step([], [], [])
+        budget = self._schedule_running(step, self.chunk)
+        if not step.preempted:
+            self._admit(step, budget)
+        return step
+
+    def _schedule_running(self, step: Step, budget: int) -> int:
+        for r in list(self.running):
+            n = min(r.pending, budget)
+            if n == 0 or r not in self.running:  # budget spent, or r was preempted for an older one
+                break
+            while self._needs(r, n) > self.pool.n_free():
+                victim = self.running[-1]
+                self._preempt(victim)
+                step.preempted.append(victim)
+                if victim is r:
+                    return budget
+            step.copies += self._grow(r, n)
+            step.chunks.append(Chunk(r, r.computed, n))
+            budget -= n
+        return budget
+
+    def _admit(self, step: Step, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch:
+            r = self.waiting[0]
+            hit = self.pool.cached_prefix(r.tokens)
+            start = min(len(hit) * self.pool.block_size, r.length - 1)  # all cached: recompute the last token
+            n = min(r.length - start, budget)
+            if self.pool.revive_cost(hit) + self._needs_after(len(hit), start, n) > self.pool.n_free():
+                return
+            self.waiting.popleft()
+            self._attach(r, hit, start)
+            step.copies += self._grow(r, n)
+            step.chunks.append(Chunk(r, r.computed, n))
+            self.running.append(r)
+            budget -= n
+
+    def _attach(self, r: Request, hit: list[int], computed: int) -> None:
+        """r takes the cached blocks of its prefix; `computed` of its tokens are then in the pool."""
+        for bid in hit:
+            self.pool.take(bid)
+        r.blocks, r.computed, r.cached_tokens = list(hit), computed, computed
+        r.hashes = [self.pool.blocks[bid].hash for bid in hit]
+        self.pool.hits += len(hit)
+
+    def _needs(self, r: Request, n: int) -> int:
+        """Free blocks r needs to compute n more tokens."""
+        return self._needs_after(len(r.blocks), r.computed, n, r.blocks)
+
+    def _needs_after(self, held: int, computed: int, n: int, blocks: list[int] | None = None) -> int:
+        """Free blocks to compute tokens [computed, computed + n) holding `held` blocks: the new ones, plus a
+        copy of the block written first when it is sealed (the only held block a chunk can write into).
+        At admission (blocks None) every held block is a cached, sealed one."""
+        new = max(self.pool.blocks_for(computed + n) - held, 0)
+        first = computed // self.pool.block_size
+        if first < held:
+            new += 1 if blocks is None or self.pool.sealed(blocks[first]) else 0
+        return new
+
+    def _grow(self, r: Request, n: int) -> list[tuple[int, int]]:
+        """Give r the blocks for n more tokens: a private copy of a sealed block it writes into, then new ones."""
+        copies = []
+        first = r.computed // self.pool.block_size
+        if first < len(r.blocks) and self.pool.sealed(r.blocks[first]):
+            new = self.pool.copy_on_write(r.blocks[first])
+            copies.append((r.blocks[first], new))
+            r.blocks[first] = new
+            del r.hashes[first:]  # the copy is rewritten: it is sealed again once computed
+        while len(r.blocks) < self.pool.blocks_for(r.computed + n):
+            r.blocks.append(self.pool.allocate())
+        return copies
+
+    def _preempt(self, r: Request) -> None:
+        """Free r's blocks; it goes back to the head of the queue and is recomputed (prompt + output so far)."""
+        self.running.remove(r)
+        self._free(r)
+        r.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(r)
+
+    def _free(self, r: Request) -> None:
+        self.pool.release(r.blocks)
+        r.blocks, r.hashes, r.computed = [], [], 0
+
+    # -- after the forward ------------------------------------------------------------------------
+
+    def finish(self, step: Step, sampled: dict[Request, int]) -> list[Request]:
+        """Record a step: `sampled` maps each request -> its new token for the chunks that sample. Returns the
+        requests that finished (retired: their blocks are free again)."""
+        done, step.sampled = [], sampled
+        for c in step.chunks:
+            r = c.request
+            r.computed = c.start + c.n
+            self._seal(r)
+            if c.sample:
+                r.out.append(sampled[r])
+                why = self._finished(r)
+                if why:
+                    self.running.remove(r)
+                    self._retire(r, why)
+                    done.append(r)
+        return done
+
+    def _finished(self, r: Request) -> str | None:
+        if r.out[-1] in r.stop:
+            return "stop"
+        return "length" if len(r.out) >= r.max_tokens else None
+
+    def _seal(self, r: Request) -> None:
+        """Seal r's blocks that are now full and computed, so later requests can share them."""
+        bs, tokens = self.pool.block_size, None
+        while len(r.hashes) < r.computed // bs:
+            i = len(r.hashes)
+            tokens = tokens or r.tokens
+            prev = r.hashes[-1] if r.hashes else None
+            r.hashes.append(self.pool.seal(r.blocks[i], prev, tuple(tokens[i * bs:(i + 1) * bs])))
+
+    def _retire(self, r: Request, why: str) -> None:
+        self._free(r)
+        r.finish = why
+
+    # -- invariants and gauges --------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Blocks conserved; waiting requests hold none; running ones hold the blocks their computed tokens need."""
+        assert all(not r.blocks for r in self.waiting), "a waiting request holds blocks"
+        for r in self.running:
+            assert len(r.blocks) >= self.pool.blocks_for(r.computed), "a request lost blocks it computed into"
+        self.pool.check([r.blocks for r in self.running])
+
+    def used_blocks(self) -> int:
+        return self.pool.n_blocks - self.pool.n_free()

@@ -1,0 +1,355 @@
+"""The OpenAI HTTP API over the engine worker (Starlette + uvicorn): a thin layer that parses, submits, streams.
+
+    POST /v1/completions        prompt (text, token ids, or a list of one text), max_tokens (default 16)
+    POST /v1/chat/completions   messages through the model's chat template (a plain "role: text" one without)
+        both: temperature (default 1), top_p, seed, stop (a string or up to 4), stream (server-sent events,
+        stream_options.include_usage), n = 1 only, ignore_eos (vLLM's extension); the answer carries usage
+    GET  /v1/models, /health, /metrics (Prometheus text: requests, KV blocks, preemptions, prefix hits, tok/s)
+
+A bad request gets OpenAI's error object with status 400 (401 without the --api-key when one is set) and
+never reaches the engine. A client that disconnects aborts its request: its blocks are free before the
+next step. Stop strings are found in the decoded text; the text stops before them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from kvwall.engine.generate import Sampling
+from kvwall.errors import KvwallError
+from kvwall.serve.scheduler import Request
+from kvwall.serve.worker import Handle, Worker
+
+CHAT_MAX_TOKENS = 256  # chat's default max_tokens (OpenAI's is "up to the context")
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
+def error_response(e: BadRequest) -> JSONResponse:
+    kind = "invalid_request_error" if e.status < 500 else "server_error"
+    body = {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}}
+    return JSONResponse(body, status_code=e.status)
+
+
+class Disconnected(Exception):
+    """The client of a whole (non-streamed) answer went away."""
+
+
+class IdText:
+    """What a model without a tokenizer speaks: prompts as token ids, text out as space-separated ids."""
+
+    def encode(self, text: str) -> list[int]:
+        raise BadRequest("this model has no tokenizer; send the prompt as a list of token ids", "prompt")
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+# -- parsing a request body ------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stops: list[str]
+    stream: bool
+    usage_in_stream: bool
+    ignore_eos: bool = False  # vLLM's and llama.cpp's extension: run to max_tokens (load tests)
+
+
+def _number(body: dict, key: str, default, lo: float, hi: float, whole: bool = False):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    ok = isinstance(value, int) if whole else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or not lo <= value <= hi:
+        kind = "an integer" if whole else "a number"
+        raise BadRequest(f"{key} must be {kind} in [{lo}, {hi}] (got {value!r})", key)
+    return value
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("stop must be a non-empty string or a list of up to 4 of them", "stop")
+    return stops
+
+
+def _prompt_ids(prompt, tok) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt) if prompt else []
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = prompt
+    else:
+        raise BadRequest("prompt must be a string, a list of one string, or a list of token ids", "prompt")
+    if not ids:
+        raise BadRequest("the prompt is empty; give at least one token", "prompt")
+    return ids
+
+
+def _chat_ids(messages, tok) -> list[int]:
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise BadRequest("messages must be a non-empty list of {role, content} objects with string content",
+                         "messages")
+    if hasattr(tok, "encode_chat"):
+        return tok.encode_chat(messages)
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    return tok.encode(text)
+
+
+def parse_job(body: dict, tok, chat: bool) -> Job:
+    """The request body -> what the engine runs; BadRequest names the field at fault."""
+    if body.get("n", 1) != 1:
+        raise BadRequest("only n = 1 is served", "n")
+    prompt = _chat_ids(body.get("messages"), tok) if chat else _prompt_ids(body.get("prompt"), tok)
+    limit = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens")
+    max_tokens = _number({"max_tokens": limit}, "max_tokens", CHAT_MAX_TOKENS if chat else 16, 1, 1 << 24, True)
+    sampling = Sampling(temperature=_number(body, "temperature", 1.0, 0, 2),
+                        top_p=_number(body, "top_p", None, 1e-9, 1),
+                        seed=_number(body, "seed", None, -(1 << 63), (1 << 63) - 1, whole=True))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    return Job(prompt, max_tokens, sampling, _stops(body), stream,
+               bool(isinstance(options, dict) and options.get("include_usage")), body.get("ignore_eos") is True)
+
+
+# -- text out --------------------------------------------------------------------------------------------
+
+class TextStream:
+    """Token ids -> text deltas: waits for a whole character, holds back a possible start of a stop string,
+    and ends the text before the first stop string."""
+
+    def __init__(self, tok, stops: list[str]):
+        self.tok, self.stops, self.ids, self.sent = tok, stops, [], 0
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """-> (new text, whether a stop string was hit)."""
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # half a UTF-8 character: wait for the rest
+            return "", False
+        cut = min((i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0),
+                  default=None)
+        if cut is not None:
+            return self._take(text, max(cut, self.sent)), True
+        safe = len(text) - max((self._partial(text, s) for s in self.stops), default=0)
+        return self._take(text, max(safe, self.sent)), False
+
+    @staticmethod
+    def _partial(text: str, stop: str) -> int:
+        """Length of the longest end of `text` that begins `stop`."""
+        return next((k for k in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:k])), 0)
+
+    def _take(self, text: str, end: int) -> str:
+        delta, self.sent = text[self.sent:end], end
+        return delta
+
+    def flush(self) -> str:
+        """The rest of the text at the end (held-back characters that turned out not to start a stop)."""
+        return self._take(self.tok.decode(self.ids), len(self.tok.decode(self.ids)))
+
+
+# -- the app ---------------------------------------------------------------------------------------------
+
+class Api:
+    def __init__(self, worker: Worker, tok, name: str, api_key: str | None = None):
+        self.worker, self.tok, self.name, self.api_key = worker, tok or IdText(), name, api_key
+        self.created = int(time.time())
+
+    def app(self) -> Starlette:
+        routes = [Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.metrics)]
+        return Starlette(routes=routes, lifespan=self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        """The engine thread runs while the server does; uvicorn drains open requests before this ends."""
+        self.worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(self.worker.stop)
+
+    async def completions(self, request: HttpRequest):
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request: HttpRequest):
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: HttpRequest, chat: bool):
+        try:
+            self._authorize(request)
+            job = self._job(await self._body(request), chat)
+        except BadRequest as e:
+            return error_response(e)
+        eos = () if job.ignore_eos else self.worker.runner.model.spec.eos_token_ids
+        r = Request(uuid.uuid4().hex, job.prompt, job.max_tokens, frozenset(eos))
+        h = Handle(r, job.sampling, asyncio.get_running_loop())
+        self.worker.submit(h)
+        reply = Reply(self, h, job, chat)
+        if job.stream:
+            return StreamingResponse(reply.stream(), media_type="text/event-stream")
+        return await reply.whole(request)
+
+    def _authorize(self, request: HttpRequest) -> None:
+        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+            raise BadRequest("missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key",
+                             status=401)
+
+    async def _body(self, request: HttpRequest) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BadRequest("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        if body.get("model") != self.name:
+            raise BadRequest(f"model {body.get('model')!r} is not served here; this server serves {self.name!r}",
+                             "model", "model_not_found")
+        return body
+
+    def _job(self, body: dict, chat: bool) -> Job:
+        job = parse_job(body, self.tok, chat)
+        try:
+            self.worker.runner.check(Request("check", job.prompt, job.max_tokens), job.sampling)
+        except KvwallError as e:
+            raise BadRequest(str(e), "messages" if chat else "prompt", "context_length_exceeded"
+                             if "context" in str(e) or "KV blocks" in str(e) else None) from None
+        return job
+
+    async def models(self, request: HttpRequest):
+        return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model",
+                                                         "created": self.created, "owned_by": "kvwall"}]})
+
+    async def health(self, request: HttpRequest):
+        alive = self.worker.thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    async def metrics(self, request: HttpRequest):
+        return PlainTextResponse(prometheus(self.worker.runner), media_type="text/plain; version=0.0.4")
+
+
+class Reply:
+    """One request's answer: the engine's events -> OpenAI objects, whole or as server-sent events."""
+
+    def __init__(self, api: Api, h: Handle, job: Job, chat: bool):
+        self.api, self.h, self.job, self.chat = api, h, job, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + h.request.id
+        self.object = "chat.completion" if chat else "text_completion"
+        self.created = int(time.time())
+        self.text = TextStream(api.tok, job.stops)
+
+    async def events(self, disconnected=None):
+        """(text delta, finish reason or None) until the request ends; BadRequest(500) on an engine error."""
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(self.h.events.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if disconnected is not None and await disconnected():
+                    raise Disconnected from None
+                continue
+            if kind == "error":
+                self.h.finished = True
+                raise BadRequest(value, status=400 if "context" in value or "KV" in value else 500)
+            if kind == "done":
+                self.h.finished = True
+                yield self.text.flush(), value
+                return
+            delta, stopped = self.text.add(value)
+            if stopped:
+                self.api.worker.abort(self.h)
+                yield delta, "stop"
+                return
+            if delta:
+                yield delta, None
+
+    def usage(self) -> dict:
+        p, c = len(self.h.request.prompt), len(self.h.request.out)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def choice(self, text: str | None, finish: str | None, delta: bool) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        key = "delta" if delta else "message"
+        body = {"role": "assistant", "content": text} if not delta else ({"content": text} if text else {})
+        return {"index": 0, key: body, "logprobs": None, "finish_reason": finish}
+
+    def envelope(self, choices: list, streaming: bool) -> dict:
+        kind = self.object + (".chunk" if streaming and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.api.name, "choices": choices}
+
+    async def whole(self, request: HttpRequest):
+        parts, finish = [], None
+        try:
+            async for delta, finish in self.events(request.is_disconnected):
+                parts.append(delta)
+        except BadRequest as e:
+            return error_response(e)
+        except Disconnected:  # the client went away: free its blocks (nobody reads this answer)
+            self.api.worker.abort(self.h)
+            return JSONResponse({}, status_code=499)
+        body = self.envelope([self.choice("".join(parts), finish, False)], False)
+        return JSONResponse(dict(body, usage=self.usage()))
+
+    async def stream(self):
+        try:
+            if self.chat:
+                yield sse(self.envelope([dict(self.choice(None, None, True), delta={"role": "assistant"})], True))
+            async for delta, finish in self.events():
+                yield sse(self.envelope([self.choice(delta, finish, True)], True))
+            if self.job.usage_in_stream:
+                yield sse(dict(self.envelope([], True), usage=self.usage()))
+        except BadRequest as e:
+            yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        finally:
+            if not self.h.finished:  # the client went away mid-stream: free its blocks now
+                self.api.worker.abort(self.h)
+        yield "data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def prometheus(runner) -> str:
+    """The gauges and counters of /metrics in Prometheus' text format."""
+    s = runner.sched
+    rate = runner.generated / runner.busy_s if runner.busy_s > 0 else 0.0
+    rows = [("requests_running", "gauge", "requests holding KV blocks", len(s.running)),
+            ("requests_waiting", "gauge", "requests queued", len(s.waiting)),
+            ("kv_blocks_used", "gauge", "KV blocks held by requests", s.used_blocks()),
+            ("kv_blocks_free", "gauge", "KV blocks free", s.pool.n_free()),
+            ("kv_block_bytes", "gauge", "bytes of one KV block", runner.block_bytes),
+            ("preemptions_total", "counter", "requests preempted (recomputed later)", s.preemptions),
+            ("prefix_cache_hits_total", "counter", "KV blocks taken from the prefix cache", s.pool.hits),
+            ("computed_tokens_total", "counter", "tokens run through the model (prefill and decode)", runner.computed),
+            ("generation_tokens_total", "counter", "tokens generated", runner.generated),
+            ("steps_total", "counter", "engine steps", runner.steps),
+            ("generation_tokens_per_second", "gauge", "tokens generated per busy second", rate)]
+    out = []
+    for name, kind, about, value in rows:
+        out += [f"# HELP kvwall_{name} {about}", f"# TYPE kvwall_{name} {kind}", f"kvwall_{name} {value}"]
+    return "\n".join(out) + "\n"

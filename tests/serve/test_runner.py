@@ -1,0 +1,115 @@
+"""The runner on tiny random models: for random request streams (arrival steps, prompt lengths, shared prefixes,
+pools small enough to preempt, chunk sizes, batch limits) every request's greedy tokens equal that request
+generated alone with engine/generate.py, and blocks are conserved after every step."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvwall.engine.caches.registry import predicted_bytes  # noqa: E402
+from kvwall.engine.generate import Sampling, generate  # noqa: E402
+from kvwall.errors import KvwallError  # noqa: E402
+from kvwall.serve.runner import Runner  # noqa: E402
+from kvwall.serve.scheduler import Request  # noqa: E402
+
+VOCAB = 160
+PREFIX = [(7 * i + 3) % VOCAB for i in range(24)]  # a common system prompt, cut at various lengths
+_solo: dict = {}
+
+
+def solo(model, prompt: list[int], n: int) -> list[int]:
+    key = (id(model), tuple(prompt), n)
+    if key not in _solo:
+        _solo[key] = generate(model, [prompt], n).tokens[0]
+    return _solo[key]
+
+
+def serve(runner: Runner, arrivals: list[tuple[int, Request]], limit: int = 2000) -> None:
+    """Feed arrivals at their steps, step until done, checking conservation after every step."""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    for step_no in range(limit):
+        while pending and pending[0][0] <= step_no:
+            runner.add(pending.pop(0)[1])
+        if not pending and not runner.sched.has_work():
+            assert runner.sched.used_blocks() == 0
+            return
+        runner.step()
+        runner.sched.check()
+    raise AssertionError("the stream did not finish")
+
+
+request_st = st.tuples(st.integers(0, 8), st.integers(0, 24), st.lists(st.integers(0, VOCAB - 1), max_size=9),
+                       st.integers(1, 8))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=st.lists(request_st, min_size=1, max_size=6), block_size=st.sampled_from([1, 4, 16]),
+       chunk=st.integers(1, 24), max_batch=st.integers(1, 6), spare=st.integers(0, 4))
+def test_every_request_equals_its_solo_run(tiny_model, reqs, block_size, chunk, max_batch, spare):
+    _, model = tiny_model("llama")
+    made = []
+    for i, (at, cut, tail, n) in enumerate(reqs):
+        prompt = PREFIX[:cut] + tail or [1]
+        made.append((at, Request(i, prompt, n)))
+    need = max(-(-(len(r.prompt) + r.max_tokens) // block_size) for _, r in made)
+    runner = Runner(model, n_blocks=need + spare, block_size=block_size, chunk=chunk, max_batch=max_batch)
+    serve(runner, made)
+    for _, r in made:
+        assert r.out == solo(model, r.prompt, r.max_tokens), f"request {r.id} ({r.preemptions} preemptions)"
+
+
+@pytest.mark.parametrize("family", ["mistral", "deepseek_v2", "gemma2"])
+def test_other_attention_kinds_equal_solo_runs(tiny_model, family):
+    """Sliding window (mistral, contexts past its 16), MLA's latent cache (deepseek_v2), soft-capping (gemma2):
+    a fixed stream with a shared prefix, chunking and a pool small enough to preempt."""
+    _, model = tiny_model(family)
+    prompts = [PREFIX[:20] + [5, 6], PREFIX[:20] + [9], PREFIX[:8], [3] * 30]
+    runner = Runner(model, n_blocks=7, block_size=8, chunk=12, max_batch=3)
+    made = [(i, Request(i, p, 10)) for i, p in enumerate(prompts)]
+    serve(runner, made)
+    assert runner.sched.preemptions > 0 and runner.sched.pool.hits > 0
+    for _, r in made:
+        assert r.out == solo(model, r.prompt, 10)
+
+
+def test_kv_memory_is_whole_blocks_of_the_predicted_size(tiny_model):
+    """llama tiny: 3 layers x 2 KV heads x (16 + 16) x 4 B = 768 B per token, 12,288 B per block of 16."""
+    _, model = tiny_model("llama")
+    assert predicted_bytes("paged", model.spec, 1, 16) == 3 * 2 * 32 * 4 * 16 == 12288
+    runner = Runner(model, kv_memory=100_000)
+    assert runner.sched.pool.n_blocks == 8 and runner.cache.pool_bytes() == 8 * 12288
+    half = Runner(model, kv_memory=100_000, kv_dtype=torch.bfloat16)
+    assert half.sched.pool.n_blocks == 16  # bf16 blocks are half the bytes: twice as many fit
+    with pytest.raises(KvwallError, match="holds no block"):
+        Runner(model, kv_memory=1000)
+
+
+def test_bf16_pool_serves_close_to_fp32(tiny_model):
+    """A bf16 pool under an fp32 model: same greedy tokens on this peaked tiny model for a short stream."""
+    _, model = tiny_model("llama")
+    runner = Runner(model, n_blocks=20, block_size=4, chunk=8, kv_dtype=torch.bfloat16)
+    r = Request(0, PREFIX[:10], 6)
+    serve(runner, [(0, r)])
+    assert r.out == solo(model, r.prompt, 6)
+
+
+def test_seeded_sampling_repeats_and_bad_requests_are_refused(tiny_model):
+    _, model = tiny_model("llama")
+    outs = []
+    for _ in range(2):
+        runner = Runner(model, n_blocks=20, block_size=4)
+        r = Request(0, [1, 2, 3], 8)
+        runner.add(r, Sampling(temperature=1.0, top_p=0.9, seed=7))
+        runner.run_all()
+        outs.append(r.out)
+    assert outs[0] == outs[1] and len(outs[0]) == 8
+    with pytest.raises(KvwallError, match="outside the vocabulary"):
+        runner.add(Request(1, [VOCAB], 2))
+    with pytest.raises(KvwallError, match="maximum context of 512"):
+        Runner(model, n_blocks=100, block_size=16).add(Request(2, [1] * 500, 20))
