@@ -16,7 +16,8 @@ def run_json(capsys, *argv):
 
 def test_roofline_json_states_assumptions(capsys):
     data = run_json(capsys, "roofline", "llama-3-8b", "--device", "h100-sxm", "--batch", "1,8", "--context", "4k",
-                    "--prompt", "2k")
+                    "--prompt", "2k", "--ideal")
+    assert data["mode"] == "ideal" and data["assumptions"]["mode"] == "ideal"
     a = data["assumptions"]
     assert a["machine_balance"] == pytest.approx(989e12 / 3.35e12)
     assert a["compute_eff"] == 1.0 and a["mem_eff"] == 1.0 and "counted" in a

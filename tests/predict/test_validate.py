@@ -1,4 +1,4 @@
-"""`kvwall validate` (ideal mode): one row reproduced by hand from public numbers, the summary on a tiny
+"""`kvwall validate` (ideal mode; expected mode in test_expected.py): one row reproduced by hand from public numbers, the summary on a tiny
 synthetic table, the rate convention for time metrics, filters, bad inputs and the JSON's keys."""
 
 import json
@@ -100,9 +100,9 @@ def test_bad_inputs_one_line(capsys, argv, what):
 
 
 def test_json_keys(capsys):
-    assert main(["validate", "--engine", "gpt-fast", "--json"]) == 0
+    assert main(["validate", "--engine", "gpt-fast", "--json", "--mode", "ideal"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"conventions", "rows", "summary"}
+    assert set(data) == {"conventions", "rows", "summary", "mode", "summaries", "fit"} and data["mode"] == "ideal"
     assert set(data["summary"]) == {"checked", "skipped", "all", "engines", "devices"}
     assert list(data["summary"]["engines"]) == ["gpt-fast"]
     row = next(r for r in data["rows"] if r["id"] == GPTFAST)

@@ -16,6 +16,7 @@ MODELS_DIR = HERE / "models"
 DEVICES_FILE = HERE / "devices.json"
 ENERGY_FILE = HERE / "energy.json"
 MEASUREMENTS_FILE = HERE / "measurements.json"
+EFFICIENCY_FILE = HERE / "efficiency.json"  # expected mode's fitted figures (kvwall validate --fit)
 
 # The source documents' lineup, one model per idea: MHA, GQA, GQA at scale, MLA, local/global, SSM, hybrid.
 LINEUP = ["gpt2-xl", "llama-3-8b", "llama-3-70b", "deepseek-v3", "gemma-3-27b", "mamba-2.8b", "jamba-v0.1"]
@@ -61,3 +62,18 @@ def energy_table() -> dict:
 def measurements() -> tuple[dict, ...]:
     """Published inference measurements (measurements.json rows), each with its source; see the file's _about."""
     return tuple(json.loads(MEASUREMENTS_FILE.read_text())["rows"])
+
+
+def measurements_version() -> str:
+    """The table's identity for the fitted figures: the first 12 hex digits of measurements.json's sha256."""
+    import hashlib
+
+    return hashlib.sha256(MEASUREMENTS_FILE.read_bytes()).hexdigest()[:12]
+
+
+@lru_cache(maxsize=None)
+def efficiency() -> dict:
+    """Expected mode's fitted parameters (efficiency.json), or {} before the first `kvwall validate --fit`."""
+    if not EFFICIENCY_FILE.is_file():
+        return {}
+    return json.loads(EFFICIENCY_FILE.read_text())

@@ -8,7 +8,8 @@ from kvwall import catalog
 from kvwall.commands import common
 from kvwall.errors import KvwallError
 from kvwall.predict import devices as dev
-from kvwall.predict.fit import TP_DEGREES, fit, fits_on, placement
+from kvwall.predict.expected import describe, expected_roof
+from kvwall.predict.fit import TP_DEGREES, fit, fit_warning, fits_on, placement
 from kvwall.predict.memory import Parallel
 from kvwall.predict.roofline import (Roof, compute_bound_batch, decode, energy_estimate, prefill, speculative)
 from kvwall.files import PLOT_EXTS, check_output
@@ -23,17 +24,34 @@ def add_roof_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="h100-sxm", help="catalog device or `local` (default h100-sxm)")
     g.add_argument("--compute-dtype", type=one_of(dev.COMPUTE_DTYPES), default="bf16",
                    help="dtype of the math (bf16, fp16, fp8, fp32; default bf16)")
-    g.add_argument("--compute-eff", type=real(0, 1, lo_open=True), default=1.0,
-                   help="fraction of peak FLOP/s reached (default 1.0)")
-    g.add_argument("--mem-eff", type=real(0, 1, lo_open=True), default=1.0,
-                   help="fraction of bandwidth reached (default 1.0)")
-    g.add_argument("--link-latency", type=real(0), default=5.0, help="microseconds per collective (default 5)")
+    g.add_argument("--ideal", action="store_true",
+                   help="the ideal roofline (datasheet peaks, no fixed costs: a bound) instead of the default "
+                        "expected mode (fractions of peak fitted to published measurements; on `local`, its "
+                        "calibration)")
+    g.add_argument("--compute-eff", type=real(0, 1, lo_open=True), default=None,
+                   help="with --ideal: fraction of peak FLOP/s reached (default 1.0)")
+    g.add_argument("--mem-eff", type=real(0, 1, lo_open=True), default=None,
+                   help="with --ideal: fraction of bandwidth reached (default 1.0)")
+    g.add_argument("--link-latency", type=real(0), default=None,
+                   help="with --ideal: microseconds per collective (default 5)")
 
 
-def roof_from(args) -> Roof:
-    """The roof the options describe (their ranges are checked by their argparse types)."""
-    roof = Roof(dev.get_device(args.device), args.compute_dtype, args.compute_eff, args.mem_eff,
-                args.link_latency * 1e-6)
+_IDEAL_KNOBS = ("compute_eff", "mem_eff", "link_latency")
+
+
+def roof_from(args, spec, fm, tp: int = 1) -> Roof:
+    """The roof the options describe for this model, formats and tensor-parallel group (the options' ranges
+    are checked by their argparse types)."""
+    device = dev.get_device(args.device)
+    if args.ideal:
+        roof = Roof(device, args.compute_dtype, args.compute_eff or 1.0, args.mem_eff or 1.0,
+                    (5.0 if args.link_latency is None else args.link_latency) * 1e-6)
+    else:
+        given = [f"--{k.replace('_', '-')}" for k in _IDEAL_KNOBS if getattr(args, k) is not None]
+        if given:
+            raise KvwallError(f"{', '.join(given)} set the ideal roof's figures; add --ideal (expected mode uses "
+                              "the fractions fitted in catalog/efficiency.json)")
+        roof = expected_roof(device, args.compute_dtype, fm, spec, tp)
     if roof.bandwidth != roof.bandwidth:
         raise KvwallError(f"device {args.device!r} has no bandwidth figure")
     roof.peak  # raises a clear error if the dtype has no peak on this device
@@ -85,8 +103,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_roofline(args) -> int:
     plot = _plot_path(args)
     spec, fm, notes = common.model_and_formats(args.model, args)
-    roof = roof_from(args)
     par = common.parallel(args)
+    roof = roof_from(args, spec, fm, par.tp)
     batches = parse_int_list(args.batch, "batch")
     ctx, prompt = parse_tokens(args.context, "context"), parse_tokens(args.prompt, "prompt")
     absorbed = None if args.mla is None else args.mla == "absorbed"
@@ -95,7 +113,9 @@ def cmd_roofline(args) -> int:
     for b in batches:
         pf = prefill(spec, prompt, b, fm, roof, par)
         dc = decode(spec, ctx, b, fm, roof, par, absorbed)
-        phases.append({"batch": b, "prefill": pf, "decode": dc,
+        why = fit_warning(spec, roof.device.memory_bytes, par, batch=b, context=ctx, formats=fm,
+                          device=roof.device.name)
+        phases.append({"batch": b, "prefill": pf, "decode": dc, "fits": why is None, "fit_reason": why,
                        "ttft_s": pf.time_s, "tpot_s": dc.time_s, "tokens_per_s_per_seq": 1 / dc.time_s,
                        "tokens_per_s_total": b / dc.time_s,
                        "energy_per_token": _per_token(energy_estimate(dc, roof, energy), b)})
@@ -105,6 +125,7 @@ def cmd_roofline(args) -> int:
         top = decode(spec, ctx, mem.max_batch, fm, roof, par, absorbed)
         ceiling = {"batch": mem.max_batch, "tokens_per_s_total": mem.max_batch / top.time_s, "tpot_s": top.time_s}
     data = {
+        "mode": roof.mode, "mode_text": describe(roof), "fits": all(p["fits"] for p in phases),
         "model": spec.name, "formats": fm.as_dict(), "tp": par.tp, "pp": par.pp, "context": ctx, "prompt": prompt,
         "assumptions": roof.assumptions() | {"mla_decode": _mla_mode(spec, absorbed)},
         "phases": [{**{k: v for k, v in p.items() if k not in ("prefill", "decode")},
@@ -149,21 +170,25 @@ def _print_roofline(data, phases, roof: Roof, args) -> None:
     c.print(f"[bold]{data['model']}[/bold] on {roof.device.name}{par}: weights {data['formats']['weights']}, "
             f"KV {data['formats']['kv']}; prompt {fmt_tokens(data['prompt'])}, decode at context "
             f"{fmt_tokens(data['context'])}")
-    c.print(f"roof: {a['peak_flops'] / 1e12:,.0f} TFLOP/s {a['compute_dtype']} x{a['compute_eff']:g}, "
-            f"{a['bandwidth_Bps'] / 1e9:,.0f} GB/s x{a['mem_eff']:g} -> balance {a['machine_balance']:,.0f} FLOP/B"
-            + (f"; MLA decode {a['mla_decode']}" if a["mla_decode"] else ""))
+    c.print(f"mode: {data['mode_text']}")
+    c.print(f"roof: {a['peak_flops'] / 1e12:,.0f} TFLOP/s {a['compute_dtype']} x{a['compute_eff']:.3g}, "
+            f"{a['bandwidth_Bps'] / 1e9:,.0f} GB/s x{a['mem_eff']:g}{_op_bandwidths(a)} -> balance "
+            f"{a['machine_balance']:,.0f} FLOP/B" + (f"; MLA decode {a['mla_decode']}" if a["mla_decode"] else ""))
+    for p in phases:
+        if not p["fits"]:
+            c.print(f"[bold]warning:[/bold] {p['fit_reason']}")
     rows = []
     for p in phases:
         for ph in (p["prefill"], p["decode"]):
             rows.append([ph.name, p["batch"], _ms(ph.time_s), f"{ph.flops / 1e9:,.1f}", fmt_bytes(ph.bytes),
                          f"{ph.intensity:,.1f}", ph.bound])
-    c.print(table("per phase", ["phase", "batch", "time", "GFLOP", "bytes", "FLOP/B", "bound"], rows))
+    c.print(table(f"per phase ({data['mode']})", ["phase", "batch", "time", "GFLOP", "bytes", "FLOP/B", "bound"], rows))
     rows = []
     for p in phases:
         e = p["energy_per_token"]["joules"]
         rows.append([p["batch"], _ms(p["ttft_s"]), _ms(p["tpot_s"]), f"{p['tokens_per_s_per_seq']:,.1f}",
                      f"{p['tokens_per_s_total']:,.0f}", f"{e * 1e3:,.2f} mJ" if e else "-"])
-    c.print(table("serving", ["batch", "TTFT", "time/token", "tok/s per seq", "tok/s total", "energy/token*"], rows,
+    c.print(table(f"serving ({data['mode']})", ["batch", "TTFT", "time/token", "tok/s per seq", "tok/s total", "energy/token*"], rows,
                   caption="* estimate: DRAM bytes x pJ/byte of the memory type + FLOPs x TDP/peak, capped at TDP x time "
                           "(sources: kvwall/catalog/energy.json)"))
     ops = group_ops(phases[0]["decode"].per_op) if not args.ops else phases[0]["decode"].per_op
@@ -188,6 +213,15 @@ def _print_roofline(data, phases, roof: Roof, args) -> None:
         c.print(f"note: {note}")
 
 
+def _op_bandwidths(a: dict) -> str:
+    """The bandwidth each kind of op streams at, and the fixed cost per layer, where the roof has them."""
+    bw = a.get("op_bandwidth_Bps") or {}
+    parts = [f"{k} {v / 1e9:,.0f} GB/s" for k, v in bw.items()]
+    if a.get("layer_overhead_s"):
+        parts.append(f"{a['layer_overhead_s'] * 1e6:,.1f} us per layer")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _ms(s: float) -> str:
     return f"{s * 1e3:,.3f} ms" if s < 1 else f"{s:,.2f} s"
 
@@ -196,14 +230,16 @@ def _ms(s: float) -> str:
 
 def cmd_speed(args) -> int:
     plot = _plot_path(args)
-    roof = roof_from(args)
     contexts = parse_token_list(args.context, "context")
     prompt = parse_tokens(args.prompt, "prompt")
     if args.batch <= 0:
         raise KvwallError(f"--batch must be at least 1 (got {args.batch})")
-    out = [_speed_row(name, args, roof, contexts, prompt) for name in args.models]
-    data = {"device": roof.device.name, "batch": args.batch, "prompt": prompt, "assumptions": roof.assumptions(),
-            "models": out}
+    rows = [_speed_row(name, args, contexts, prompt) for name in args.models]
+    roof = rows[0][1]
+    out = [r for r, _ in rows]
+    data = {"mode": roof.mode, "mode_text": describe(roof), "device": roof.device.name, "batch": args.batch,
+            "prompt": prompt, "fits": all(m["weights_fit"] and m["ttft_fits"] for m in out),
+            "assumptions": roof.assumptions(), "models": out}
     if plot:
         plots.lines({m["model"]: [(r["context"], r["tpot_s"] * 1e3) for r in m["decode"] if r["fits"]]
                      for m in out},
@@ -213,10 +249,12 @@ def cmd_speed(args) -> int:
     return common.emit(args, data, _print_speed)
 
 
-def _speed_row(name: str, args, roof: Roof, contexts: list[int], prompt: int) -> dict:
-    """One model: TTFT and decode speed per context, each on the group it fits (or --tp/--pp as given)."""
+def _speed_row(name: str, args, contexts: list[int], prompt: int) -> tuple[dict, Roof]:
+    """One model: TTFT and decode speed per context, each on the group it fits (or --tp/--pp as given);
+    and its roof on one GPU (for the assumptions)."""
     spec, fm, notes = common.model_and_formats(name, args)
     auto = common.auto_parallel(args)
+    roof = roof_from(args, spec, fm)
 
     def point(context: int) -> dict:
         if auto:
@@ -228,11 +266,13 @@ def _speed_row(name: str, args, roof: Roof, contexts: list[int], prompt: int) ->
         return {"context": context, "tp": par.tp, "pp": par.pp, "gpus": par.gpus, "fits": fits}
 
     first = point(prompt)
-    ttft = prefill(spec, prompt, args.batch, fm, roof, Parallel(first["tp"], first["pp"])).time_s
+    ttft = prefill(spec, prompt, args.batch, fm, roof_from(args, spec, fm, first["tp"]),
+                   Parallel(first["tp"], first["pp"])).time_s
     per_ctx = []
     for c in contexts:
         r = point(c)
-        r["tpot_s"] = decode(spec, c, args.batch, fm, roof, Parallel(r["tp"], r["pp"])).time_s
+        r["tpot_s"] = decode(spec, c, args.batch, fm, roof_from(args, spec, fm, r["tp"]),
+                             Parallel(r["tp"], r["pp"])).time_s
         r["tokens_per_s"] = 1 / r["tpot_s"]
         per_ctx.append(r)
     fits = all(r["fits"] for r in per_ctx)
@@ -240,7 +280,7 @@ def _speed_row(name: str, args, roof: Roof, contexts: list[int], prompt: int) ->
             "ttft_fits": first["fits"], "ttft_tp": first["tp"], "decode": per_ctx, "weights_fit": fits,
             "notes": notes + ([] if fits else [f"{spec.name}: points marked (!) do not fit "
                                                 f"{'8 GPUs' if auto else 'this tp/pp'} of {roof.device.name}: "
-                                                "their times are what-ifs"])}
+                                                "their times are what-ifs"])}, roof
 
 
 def _cell(text: str, r: dict) -> str:
@@ -257,10 +297,13 @@ def _print_speed(data: dict) -> None:
     console().print(table(
         f"decode tok/s per sequence on {data['device']} (batch {data['batch']}; TTFT for a {fmt_tokens(prompt)} prompt)",
         ["model", "family", "TTFT", *[f"@{fmt_tokens(c)}" for c in contexts]], rows,
-        caption=f"ideal roofline: compute x{a['compute_eff']:g}, bandwidth x{a['mem_eff']:g}; contexts past a "
+        caption=f"{data['mode_text']}; contexts past a "
                 "model's trained maximum are what-ifs; (tp N): on the smallest group of N GPUs that holds the "
                 "weights and the batch's cache (10% reserve), --tp/--pp to fix it; (!) does not fit, a what-if"))
     for m in out:
+        if not (m["weights_fit"] and m["ttft_fits"]):
+            console().print(f"[bold]warning:[/bold] {m['model']}: points marked (!) do not fit the device's memory "
+                            "(weights + batch x context of cache, 10 % reserve); their times are what-ifs")
         for note in m["notes"]:
             console().print(f"note: {note}")
     if data.get("plot"):
@@ -272,9 +315,9 @@ def _print_speed(data: dict) -> None:
 def cmd_speculate(args) -> int:
     if not 0 <= args.acceptance <= 1:
         raise KvwallError(f"--acceptance {args.acceptance}: must be between 0 and 1")
-    roof = roof_from(args)
     target, fm_t, notes = common.model_and_formats(args.model, args)
     draft, fm_d, _ = common.model_and_formats(args.draft, args)
+    roof = roof_from(args, target, fm_t)
     ctx = parse_tokens(args.context, "context")
     ks = parse_int_list(args.k, "k")
     rows = speculative(target, draft, ctx, ks, args.acceptance, fm_t, fm_d, roof, args.batch)
@@ -282,7 +325,7 @@ def cmd_speculate(args) -> int:
     data = {"target": target.name, "draft": draft.name, "acceptance": args.acceptance, "context": ctx,
             "batch": args.batch, "device": roof.device.name, "rows": rows, "best_k": best["k"],
             "formula": "E[tokens] = (1 - a^(k+1)) / (1 - a); speed-up = E x t_target / (k t_draft + t_verify(k+1))",
-            "assumptions": roof.assumptions()}
+            "mode": roof.mode, "mode_text": describe(roof), "assumptions": roof.assumptions()}
     return common.emit(args, data, _print_speculate)
 
 
@@ -291,7 +334,8 @@ def _print_speculate(data: dict) -> None:
     c = console()
     c.print(f"[bold]{data['target']}[/bold] drafted by [bold]{data['draft']}[/bold] on {data['device']}, acceptance "
             f"{data['acceptance']:g}, context {fmt_tokens(data['context'])}, batch {data['batch']}")
-    c.print(table("speculative decoding", ["k", "E[tokens]/pass", "draft", "verify", "time/token", "speed-up"],
+    c.print(f"mode: {data['mode_text']} (the target's roof times the draft too)")
+    c.print(table(f"speculative decoding ({data['mode']})", ["k", "E[tokens]/pass", "draft", "verify", "time/token", "speed-up"],
                   [[r["k"], f"{r['expected_tokens']:.2f}", _ms(r["draft_s"]), _ms(r["verify_s"]),
                     _ms(r["time_per_token_s"]), f"{r['speedup']:.2f}x"] for r in rows],
                   caption=data["formula"] + " (Leviathan et al. 2023)"))

@@ -1,4 +1,5 @@
-"""`kvwall validate`: the ideal roofline against the published measurements in catalog/measurements.json."""
+"""`kvwall validate`: predictions (ideal, and expected scored leave-one-out) against the published measurements
+in catalog/measurements.json; `--fit` refits expected mode's figures into catalog/efficiency.json."""
 
 from __future__ import annotations
 
@@ -6,27 +7,38 @@ import argparse
 
 from kvwall import catalog
 from kvwall.commands import common
-from kvwall.files import PLOT_EXTS, check_output
-from kvwall.predict.validate import TIME_METRICS, validate
+from kvwall.files import PLOT_EXTS, check_output, write_text
+from kvwall.predict.expected import MODES
+from kvwall.predict.validate import OUTLIER, TIME_METRICS, dumps, refit, validate
 from kvwall.report import plots
 from kvwall.report.tables import console, table
 
 # How a metric's figure reads in the table (its unit).
 _UNITS = {"decode_tok_s_per_seq": "tok/s/seq", "throughput_tok_s": "tok/s", "tpot_s": "s", "ttft_s": "s"}
+_MODE_WORDS = {"ideal": "ideal roofline (datasheet peaks, no fixed costs)",
+               "expected": "expected (fitted fractions of peak), each row by a fit without it (leave-one-out)"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="predicted against published measurements: error per row, engine, device")
     p.add_argument("--engine", metavar="NAME", help="only this engine's rows (gpt-fast, TensorRT-LLM, ...)")
     p.add_argument("--device", metavar="NAME", help="only this device's rows (a100-80gb, h100-sxm, ...)")
-    p.add_argument("--plot", metavar="PNG", help="predicted vs measured, log-log, one marker per engine")
+    p.add_argument("--mode", choices=MODES, default="expected",
+                   help="the mode whose errors the summary and `predicted`/`error` show (default expected; "
+                        "the table shows both)")
+    p.add_argument("--plot", metavar="PNG", help="predicted vs measured, log-log, one marker per engine, both modes")
+    p.add_argument("--fit", action="store_true",
+                   help="refit expected mode on the whole table and write catalog/efficiency.json first")
     common.add_json(p)
     p.set_defaults(func=cmd_validate)
 
 
 def cmd_validate(args) -> int:
     plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
-    data = validate(catalog.measurements(), args.engine, args.device)
+    if args.fit:
+        write_text(catalog.EFFICIENCY_FILE, dumps(refit(catalog.measurements())))
+        catalog.efficiency.cache_clear()
+    data = validate(catalog.measurements(), args.engine, args.device, args.mode)
     if plot:
         _plot(data["rows"], plot)
         data["plot"] = args.plot
@@ -36,10 +48,11 @@ def cmd_validate(args) -> int:
 def _plot(rows: list[dict], path) -> None:
     """Rates on both axes (1 / time for TPOT and TTFT), so that above the line = prediction faster."""
     rate = lambda r, v: 1 / v if r["metric"] in TIME_METRICS else v  # noqa: E731
-    points = [{"group": r["engine"], "measured": rate(r, r["measured"]), "predicted": rate(r, r["predicted"])}
-              for r in rows if "error" in r]
-    plots.versus(points, "measured (tok/s; 1/s for TPOT and TTFT rows)", "predicted, ideal roofline (same unit)",
-                 "kvwall's ideal roofline against published measurements (above the line: prediction faster)", path)
+    points = [{"group": r["engine"], "mode": m, "measured": rate(r, r["measured"]),
+               "predicted": rate(r, r[m]["predicted"])} for r in rows if "error" in r for m in MODES]
+    plots.versus(points, "measured (tok/s; 1/s for TPOT and TTFT rows)", "predicted (same unit)",
+                 "kvwall against published measurements: filled = expected (leave-one-out), hollow = ideal "
+                 "roofline; above the line: prediction faster", path)
 
 
 def _fig(metric: str, v: float) -> str:
@@ -54,23 +67,39 @@ def _pct(e: float | None) -> str:
 
 def _print(data: dict) -> None:
     c = console()
-    rows = [[r["id"], r["model"], f"{r['device']} x{r['n_devices']}", r["engine"], r["metric"],
-             _fig(r["metric"], r["measured"]), _fig(r["metric"], r["predicted"]), _pct(r["error"])]
+    rows = [[r["id"] + ("" if r["expected"]["in_fit"] else " (not fitted)"), r["model"],
+             f"{r['device']} x{r['n_devices']}", r["engine"], _fig(r["metric"], r["measured"]),
+             _fig(r["metric"], r["ideal"]["predicted"]), _pct(r["ideal"]["error"]),
+             _fig(r["metric"], r["expected"]["predicted"]), _pct(r["expected"]["error"])]
             for r in data["rows"] if "error" in r]
     conv = data["conventions"]
-    c.print(table("ideal roofline against published measurements",
-                  ["id", "model", "device", "engine", "metric", "measured", "predicted", "error"], rows,
+    c.print(table("predicted against published measurements: ideal roofline and expected (leave-one-out)",
+                  ["id", "model", "device", "engine", "measured", "ideal", "error", "expected (LOO)", "error"], rows,
                   caption=f"error: {conv['error']}; decode at {conv['decode_context']}; throughput = "
                           f"{conv['throughput']}; math in {conv['compute_dtype']}"))
-    s = data["summary"]
-    c.print(table(f"summary: {s['checked']} rows checked, {s['skipped']} skipped",
-                  ["group", "rows", "median |error|", "median error", "max |error|", "worst row"],
-                  [_summary_row(name, st) for name, st in _groups(s)]))
+    for mode in MODES:
+        s = data["summaries"][mode]
+        c.print(table(f"summary, {_MODE_WORDS[mode]}: {s['checked']} rows checked, {s['skipped']} skipped",
+                      ["group", "rows", "median |error|", "median error", "max |error|", "worst row"],
+                      [_summary_row(name, st) for name, st in _groups(s)]))
+    _print_fit(c, data["fit"])
     for r in data["rows"]:
         if "skipped" in r:
             c.print(f"skipped {r['id']}: {r['skipped']}")
+        elif r.get("exclude_from_fit"):
+            c.print(f"not fitted {r['id']}: {r['exclude_from_fit']}")
+        if "outlier" in r:
+            c.print(f"outlier {r['id']} ({_pct(r['expected']['error'])} leave-one-out, over {OUTLIER:.0%}): "
+                    f"{r['outlier']}")
     if data.get("plot"):
         c.print(f"plot written to {data['plot']}")
+
+
+def _print_fit(c, f: dict) -> None:
+    c.print(f"expected mode: the figures in {f['file']}, fitted {f['date']} to table version {f['table_version']}; "
+            "no engine factor (one set of figures for every engine: an engine factor made leave-one-out worse)")
+    if f["stale"]:
+        c.print(f"warning: the table changed since (now {f['current_table_version']}); run `kvwall validate --fit`")
 
 
 def _groups(s: dict) -> list[tuple[str, dict]]:

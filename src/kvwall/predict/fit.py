@@ -169,6 +169,22 @@ def fits_on(spec: ModelSpec, memory_bytes: int, parallel: Parallel, *, batch: in
     return need <= memory_bytes - reserve
 
 
+def fit_warning(spec: ModelSpec, memory_bytes: int, parallel: Parallel, *, batch: int, context: int,
+                formats: Formats, device: str) -> str | None:
+    """None when the busiest GPU holds its weights and `batch` x `context` of cache (10 % reserve); else why
+    not, in one line with the sizes."""
+    from kvwall.units import fmt_bytes
+
+    weights, need = _need(spec, batch, context, formats, parallel, None)
+    budget = memory_bytes - default_reserve(memory_bytes)
+    if need <= budget:
+        return None
+    where = f"one {device}" if parallel.gpus == 1 else f"each of {parallel.gpus} {device} (tp={parallel.tp} pp={parallel.pp})"
+    return (f"batch {batch} x context {context:,} does not fit: {fmt_bytes(weights)} of weights + "
+            f"{fmt_bytes(need - weights)} of cache per GPU, {fmt_bytes(budget)} on {where} after the 10 % reserve; "
+            "its times are what-ifs (more --tp, a smaller --kv-format or --weight-format, or a smaller batch)")
+
+
 def placement(spec: ModelSpec, memory_bytes: int, *, batch: int = 1, context: int = 4096,
               formats: Formats | None = None, reserve_bytes: int | None = None) -> Placement:
     """The smallest tensor-parallel degree in TP_DEGREES whose busiest GPU holds its weights and cache

@@ -1,6 +1,7 @@
 """Roofline time: each op takes max(FLOPs / peak, bytes / bandwidth); a step is the sum of its ops.
 
-Assumptions, stated in every output:
+Assumptions, stated in every output (``mode``: this is the ideal roof; predict/expected.py builds the
+expected one from the same fields):
 
 * peak = the device's dense peak for the compute dtype x ``compute_eff``;
   bandwidth = its memory bandwidth x ``mem_eff`` (defaults 1.0: an ideal
@@ -39,6 +40,8 @@ class Roof:
     compute_eff: float = 1.0
     mem_eff: float = 1.0
     link_latency_s: float = 5e-6  # per collective; NCCL small-message latency is a few microseconds
+    mode: str = "ideal"  # "ideal" (datasheet peaks) or "expected" (fitted fractions, predict/expected.py)
+    request_overhead_s: float = 0.0  # fixed cost of a prefill (a request's TTFT) beyond its step
 
     @property
     def peak(self) -> float:
@@ -76,11 +79,11 @@ class Roof:
         return "compute" if op.flops / self.peak >= op.bytes / self.op_bandwidth(op) else "memory"
 
     def assumptions(self) -> dict:
-        return {"device": self.device.name, "compute_dtype": self.dtype, "peak_flops": self.peak,
+        return {"mode": self.mode, "device": self.device.name, "compute_dtype": self.dtype, "peak_flops": self.peak,
                 "bandwidth_Bps": self.bandwidth, "compute_eff": self.compute_eff, "mem_eff": self.mem_eff,
                 "link_latency_s": self.link_latency_s, "machine_balance": self.balance,
                 "op_bandwidth_Bps": {k: v * self.mem_eff for k, v in self.device.op_bandwidth.items()},
-                "layer_overhead_s": self.device.layer_overhead_s,
+                "layer_overhead_s": self.device.layer_overhead_s, "request_overhead_s": self.request_overhead_s,
                 "counted": "weights, KV cache, SSM state, 16-bit activations; not norms, residuals, rotary, softmax",
                 "overlap": "none across ops; compute/memory overlap within an op"}
 
@@ -172,7 +175,11 @@ def step_overhead(spec: ModelSpec, device: Device) -> float:
 
 
 def prefill(spec, prompt: int, batch: int, fm: Formats, roof: Roof, par: Parallel | None = None) -> PhaseResult:
-    return run_step(spec, Step(batch, 0, prompt), fm, roof, par, name="prefill")
+    """The prompt's step, plus the roof's fixed cost per request (0 on the ideal roof)."""
+    r = run_step(spec, Step(batch, 0, prompt), fm, roof, par, name="prefill")
+    r.time_s += roof.request_overhead_s
+    r.overhead_s += roof.request_overhead_s
+    return r
 
 
 def decode(spec, context: int, batch: int, fm: Formats, roof: Roof, par: Parallel | None = None,

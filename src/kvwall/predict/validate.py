@@ -1,34 +1,27 @@
-"""The ideal roofline against published measurements (catalog/measurements.json), row by row.
+"""Predicted against published measurements (catalog/measurements.json), row by row, in both modes.
 
-Conventions, stated in every output (``CONVENTIONS``):
+* ideal: the roofline at the datasheet peaks (efficiency 1.0, no fixed costs);
+* expected: predict/expected.py's fitted figures, scored leave-one-out (each row predicted by a fit that did
+  not see it; predict/expected_fit.py); rows never fitted are scored with the stored fit (catalog/efficiency.json).
 
-* each row is predicted on the ideal roofline (efficiency 1.0, no fixed costs) with the row's weight and
-  KV formats, tensor parallel ``tp``, and bf16 math (fp8 math when the weights are fp8);
-* one decode step is timed at context prompt + output / 2 (the middle of the generation);
-* throughput = replicas x batch x output / (TTFT + output x TPOT), TTFT = the prefill of the whole batch,
-  replicas = n_devices / tp (data-parallel copies);
-* error = predicted rate / measured rate - 1, where a time (TPOT, TTFT) is compared as its rate 1 / time:
-  positive = the prediction is faster than the measurement.
+Each row is predicted with its weight and KV formats, tensor parallel ``tp`` and the conventions in
+predict/table.py (``CONVENTIONS``, stated in every output).
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import statistics
 
+from kvwall import catalog
 from kvwall.errors import KvwallError
-from kvwall.predict.devices import get_device
-from kvwall.predict.memory import Formats, Parallel
-from kvwall.predict.roofline import Roof, decode, prefill
-from kvwall.spec.resolve import load_spec
+from kvwall.predict.expected import MODES, PARAMS, expected_roof, fitted
+from kvwall.predict.expected_fit import fit, in_fit, leave_one_out
+from kvwall.predict.roofline import Roof
+from kvwall.predict.table import CONVENTIONS, TIME_METRICS, figures, prepare, skip_reason  # noqa: F401
 
-TIME_METRICS = ("tpot_s", "ttft_s")  # compared as rates: 1 / time
-CONVENTIONS = {
-    "mode": "ideal roofline (efficiency 1.0, no per-step fixed cost)",
-    "compute_dtype": "bf16, fp8 when the weight format is fp8",
-    "decode_context": "prompt + output / 2 tokens (the middle of the generation)",
-    "throughput": "replicas x batch x output / (TTFT + output x TPOT); replicas = n_devices / tp",
-    "error": "predicted rate / measured rate - 1; TPOT and TTFT compared as 1 / time; positive = prediction faster",
-}
+OUTLIER = 0.35  # |leave-one-out error| above which a row is called an outlier (the issue's target)
 
 
 def select(rows, engine: str | None = None, device: str | None = None) -> list[dict]:
@@ -44,66 +37,86 @@ def select(rows, engine: str | None = None, device: str | None = None) -> list[d
     return out
 
 
-def predict_row(row: dict) -> dict:
-    """The ideal roofline's figure for the row's metric, or a skip with its reason."""
+def _base(row: dict) -> dict:
     base = {k: row[k] for k in ("id", "model", "device", "n_devices", "tp", "engine", "metric")}
-    base["measured"] = row["value"]
-    reason = _skip_reason(row)
+    return base | {"measured": row["value"]}
+
+
+def predict_row(row: dict, mode: str = "ideal", params: dict | None = None) -> dict:
+    """One row's figure in one mode (expected: the full fit, not leave-one-out), or a skip with its reason."""
+    reason = skip_reason(row)
     if reason is None:
         try:
-            return base | _predict(row)
+            p = prepare(row)
+            roof = (Roof(p.device, p.dtype) if mode == "ideal"
+                    else expected_roof(p.device, p.dtype, p.fm, p.spec, row["tp"], params))
+            return _base(row) | {"batch": row["batch"], "compute_dtype": p.dtype, "decode_context": p.context,
+                                 "mode": mode} | figures(p, roof)
         except KvwallError as exc:
             reason = str(exc)
-    return base | {"skipped": reason}
+    return _base(row) | {"skipped": reason}
 
 
-def _skip_reason(row: dict) -> str | None:
-    if row.get("batch") is None:
-        return "batch not fixed by the benchmark (a server-style run): no batch to predict at"
-    if row["n_devices"] % row["tp"]:
-        return f"{row['n_devices']} devices do not split into tp={row['tp']} groups"
-    if not row["value"] > 0:
-        return f"measured value {row['value']!r} is not a positive figure"
-    return None
+def validate(rows, engine: str | None = None, device: str | None = None, mode: str = "expected") -> dict:
+    """Every selected row in both modes (expected: leave-one-out over the whole table), and the summaries;
+    `predicted` / `error` of each row are those of `mode`."""
+    if mode not in MODES:
+        raise KvwallError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    chosen = {r["id"] for r in select(rows, engine, device)}
+    usable = [r for r in rows if skip_reason(r) is None]
+    preps = [prepare(r) for r in usable]
+    params = fitted()
+    wanted = [i for i, p in enumerate(preps) if p.row["id"] in chosen]
+    loo = dict(zip(wanted, leave_one_out(preps, params, only=wanted)))
+    results = []
+    for r in rows:
+        if r["id"] not in chosen:
+            continue
+        results.append(_both(r, preps, loo, params, mode))
+    return {"mode": mode, "conventions": CONVENTIONS, "fit": fit_info(), "rows": results,
+            "summary": summarize(results), "summaries": {m: summarize(results, m) for m in MODES}}
 
 
-def _predict(row: dict) -> dict:
-    spec = load_spec(row["model"])
-    fm = Formats.for_spec(spec, row["weight_format"], row["kv_format"])
-    roof = Roof(get_device(row["device"]), "fp8" if fm.weights.name == "fp8" else "bf16")
-    par, batch, metric = Parallel(row["tp"]), row["batch"], row["metric"]
-    context = max(1, row["prompt_tokens"] + row["output_tokens"] // 2)
-    out = {"batch": batch, "compute_dtype": roof.dtype, "decode_context": context}
-    if metric in ("decode_tok_s_per_seq", "tpot_s", "throughput_tok_s"):
-        out["tpot_s"] = decode(spec, context, batch, fm, roof, par).time_s
-    if metric in ("ttft_s", "throughput_tok_s"):
-        out["ttft_s"] = prefill(spec, row["prompt_tokens"], batch, fm, roof, par).time_s
-    out["predicted"] = _figure(row, out)
-    out["error"] = _rate(metric, out["predicted"]) / _rate(metric, row["value"]) - 1
+def _both(row: dict, preps: list, loo: dict, params: dict, mode: str) -> dict:
+    ideal = predict_row(row, "ideal")
+    if "skipped" in ideal:
+        return ideal
+    i = next(k for k, p in enumerate(preps) if p.row["id"] == row["id"])
+    full = predict_row(row, "expected", params)
+    exp = {k: full[k] for k in ("predicted", "tpot_s", "ttft_s") if k in full}
+    exp["predicted"] = _from_error(row, loo[i])
+    exp |= {"error": loo[i], "fitted_error": full["error"], "in_fit": in_fit(preps[i])}
+    pick = ideal if mode == "ideal" else exp
+    out = {k: v for k, v in ideal.items() if k not in ("predicted", "error", "tpot_s", "ttft_s", "mode")}
+    out |= {"predicted": pick["predicted"], "error": pick["error"],
+            "ideal": {k: ideal[k] for k in ("predicted", "error", "tpot_s", "ttft_s") if k in ideal},
+            "expected": exp}
+    for key in ("tpot_s", "ttft_s"):
+        if key in pick:
+            out[key] = pick[key]
+    return out | _notes(row, loo[i])
+
+
+def _from_error(row: dict, error: float) -> float:
+    """The figure, in the metric's unit, that has this error against the row's measurement."""
+    value = row["value"]
+    return value / (1 + error) if row["metric"] in TIME_METRICS else value * (1 + error)
+
+
+def _notes(row: dict, error: float) -> dict:
+    out = {}
+    if row.get("exclude_from_fit"):
+        out["exclude_from_fit"] = row["exclude_from_fit"]
+    if abs(error) > OUTLIER:
+        out["outlier"] = (row.get("outlier") or row.get("exclude_from_fit")
+                          or "no explanation recorded in measurements.json")
     return out
 
 
-def _figure(row: dict, t: dict) -> float:
-    """The predicted figure in the metric's own unit, from the predicted TTFT and TPOT."""
-    metric = row["metric"]
-    if metric == "decode_tok_s_per_seq":
-        return 1 / t["tpot_s"]
-    if metric in TIME_METRICS:
-        return t[metric]
-    if metric == "throughput_tok_s":
-        replicas = row["n_devices"] // row["tp"]
-        out = row["output_tokens"]
-        return replicas * row["batch"] * out / (t["ttft_s"] + out * t["tpot_s"])
-    raise KvwallError(f"row {row['id']!r}: unknown metric {metric!r}")
-
-
-def _rate(metric: str, value: float) -> float:
-    return 1 / value if metric in TIME_METRICS else value
-
-
-def summarize(results: list[dict]) -> dict:
-    """Counts, and median / max |error| overall, per engine and per device (skipped rows only counted)."""
-    done = [r for r in results if "error" in r]
+def summarize(results: list[dict], mode: str | None = None) -> dict:
+    """Counts, and median / max |error| overall, per engine and per device (skipped rows only counted);
+    `mode` picks that mode's error from each row (default: the row's own `error`)."""
+    done = [dict(r, error=r[mode]["error"]) if mode else r for r in results if "error" in r]
     return {"checked": len(done), "skipped": len(results) - len(done), "all": _stats(done),
             "engines": _grouped(done, "engine"), "devices": _grouped(done, "device")}
 
@@ -122,7 +135,28 @@ def _stats(done: list[dict]) -> dict:
             "max_abs_error": abs(worst["error"]), "worst": worst["id"]}
 
 
-def validate(rows, engine: str | None = None, device: str | None = None) -> dict:
-    """Every selected row predicted, and the summary."""
-    results = [predict_row(r) for r in select(rows, engine, device)]
-    return {"conventions": CONVENTIONS, "rows": results, "summary": summarize(results)}
+def fit_info() -> dict:
+    """What the stored fit is: its date, the table version it was fitted to, and whether that is this table."""
+    data = catalog.efficiency()
+    version = catalog.measurements_version()
+    return {"file": "catalog/efficiency.json", "date": data.get("date"), "table_version": data.get("table_version"),
+            "current_table_version": version, "stale": data.get("table_version") != version,
+            "params": data.get("params"), "excluded": data.get("excluded", [])}
+
+
+def refit(rows) -> dict:
+    """Fit the whole table and return efficiency.json's content (parameters, their meaning, date, version)."""
+    usable = [r for r in rows if skip_reason(r) is None]
+    preps = [prepare(r) for r in usable]
+    params = fit(preps)
+    return {"_about": "expected mode's fitted figures (kvwall.predict.expected, PARAMS); written by "
+                      "`kvwall validate --fit` from catalog/measurements.json, not edited by hand",
+            "date": datetime.date.today().isoformat(), "table_version": catalog.measurements_version(),
+            "rows_fitted": sum(in_fit(p) for p in preps),
+            "excluded": [p.row["id"] for p in preps if not in_fit(p)],
+            "params": {k: float(f"{v:.6g}") for k, v in params.items()},
+            "meaning": {k: v[0] for k, v in PARAMS.items()}}
+
+
+def dumps(data: dict) -> str:
+    return json.dumps(data, indent=1) + "\n"

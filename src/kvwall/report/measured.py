@@ -56,7 +56,7 @@ def section(out: Path, plan_device, progress=None) -> Section:
         figures=[Figure(fig, "Measured (solid) vs predicted (dashed) decode time per token vs context, per "
                              "architecture", "measured-vs-predicted")],
         assumptions=["random weights, fp32, batch 1, matched size (121.1-144.5M parameters)",
-                     "prediction: roofline on the `local` profile (measured streaming bandwidth and GEMM rate, plus the "
+                     "prediction: expected mode on the `local` profile, i.e. its calibration (measured streaming bandwidth and GEMM rate, plus the "
                      "engine's measured per-layer dispatch cost)",
                      "contexts above the prefill limit are filled with random K/V through the cache's own update()"],
     )

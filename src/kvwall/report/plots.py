@@ -149,15 +149,21 @@ def grouped_bars(labels: list[str], groups: dict[str, list[float]], ylabel: str,
 def versus(points: list[dict], xlabel: str, ylabel: str, title: str, path: str | Path) -> Path:
     """Predicted against measured, log-log, one marker per group, with the y = x line.
 
-    points: [{"group", "measured", "predicted"}], both positive and in the same unit per point."""
+    points: [{"group", "measured", "predicted"}], both positive and in the same unit per point; an optional
+    "mode" of "ideal" draws the point hollow (the same group's marker and colour)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 6))
     markers = "osD^vP*X<>"
     groups = list(dict.fromkeys(p["group"] for p in points))
     for i, g in enumerate(groups):
-        sel = [p for p in points if p["group"] == g]
-        ax.scatter([p["measured"] for p in sel], [p["predicted"] for p in sel], marker=markers[i % len(markers)],
-                   s=36, alpha=0.8, label=f"{g} ({len(sel)})")
+        color = f"C{i % 10}"
+        for hollow in (False, True):
+            sel = [p for p in points if p["group"] == g and (p.get("mode") == "ideal") == hollow]
+            if not sel:
+                continue
+            label = f"{g} ({len(sel)})" + (", ideal" if hollow else "")
+            ax.scatter([p["measured"] for p in sel], [p["predicted"] for p in sel], marker=markers[i % len(markers)],
+                       s=36, alpha=0.8, label=label, edgecolors=color, facecolors="none" if hollow else color)
     values = [v for p in points for v in (p["measured"], p["predicted"])] or [1.0]
     lo, hi = min(values) / 2, max(values) * 2
     ax.plot([lo, hi], [lo, hi], color="black", lw=1, label="y = x")

@@ -1,0 +1,120 @@
+"""Expected mode: the fractions of the datasheet peaks a real engine reaches, fitted to published measurements.
+
+The ideal roofline (efficiency 1.0, no fixed costs) is a bound. The expected roof keeps the same ops and the
+same max(FLOPs / peak, bytes / bandwidth) per op, and replaces the peaks by fitted, achievable figures
+(``PARAMS``, stored in catalog/efficiency.json by ``kvwall validate --fit``; predict/expected_fit.py fits them):
+
+* weight streaming (projections, MLP, experts, LM head, embedding, SSM scans) at
+  bandwidth x ``bw_weights`` x the device class's factor, x ``int_weights`` for integer weight formats
+  (int8, int4: the dequantization costs), x ``int4_weights`` again for 4-bit ones;
+* attention over the cache at bandwidth x ``bw_cache`` x the class factor / group ^ ``gqa_exponent``, where
+  group = query heads per KV head (an exponent near 1: the kernels re-read K/V for every query head);
+* math at peak x ``compute`` (x ``fp8_compute`` when the math is fp8);
+* fixed costs: ``layer_s`` per layer per step, ``step_s`` per step, ``collective_s`` x (tp - 1) per
+  all-reduce, ``request_s`` once per prefill (TTFT).
+
+Device classes (a class, not a device, because the table has few rows per device): ``hbm`` (datacenter GPUs
+with HBM), ``gddr`` (workstation and consumer GPUs), ``amd`` (AMD Instinct), ``unified`` (Apple SoCs and CPUs:
+LPDDR / DDR main memory). The ``local`` profile keeps its calibrated figures: on it expected == calibrated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvwall import catalog
+from kvwall.errors import KvwallError
+from kvwall.predict.devices import Device
+from kvwall.predict.memory import Formats
+from kvwall.predict.roofline import Roof
+from kvwall.spec.model import ModelSpec
+
+MODES = ("expected", "ideal")
+CLASSES = ("hbm", "gddr", "amd", "unified")
+
+# name -> (what it is, start value for the fit, ridge: pulled toward 1 (a log-space penalty) when few rows say
+# anything about it). One place: the fit, the file and the docs read this table.
+PARAMS = {
+    "bw_weights": ("fraction of bandwidth reached streaming weights (hbm class)", 0.7, False),
+    "class_gddr": ("bandwidth factor of the gddr class relative to hbm", 1.0, True),
+    "class_amd": ("bandwidth factor of the amd class relative to hbm", 1.0, True),
+    "class_unified": ("bandwidth factor of the unified class relative to hbm", 1.0, True),
+    "bw_cache": ("fraction of bandwidth reached by attention over the cache at group 1 (hbm class)", 0.7, False),
+    "gqa_exponent": ("attention bandwidth falls as group ^ -this (group = query heads per KV head)", 0.3, False),
+    "compute": ("fraction of the 16-bit peak reached by the math", 0.5, False),
+    "fp8_compute": ("extra factor on the fraction of peak when the math is fp8", 1.0, True),
+    "int_weights": ("bandwidth factor for integer (int8 / int4) weights: dequantization", 0.8, False),
+    "int4_weights": ("extra bandwidth factor for 4-bit integer weights", 1.0, True),
+    "layer_s": ("seconds per layer per step (dispatch, norms, rotary: the work not counted)", 20e-6, False),
+    "step_s": ("seconds per step outside the layers (sampling, scheduling)", 100e-6, False),
+    "collective_s": ("seconds per all-reduce per extra GPU, x (tp - 1)", 10e-6, False),
+    "request_s": ("seconds per prefill (a request's TTFT) beyond its step", 2e-3, False),
+}
+
+
+def device_class(device: Device) -> str:
+    """hbm, gddr, amd or unified, from the catalog entry's vendor and memory technology."""
+    tech = (device.memory_tech or "").lower()
+    if device.vendor.lower() == "amd":
+        return "amd"
+    if tech.startswith("gddr"):
+        return "gddr"
+    if tech.startswith(("lpddr", "ddr")) or device.vendor.lower() in ("apple", "generic"):
+        return "unified"
+    return "hbm"
+
+
+def group_of(spec: ModelSpec) -> float:
+    """Query heads per KV head of the model's (non-latent) attention layers; 1 when it has none."""
+    groups = [l.mixer.n_q_heads / l.mixer.n_kv_heads for l in spec.layers
+              if l.mixer is not None and l.mixer.kind == "attention"]
+    return max(groups, default=1.0)
+
+
+def fitted() -> dict:
+    """The stored parameters (catalog/efficiency.json); a one-line error if the file is missing or stale."""
+    data = catalog.efficiency()
+    params = data.get("params") or {}
+    missing = [k for k in PARAMS if not (isinstance(params.get(k), (int, float)) and params[k] >= 0)]
+    if missing:
+        raise KvwallError(f"catalog/efficiency.json lacks {', '.join(missing)}; run `kvwall validate --fit`")
+    return params
+
+
+def expected_roof(device: Device, dtype: str, fm: Formats, spec: ModelSpec, tp: int = 1,
+                  params: dict | None = None) -> Roof:
+    """The roof with achievable figures for this device, formats and model; `local` keeps its calibration."""
+    if device.name == "local":
+        return Roof(device, dtype, mode="expected")
+    p = params if params is not None else fitted()
+    cls = device_class(device)
+    scale = p[f"class_{cls}"] if cls != "hbm" else 1.0
+    weights = device.bandwidth * p["bw_weights"] * scale
+    if fm.weights.name.startswith("int"):
+        weights *= p["int_weights"] * (p["int4_weights"] if fm.weights.bits <= 4 else 1.0)
+    cache = device.bandwidth * p["bw_cache"] * scale * group_of(spec) ** -p["gqa_exponent"]
+    dev = replace(device, op_bandwidth={"matmul": weights, "attention": cache}, layer_overhead_s=p["layer_s"],
+                  mixer_overhead_s={}, step_overhead_s=p["step_s"])
+    compute = p["compute"] * (p["fp8_compute"] if dtype == "fp8" else 1.0)
+    return Roof(dev, dtype, compute_eff=min(compute, 1.0), link_latency_s=p["collective_s"] * max(tp - 1, 1),
+                mode="expected", request_overhead_s=p["request_s"])
+
+
+def make_roof(mode: str, device: Device, dtype: str, fm: Formats, spec: ModelSpec, tp: int = 1) -> Roof:
+    """The roof of a mode: the ideal one (datasheet peaks) or the expected one."""
+    if mode == "ideal":
+        return Roof(device, dtype)
+    if mode == "expected":
+        return expected_roof(device, dtype, fm, spec, tp)
+    raise KvwallError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+
+
+def describe(roof: Roof) -> str:
+    """One line naming the mode, for table captions and report text."""
+    if roof.mode == "ideal":
+        return f"ideal roofline (compute x{roof.compute_eff:g}, bandwidth x{roof.mem_eff:g}, no fixed costs)"
+    if roof.device.name == "local":
+        return "expected: this machine's calibrated profile (kvwall calibrate)"
+    return (f"expected: fractions of peak fitted to published measurements ({device_class(roof.device)} class, "
+            "catalog/efficiency.json); --ideal for the bound")
+

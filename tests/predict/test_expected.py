@@ -1,0 +1,156 @@
+"""Expected mode: one row by hand under given figures, the stored fit against the table (leave-one-out),
+leave-one-out on a tiny synthetic table whose answer is known, `local` keeps its calibration, --ideal keeps
+today's numbers, and the fit warning."""
+
+import json
+import statistics
+from dataclasses import replace
+
+import pytest
+
+from kvwall import catalog
+from kvwall.cli import main
+from kvwall.predict.devices import get_device
+from kvwall.predict.expected import PARAMS, device_class, expected_roof, fitted, group_of
+from kvwall.predict.expected_fit import fit, leave_one_out
+from kvwall.predict.memory import Formats
+from kvwall.predict.roofline import Roof, decode
+from kvwall.predict.table import figures, prepare
+from kvwall.predict.validate import OUTLIER, predict_row, validate
+from kvwall.spec.resolve import load_spec
+
+ROWS = {r["id"]: r for r in catalog.measurements()}
+GPTFAST = "gptfast-a100-llama2-7b-bf16"
+# Given figures (not the fitted ones), so that the arithmetic below is independent of the fit.
+GIVEN = {k: 1.0 for k in PARAMS} | {"bw_weights": 0.5, "bw_cache": 0.25, "gqa_exponent": 1.0, "compute": 0.5,
+                                    "layer_s": 1e-4, "step_s": 1e-3, "collective_s": 1e-5, "request_s": 2e-3}
+
+
+def test_gptfast_llama2_7b_by_hand():
+    """Llama-2-7B bf16 on one A100 80GB (2039 GB/s), batch 1, cache of 105 tokens (prompt 5 + 200 / 2):
+    weights 32 x (4 x 4096^2 + 3 x 4096 x 11008) + 32000 x 4096 LM head = 6,607,077,376 x 2 B, at 0.5 x 2039 GB/s
+    -> 12.961 ms; K and V 105 x 32 layers x 2 x 4096 x 2 B = 55,050,240 B at 0.25 x 2039 GB/s (group 1)
+    -> 0.108 ms; fixed 32 layers x 100 us + 1 ms per step = 4.2 ms. 17.269 ms -> 57.91 tok/s."""
+    weights = (32 * (4 * 4096 ** 2 + 3 * 4096 * 11008) + 32000 * 4096) * 2
+    kv = 105 * 32 * 2 * 4096 * 2
+    tpot = weights / (2039e9 * 0.5) + kv / (2039e9 * 0.25) + 32 * 1e-4 + 1e-3
+    assert tpot == pytest.approx(17.269e-3, rel=1e-4)
+    r = predict_row(ROWS[GPTFAST], "expected", GIVEN)
+    assert r["mode"] == "expected" and r["predicted"] == pytest.approx(1 / tpot, rel=2e-3)  # activations: < 0.2 %
+
+
+def test_grouped_ops_time_like_the_roofline():
+    """The fit's evaluator (ops grouped once per row) gives exactly what decode() gives on the same roof."""
+    row = ROWS["gptfast-a100-llama3.1-70b-bf16-tp4"]
+    p = prepare(row)
+    roof = expected_roof(p.device, p.dtype, p.fm, p.spec, row["tp"], GIVEN)
+    from kvwall.predict.memory import Parallel
+
+    want = decode(p.spec, p.context, row["batch"], p.fm, roof, Parallel(row["tp"])).time_s
+    assert figures(p, roof)["tpot_s"] == pytest.approx(want, rel=1e-9)
+
+
+def test_classes_and_groups():
+    assert [device_class(get_device(d)) for d in ("a100-80gb", "l40s", "mi300x", "apple-m2-ultra", "rtx-4090")] == \
+        ["hbm", "gddr", "amd", "unified", "gddr"]
+    assert group_of(load_spec("llama-2-70b")) == 8 and group_of(load_spec("llama-2-7b")) == 1
+
+
+def _synthetic(ids, params, scale=None):
+    """Catalog rows whose measured value is what expected mode predicts under `params` (x scale[id])."""
+    out = []
+    for i in ids:
+        row = dict(ROWS[i])
+        row["value"] = predict_row(row, "expected", params)["predicted"]
+        if scale and i in scale:
+            row["value"] *= scale[i] if row["metric"] not in ("tpot_s", "ttft_s") else 1 / scale[i]
+        out.append(row)
+    return out
+
+
+TINY = ["gptfast-a100-llama2-7b-bf16", "gptfast-a100-llama2-7b-bf16-tp2", "gptfast-a100-llama2-7b-bf16-tp8",
+        "gptfast-a100-llama2-7b-int8", "gptfast-a100-llama3.1-8b-bf16", "gptfast-a100-llama3.1-8b-bf16-tp4",
+        "gptfast-a100-llama2-70b-bf16-tp4", "gptfast-a100-llama2-70b-int8", "gptfast-a100-llama3.1-70b-bf16-tp8"]
+
+
+def test_leave_one_out_on_a_table_the_model_can_reproduce():
+    """Values made by the model itself: every left-out row is predicted back (errors ~0)."""
+    truth = {k: v[1] for k, v in PARAMS.items()} | {"bw_weights": 0.6, "layer_s": 4e-5, "collective_s": 8e-6,
+                                                     "int_weights": 0.8}
+    preps = [prepare(r) for r in _synthetic(TINY, truth)]
+    full = fit(preps)
+    assert max(abs(e) for e in leave_one_out(preps, full)) < 0.01
+
+
+def test_leave_one_out_does_not_see_the_row():
+    """One row published 2x faster than the rest imply: leave-one-out predicts it at half its value (-50 %),
+    while a fit that sees it bends toward it."""
+    truth = {k: v[1] for k, v in PARAMS.items()} | {"bw_weights": 0.6, "layer_s": 4e-5}
+    rows = _synthetic(TINY, truth, scale={"gptfast-a100-llama2-7b-int8": 2.0})
+    preps = [prepare(r) for r in rows]
+    full = fit(preps)
+    odd = TINY.index("gptfast-a100-llama2-7b-int8")
+    loo = leave_one_out(preps, full, only=[odd])[0]
+    seen = figures(preps[odd], expected_roof(preps[odd].device, "bf16", preps[odd].fm, preps[odd].spec, 1, full))
+    assert loo == pytest.approx(-0.5, abs=0.02)
+    assert abs(seen["error"]) < abs(loo)
+
+
+def test_stored_fit_meets_the_target_leave_one_out():
+    """The issue's target on the shipped table: median |error| <= 15 % leave-one-out; every row over 35 % carries
+    its explanation; the stored fit is of this table."""
+    data = validate(catalog.measurements())
+    assert data["fit"]["stale"] is False and data["mode"] == "expected"
+    errors = [r["expected"]["error"] for r in data["rows"] if "error" in r]
+    assert len(errors) == 68 and statistics.median(abs(e) for e in errors) <= 0.15
+    for r in data["rows"]:
+        if "error" in r and abs(r["expected"]["error"]) > OUTLIER:
+            assert ROWS[r["id"]].get("outlier") or ROWS[r["id"]].get("exclude_from_fit"), r["id"]
+    assert data["summaries"]["ideal"]["all"]["median_abs_error"] > 0.5  # the ideal bound is far off, as before
+
+
+def test_local_profile_keeps_its_calibration():
+    dev = replace(get_device("a100-80gb"), name="local", op_bandwidth={"matmul": 1e12, "attention": 5e11},
+                  layer_overhead_s=3e-5)
+    spec = load_spec("llama-2-7b")
+    fm = Formats.for_spec(spec)
+    assert expected_roof(dev, "bf16", fm, spec, params=GIVEN).mode == "expected"
+    assert decode(spec, 4096, 1, fm, expected_roof(dev, "bf16", fm, spec)).time_s == \
+        decode(spec, 4096, 1, fm, Roof(dev)).time_s
+
+
+def test_ideal_flag_gives_the_ideal_roofline(capsys):
+    argv = ["roofline", "llama-2-7b", "--device", "a100-80gb", "--context", "4k", "--json"]
+    assert main([*argv, "--ideal"]) == 0
+    ideal = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    expected = json.loads(capsys.readouterr().out)
+    spec = load_spec("llama-2-7b")
+    want = decode(spec, 4096, 1, Formats.for_spec(spec), Roof(get_device("a100-80gb"))).time_s
+    assert ideal["mode"] == "ideal" and ideal["phases"][0]["tpot_s"] == pytest.approx(want, rel=1e-12)
+    assert expected["mode"] == "expected" and expected["phases"][0]["tpot_s"] > want
+
+
+def test_ideal_knobs_need_ideal(capsys):
+    assert main(["roofline", "gpt2", "--mem-eff", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvwall: error: --mem-eff") and "--ideal" in err and err.count("\n") == 1
+
+
+def test_fit_warning(capsys):
+    """Llama-2-7B fp16 at batch 64 x 4096: K and V 64 x 4096 x 32 layers x 2 x 4096 x 2 B = 137.4 GB of cache,
+    over an A100 80GB's 72 GB after the 10 % reserve; at batch 1 (2.1 GB + 13.5 GB of weights) it fits."""
+    assert 64 * 4096 * 32 * 2 * 4096 * 2 == 137_438_953_472
+    argv = ["roofline", "llama-2-7b", "--device", "a100-80gb", "--batch", "1,64", "--context", "4k"]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is False and [p["fits"] for p in data["phases"]] == [True, False]
+    assert "does not fit" in data["phases"][1]["fit_reason"] and data["phases"][0]["fit_reason"] is None
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "warning: batch 64 x context 4,096 does not fit" in out.replace("\n", " ")
+
+
+def test_stored_parameters_are_complete_and_dated():
+    data = catalog.efficiency()
+    assert set(fitted()) == set(PARAMS) and data["date"] and data["table_version"] == catalog.measurements_version()
