@@ -135,3 +135,16 @@ def test_cli_bad_dataset(tmp_path, capsys):
     bad.write_text('{"prompt_tokens": 5, "output_tokens": 2}\n{"prompt_tokens": 5}\n')
     assert main(["simulate", "llama-3-8b", "--device", "h100", "--rate", "1", "--dataset", str(bad)]) == 2
     assert "line 2" in capsys.readouterr().err
+
+
+def test_expected_roof_adds_its_request_cost_once_per_first_chunk():
+    from kvwall.predict.expected import expected_roof
+
+    spec = load_spec("llama-3-8b")
+    fm = Formats.for_spec(spec)
+    roof = expected_roof(get_device("h100"), "bf16", fm, spec)
+    assert roof.request_overhead_s > 0
+    clock = StepClock(spec, fm, roof)
+    rows = [(0, 64), (0, 32), (100, 1), (50, 16)]  # two first chunks
+    want = run_mix(spec, [Step(1, p, n) for p, n in rows], fm, roof).time_s + 2 * roof.request_overhead_s
+    assert clock.time(rows) == pytest.approx(want, rel=1e-12)

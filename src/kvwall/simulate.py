@@ -52,7 +52,8 @@ MAX_STEPS = 50_000_000  # a stuck scheduler is a bug, not an endless loop
 class StepClock:
     """The roofline time of a scheduler step, fast: the per-token part cached by (tokens, sequences); the
     per-sequence ops (attention over each cache, SSM scans) computed once per distinct mixer and (past, new)
-    row, added up over the rows with numpy. Equals `run_mix` on the same rows (a test holds it)."""
+    row, added up over the rows with numpy. Equals `run_mix` on the same rows (a test holds it), plus the roof's
+    fixed cost per request (expected mode) on each request's first chunk."""
 
     def __init__(self, spec: ModelSpec, fm: Formats, roof: Roof, par: Parallel | None = None):
         self.spec, self.fm, self.roof, self.par = spec, fm, roof, par or Parallel()
@@ -66,6 +67,7 @@ class StepClock:
         whose work adds up over the rows before each op's max(compute, memory)."""
         absorbed = all(n == 1 for _, n in rows)
         total = self._per_token(sum(n for _, n in rows), len(rows), absorbed)
+        total += self.roof.request_overhead_s * sum(1 for p, _ in rows if p == 0)  # once per request (its TTFT)
         work = np.sum([self._row(p, n, absorbed) for p, n in rows], axis=0)  # (ops, 2): FLOPs, bytes
         layers, weights, bw = self._fixed[absorbed]
         return total + float(np.sum(layers * np.maximum(work[:, 0] / self.roof.peak, (weights + work[:, 1]) / bw)))

@@ -11,6 +11,7 @@ from kvwall.commands import common
 from kvwall.commands.speed_cmds import add_roof_args, roof_from
 from kvwall.errors import KvwallError
 from kvwall.files import PLOT_EXTS, check_output
+from kvwall.predict.expected import describe
 from kvwall.predict.fit import parse_reserve
 from kvwall.report.tables import console, table
 from kvwall.units import fmt_bytes, parse_bytes, real, seconds_arg, whole
@@ -112,7 +113,8 @@ def _point(args) -> dict:
     from kvwall import workload
 
     spec, fm, notes = common.model_and_formats(args.model, args)
-    roof, par = roof_from(args), common.parallel(args)
+    par = common.parallel(args)
+    roof = roof_from(args, spec, fm, par.tp)
     memory_bytes = roof.device.memory_bytes
     kv = parse_bytes(args.kv_memory, "--kv-memory") if args.kv_memory else None
     pool = sim.kv_pool(spec, fm, par, memory_bytes, parse_reserve(args.reserve, memory_bytes), args.block_size,
@@ -137,7 +139,8 @@ def _point(args) -> dict:
 
     out = {"label": args.label, "model": spec.name, "device": roof.device.name, "tp": par.tp, "pp": par.pp,
            "formats": fm.as_dict(), "pool": pool.as_dict(), "chunk": args.chunk, "max_batch": args.max_batch,
-           "split_prefill": args.split_prefill, "assumptions": sim.ASSUMPTIONS | roof.assumptions(), "notes": notes}
+           "split_prefill": args.split_prefill, "roof": describe(roof),
+           "assumptions": sim.ASSUMPTIONS | roof.assumptions(), "notes": notes}
     if args.find_rate:
         found = sim.find_rate(run_at, args.slo_ttft, args.slo_tpot, *RATE_RANGE)
         out |= {"mode": "find-rate", "rate": found["rate"], "tried": found["tried"], **found["report"]}
@@ -202,7 +205,7 @@ def _print(data: dict) -> None:
                 f"{p['preemptions']:,} preemptions): {_per_s(p['request_throughput'])} req/s, "
                 f"{_per_s(p['output_token_throughput'])} output tok/s" + _goodput(p))
     c.print("simulated with kvwall serve's scheduler; each step's time from the roofline of its exact mix of "
-            "prefill chunks and decode tokens (--json: every assumption)")
+            f"prefill chunks and decode tokens, {data['points'][0]['roof']} (--json: every assumption)")
     if len(data["points"]) > 1:
         c.print(table("sweep", ["configuration", "rate", "req/s", "tok/s per GPU", "p90 TTFT ms", "p90 TPOT ms"],
                       [[p["label"], _per_s(p.get("rate")), _per_s(p.get("request_throughput")),
