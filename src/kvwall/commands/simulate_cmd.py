@@ -175,7 +175,7 @@ class _progress:
 
 def _ms(d: dict | None, key: str) -> str:
     v = (d or {}).get(key)
-    return "-" if v is None else (f"{v * 1e3:,.1f}" if v < 10 else f"{v:,.1f} s")
+    return "-" if v is None else f"{v * 1e3:,.1f}"
 
 
 def _per_s(v) -> str:
