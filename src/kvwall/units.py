@@ -158,6 +158,14 @@ def _short(text: str) -> str:
     return text if len(text) <= 24 else text[:21] + "..."
 
 
+def seconds_arg(text: str) -> float:
+    """A positive time option: '1s', '100ms', '250us', '0.5' (seconds) -> seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e-?\d+)?)\s*(us|ms|s)?\s*", str(text))
+    if not m or not 0 < float(m.group(1)) < 1e9:
+        raise argparse.ArgumentTypeError(f"must be a positive time such as 1s or 100ms (got {_short(str(text))!r})")
+    return float(m.group(1)) / {"us": 1e6, "ms": 1e3}.get(m.group(2), 1)
+
+
 def tokens_arg(text: str) -> int:
     """A token count option (--window 4k): as parse_tokens, refused by the parser."""
     try:

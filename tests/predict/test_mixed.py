@@ -52,3 +52,24 @@ def test_bad_groups():
         mixed_ops(spec, [], Formats.for_spec(spec))
     with pytest.raises(ValueError):
         mixed_ops(spec, [Step(1, 0, 0)], Formats.for_spec(spec))
+
+
+def test_pipeline_micro_batches_by_hand():
+    """Llama-2-7B (32 layers) on 4 stages of 8 layers, decode batch 8 at context 1k: with m micro-batches the step
+    takes (m + 3) x the slowest stage per micro-batch, and the bubble is 3 / (m + 3)."""
+    from kvwall.predict.memory import Parallel
+    from kvwall.predict.ops import step_ops
+    from kvwall.predict.roofline import pipelined
+
+    spec = load_spec("llama-2-7b")
+    fm, roof, par = Formats.for_spec(spec), Roof(get_device("h100")), Parallel(1, 4)
+    for m in (1, 2, 8):
+        got = pipelined(spec, Step(8, 1023, 1), fm, roof, par, m)
+        ops = step_ops(spec, Step(8 // m, 1023, 1), fm)
+        last = sum(roof.op_time(o) for o in ops if o.layer is not None and o.layer >= 24) + roof.op_time(ops[-1])
+        send = 5e-6 + (8 // m) * 4096 * 2 / roof.device.interconnect_bw  # latency + activations over the link
+        assert got["stage_s"][3] == pytest.approx(last)  # the last stage (8 layers + the LM head) is the slowest
+        assert got["time_s"] == pytest.approx((m + 3) * (last + send))
+        assert got["bubble"] == pytest.approx(3 / (m + 3))
+    with pytest.raises(Exception, match="micro-batches"):
+        pipelined(spec, Step(8, 1023, 1), fm, roof, par, 3)

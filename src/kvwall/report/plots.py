@@ -193,3 +193,55 @@ def two_axes(x: list[float], left: tuple[str, list[float]], right: tuple[str, li
     ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=10)
     return _save(fig, path)
+
+
+def serving(latencies: dict[str, list[float]], trace: list[dict], blocks: int, title: str, path: str | Path) -> Path:
+    """A served stream: latency CDFs (ms, log x) on the left; KV blocks in use and requests running and
+    waiting over time on the right. latencies: {"TTFT": [s, ...], "TPOT": [...]}; trace: simulate.report's."""
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, values in latencies.items():
+        xs = sorted(v * 1e3 for v in values if v is not None and v > 0)
+        if xs:
+            left.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=f"{name} ({len(xs)})")
+    left.set_xscale("log")
+    left.set_xlabel("ms")
+    left.set_ylabel("fraction of requests at or below")
+    left.grid(True, which="both", alpha=0.2)
+    left.legend(fontsize=8)
+    times = [row["time_s"] for row in trace]
+    right.plot(times, [row["blocks_used"] / blocks for row in trace], color="#4a7ab5", label="KV blocks in use")
+    right.set_ylim(0, 1.05)
+    right.set_xlabel("simulated time (s)")
+    right.set_ylabel("fraction of the KV pool")
+    twin = right.twinx()
+    twin.plot(times, [row["running"] for row in trace], color="#3a9a4a", lw=1, label="running")
+    twin.plot(times, [row["waiting"] for row in trace], color="#c0504d", lw=1, label="waiting")
+    twin.set_ylabel("requests")
+    right.legend(loc="upper left", fontsize=8)
+    twin.legend(loc="upper right", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def pareto(points: list[dict], xlabel: str, ylabel: str, title: str, path: str | Path) -> Path:
+    """One labelled point per configuration [{"label", "x", "y"}], the Pareto front (lowest x, highest y) joined."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    pts = [p for p in points if p["x"] is not None and p["y"] is not None]
+    ax.scatter([p["x"] for p in pts], [p["y"] for p in pts], color="#4a7ab5")
+    for p in pts:
+        ax.annotate(p["label"], (p["x"], p["y"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    front, best = [], -1.0
+    for p in sorted(pts, key=lambda p: (p["x"], -p["y"])):
+        if p["y"] > best:
+            front.append(p)
+            best = p["y"]
+    ax.plot([p["x"] for p in front], [p["y"] for p in front], color="#c0504d", lw=1, label="Pareto front")
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.2)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

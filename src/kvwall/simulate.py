@@ -1,0 +1,244 @@
+"""A request stream served on any accelerator, in simulated time: kvwall serve's scheduler, roofline step times.
+
+Torch-free. The scheduling policy is `kvwall.serve.scheduler.Scheduler` itself (imported, not copied):
+admission by free KV blocks, chunked prefill under a token budget, preemption by recompute. Each step
+it schedules takes the roofline's time for that step's exact mix (`StepClock`, equal to
+`predict.roofline.run_mix`): prefill chunks and decode tokens at their own contexts, each op the max of
+its compute and memory time, plus tensor/pipeline-parallel links and the device's fixed step cost.
+Every token a step samples is stamped with the step's end; `workload.summarize` turns the stamps
+into TTFT / TPOT / ITL / end-to-end percentiles, throughput and goodput.
+
+Assumptions, stated in every output (`ASSUMPTIONS`):
+* the KV pool is what one GPU has left after its share of the weights and the reserve, in blocks of
+  `block_size` tokens of every attention layer (windows not exploited, as a paged pool does);
+  SSM state is preallocated for `max_batch` sequences;
+* a step is one forward over all its rows (vLLM's way; `split_prefill=True` runs decode rows and
+  prefill chunks as two forwards, as kvwall serve does);
+* prompts share no prefix (no prefix-cache hits); every request runs to its output length (no stop);
+* with pipeline parallel, one batch goes through the stages in turn (no micro-batch overlap).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from kvwall.errors import KvwallError
+from kvwall.predict import mixers
+from kvwall.predict.memory import Formats, Parallel, memory, pipeline_stages, state_bytes, token_bytes
+from kvwall.predict.ops import PER_SEQUENCE, step_ops
+from kvwall.predict.roofline import Roof, time_ops
+from kvwall.predict.step import Step, matmul
+from kvwall.serve.scheduler import Request as Job
+from kvwall.serve.scheduler import Scheduler
+from kvwall.spec.formats import keep_16bit
+from kvwall.spec.model import ModelSpec
+from kvwall.workload import Record, Request, summarize
+
+ASSUMPTIONS = {
+    "scheduler": "kvwall serve's: chunked prefill under a token budget, admission by free KV blocks, "
+                 "preemption by recompute (newest first)",
+    "step_time": "roofline of the step's exact mix (run_mix): per op max(compute, memory), plus links and the "
+                 "device's fixed step cost",
+    "kv_pool": "one GPU's memory - reserve - its share of the weights, in blocks over every attention layer",
+    "prefix_cache": "no shared prefixes; every request runs to its output length",
+}
+MAX_STEPS = 50_000_000  # a stuck scheduler is a bug, not an endless loop
+
+
+class StepClock:
+    """The roofline time of a scheduler step, fast: the per-token part cached by (tokens, sequences); the
+    per-sequence ops (attention over each cache, SSM scans) computed once per distinct mixer and (past, new)
+    row, added up over the rows with numpy. Equals `run_mix` on the same rows (a test holds it), plus the roof's
+    fixed cost per request (expected mode) on each request's first chunk."""
+
+    def __init__(self, spec: ModelSpec, fm: Formats, roof: Roof, par: Parallel | None = None):
+        self.spec, self.fm, self.roof, self.par = spec, fm, roof, par or Parallel()
+        self._mixers = list(Counter(layer.mixer for layer in spec.layers if layer.mixer is not None).items())
+        self._token_part: dict[tuple[int, int, bool], float] = {}
+        self._rows: dict[tuple[int, int, bool], np.ndarray] = {}
+        self._fixed: dict[bool, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # layers, weight bytes, bandwidth
+
+    def time(self, rows: list[tuple[int, int]]) -> float:
+        """Seconds for one forward over rows of (past, new) tokens: the token part plus the per-sequence ops,
+        whose work adds up over the rows before each op's max(compute, memory)."""
+        absorbed = all(n == 1 for _, n in rows)
+        total = self._per_token(sum(n for _, n in rows), len(rows), absorbed)
+        total += self.roof.request_overhead_s * sum(1 for p, _ in rows if p == 0)  # once per request (its TTFT)
+        work = np.sum([self._row(p, n, absorbed) for p, n in rows], axis=0)  # (ops, 2): FLOPs, bytes
+        layers, weights, bw = self._fixed[absorbed]
+        return total + float(np.sum(layers * np.maximum(work[:, 0] / self.roof.peak, (weights + work[:, 1]) / bw)))
+
+    def _per_token(self, tokens: int, seqs: int, absorbed: bool) -> float:
+        key = (tokens, seqs, absorbed)
+        if key not in self._token_part:
+            ops = [o for o in step_ops(self.spec, Step(1, 0, tokens), self.fm, self.par.tp, absorbed)
+                   if o.kind not in PER_SEQUENCE]
+            ops[-1] = matmul("lm_head", None, seqs, self.spec.hidden, self.spec.vocab / self.par.tp,
+                             keep_16bit(self.fm.weights))
+            self._token_part[key] = time_ops(self.spec, Step(seqs, 0, tokens / seqs), ops, self.roof, self.par,
+                                             "step").time_s
+        return self._token_part[key]
+
+    def _row(self, past: int, new: int, absorbed: bool) -> np.ndarray:
+        """One row's per-sequence ops, one per distinct mixer: (FLOPs, bytes other than weights)."""
+        key = (past, new, absorbed)
+        if key not in self._rows:
+            ops, layers = [], []
+            for m, count in self._mixers:
+                mine = [o for o in mixers.of(m).ops(0, m, self.spec, Step(1, past, new), self.fm, self.par.tp,
+                                                    absorbed) if o.kind in PER_SEQUENCE]
+                ops += mine
+                layers += [count] * len(mine)
+            if absorbed not in self._fixed:
+                self._fixed[absorbed] = (np.array(layers, float), np.array([o.weight_bytes for o in ops], float),
+                                         np.array([self.roof.op_bandwidth(o) for o in ops], float))
+            self._rows[key] = np.array([(o.flops, o.bytes - o.weight_bytes) for o in ops], float).reshape(-1, 2)
+        return self._rows[key]
+
+
+@dataclass
+class Pool:
+    """The KV pool one GPU holds: bytes per block, and how many blocks fit."""
+
+    block_size: int
+    block_bytes: int
+    n_blocks: int
+    available_bytes: int  # after weights, reserve and SSM state
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def kv_pool(spec: ModelSpec, fm: Formats, par: Parallel, memory_bytes: int, reserve_bytes: int,
+            block_size: int = 16, max_batch: int = 256, kv_memory: int | None = None) -> Pool:
+    """Blocks of `block_size` tokens on the busiest GPU: `kv_memory` if given, else its memory less the
+    reserve, its share of the weights and SSM state for `max_batch` sequences."""
+    stages = pipeline_stages(spec.n_layers, par.pp)
+    per_token = max(sum(token_bytes(spec.layers[i], fm.kv, par.tp) for i in s) for s in stages)
+    if per_token == 0:
+        raise KvwallError(f"{spec.name} keeps no per-token cache; a paged pool does not apply")
+    block = per_token * block_size
+    if kv_memory is None:
+        rep = memory(spec, batch=1, context=1, formats=fm, parallel=par)
+        weights = max(rep.stage_bytes(s)[0] for s in range(len(rep.stages)))
+        kv_memory = memory_bytes - reserve_bytes - weights - max_batch * state_bytes(spec, fm.state) // par.tp
+    if kv_memory < block:
+        raise KvwallError(f"no room for the KV cache: {max(kv_memory, 0):,} B left per GPU, one block of "
+                          f"{block_size} tokens takes {block:,} B; use more GPUs (--tp), a smaller --kv-format, "
+                          "or a smaller --reserve")
+    return Pool(block_size, block, kv_memory // block, kv_memory)
+
+
+def simulate(requests: list[Request], clock: StepClock, pool: Pool, chunk: int = 512, max_batch: int = 256,
+             split_prefill: bool = False, concurrency: int | None = None, on_step=None) -> dict:
+    """Serve `requests` in simulated time: by their arrival times, or (`concurrency`) as that many clients that
+    each send the next request when their last one finishes. Returns the records, the per-step trace
+    (the step's end time; requests running and waiting, blocks in use and requests preempted as it ran) and
+    the preemption count."""
+    sched = Scheduler(pool.n_blocks, pool.block_size, chunk, max_batch)
+    queue = deque(sorted(requests, key=lambda r: r.arrival_s))
+    clients = Clients(queue, concurrency)
+    records: dict[int, Record] = {}
+    t, trace, finished = 0.0, [], 0
+    for _ in range(MAX_STEPS):
+        for r in clients.arrived(t):
+            records[r.id] = Record(r)
+            sched.add(_job(r))
+        if not sched.has_work():
+            if clients.next_arrival() is None:
+                break
+            t = clients.next_arrival()
+            continue
+        step = sched.schedule()
+        busy = (len(sched.running), len(sched.waiting), sched.used_blocks(), len(step.preempted))  # during the step
+        t += _step_time(clock, [(c.start, c.n) for c in step.chunks], split_prefill)
+        sampled = {c.request: 0 for c in step.chunks if c.sample}
+        for job in sampled:
+            records[job.id].token_times.append(t)
+        done = sched.finish(step, sampled)
+        clients.finished(len(done))
+        finished += len(done)
+        trace.append((t, *busy))
+        if on_step:
+            on_step(t, finished)
+    else:
+        raise AssertionError(f"simulation still running after {MAX_STEPS} steps")
+    return {"records": list(records.values()), "trace": trace, "preemptions": sched.preemptions}
+
+
+class Clients:
+    """Where requests come from: an open stream (each at its arrival time), or `concurrency` closed-loop clients
+    (the first ones at time 0, then one more each time one finishes, stamped with that time)."""
+
+    def __init__(self, queue: deque, concurrency: int | None):
+        self.queue, self.free = queue, concurrency  # free: clients with no request out (None: an open stream)
+
+    def arrived(self, t: float) -> list[Request]:
+        out = []
+        while self.queue and (self.free is None and self.queue[0].arrival_s <= t or self.free):
+            r = self.queue.popleft()
+            if self.free is not None:
+                self.free -= 1
+                r = replace(r, arrival_s=t)
+            out.append(r)
+        return out
+
+    def finished(self, n: int) -> None:
+        if self.free is not None:
+            self.free += n
+
+    def next_arrival(self) -> float | None:
+        """When the next request comes without anything finishing (None: never, for closed-loop clients)."""
+        return self.queue[0].arrival_s if self.queue and self.free is None else None
+
+
+def _job(r: Request) -> Job:
+    """The scheduler's request: distinct token ids (no prefix is shared), the output length as max_tokens."""
+    base = (r.id + 1) << 32
+    return Job(r.id, list(range(base, base + r.prompt_tokens)), r.output_tokens)
+
+
+def _step_time(clock: StepClock, rows: list[tuple[int, int]], split_prefill: bool) -> float:
+    if not split_prefill:
+        return clock.time(rows)
+    parts = [[r for r in rows if r[1] == 1], [r for r in rows if r[1] > 1]]
+    return sum(clock.time(p) for p in parts if p)
+
+
+def report(run: dict, slo_ttft: float | None = None, slo_tpot: float | None = None, points: int = 200) -> dict:
+    """The summary (workload.summarize), preemptions, and the trace thinned to about `points` steps."""
+    trace = run["trace"]
+    every = max(1, math.ceil(len(trace) / points))
+    keep = trace[::every] + ([trace[-1]] if trace and (len(trace) - 1) % every else [])
+    return {**summarize(run["records"], slo_ttft, slo_tpot), "steps": len(trace), "preemptions": run["preemptions"],
+            "trace": [dict(zip(("time_s", "running", "waiting", "blocks_used", "preempted"), row)) for row in keep]}
+
+
+def find_rate(run_at, slo_ttft: float | None, slo_tpot: float | None, lo: float, hi: float, tries: int = 12,
+              quantile: int = 90) -> dict:
+    """The largest Poisson rate in [lo, hi] whose p`quantile` TTFT and TPOT meet the SLO (bisection on a
+    log scale). `run_at(rate)` returns a report; meeting is assumed to get harder as the rate grows."""
+    def meets(rep: dict) -> bool:
+        key = f"p{quantile}"
+        ok_ttft = slo_ttft is None or (rep.get("ttft_s", {}).get(key) or math.inf) <= slo_ttft
+        ok_tpot = slo_tpot is None or (rep.get("tpot_s", {}).get(key) or 0.0) <= slo_tpot
+        return rep.get("completed", 0) > 0 and ok_ttft and ok_tpot
+
+    tried = []
+    if not meets(low := run_at(lo)):
+        return {"rate": None, "tried": [(lo, False)], "report": low}
+    best, best_rep = lo, low
+    for _ in range(tries):
+        mid = math.sqrt(lo * hi)
+        rep = run_at(mid)
+        ok = meets(rep)
+        tried.append((mid, ok))
+        if ok:
+            lo, best, best_rep = mid, mid, rep
+        else:
+            hi = mid
+    return {"rate": best, "tried": sorted(tried), "report": best_rep}

@@ -1,0 +1,150 @@
+"""The serving simulator: its step clock equals the roofline's mixed step; with a constant step time it
+reproduces hand-computed queueing; the CLI's errors are one line."""
+
+import json
+
+import pytest
+
+from kvwall.cli import main
+from kvwall.errors import KvwallError
+from kvwall.predict.devices import get_device
+from kvwall.predict.memory import Formats, Parallel
+from kvwall.predict.roofline import Roof, run_mix
+from kvwall.predict.step import Step
+from kvwall.simulate import Pool, StepClock, kv_pool, report, simulate
+from kvwall.spec.resolve import load_spec
+from kvwall.workload import Lengths, Request, stream, summarize
+
+
+@pytest.mark.parametrize("model,tp", [("llama-3-8b", 1), ("llama-3-70b", 8), ("gemma-3-27b", 2),
+                                      ("deepseek-v3", 8), ("jamba-v0.1", 2), ("mamba2-2.7b", 1)])
+def test_clock_equals_the_mixed_roofline(model, tp):
+    spec = load_spec(model)
+    fm, roof, par = Formats.for_spec(spec), Roof(get_device("h100")), Parallel(tp)
+    clock = StepClock(spec, fm, roof, par)
+    for rows in ([(99, 1), (5000, 1), (0, 300), (7, 1)], [(4095, 1)] * 3, [(0, 512)], [(128, 64), (3, 1)]):
+        want = run_mix(spec, [Step(1, p, n) for p, n in rows], fm, roof, par).time_s
+        assert clock.time(rows) == pytest.approx(want, rel=1e-12)
+
+
+class Constant:
+    """A fake clock: every step takes `dt` seconds."""
+
+    def __init__(self, dt):
+        self.dt = dt
+
+    def time(self, rows):
+        return self.dt
+
+
+POOL = Pool(block_size=16, block_bytes=1, n_blocks=10_000, available_bytes=10_000)
+
+
+def test_single_server_deterministic_service():
+    """One seat (max_batch 1), each request 8 prompt + 4 output tokens at c = 0.1 s a step: the prefill step gives
+    the first token, three decode steps the rest, so service takes 0.4 s. Arrivals every 1 s: no queue; every
+    0.25 s: request k starts at 0.4 k, waits 0.4 k - 0.25 k."""
+    c, service = 0.1, 0.4
+    calm = [Request(k, 1.0 * k, 8, 4) for k in range(5)]
+    recs = simulate(calm, Constant(c), POOL, max_batch=1)["records"]
+    assert [r.ttft for r in recs] == pytest.approx([c] * 5)
+    assert [r.e2e for r in recs] == pytest.approx([service] * 5)
+    busy = [Request(k, 0.25 * k, 8, 4) for k in range(6)]
+    recs = simulate(busy, Constant(c), POOL, max_batch=1)["records"]
+    assert [r.ttft for r in recs] == pytest.approx([service * k + c - 0.25 * k for k in range(6)])
+    assert [r.tpot for r in recs] == pytest.approx([c] * 6)
+
+
+def test_closed_loop_clients_back_to_back():
+    """One client, three requests of 4 output tokens at 0.1 s a step: 1.2 s in all, each arriving as the last ends."""
+    reqs = [Request(k, 0.0, 8, 4) for k in range(3)]
+    run = simulate(reqs, Constant(0.1), POOL, concurrency=1)
+    assert [r.request.arrival_s for r in run["records"]] == pytest.approx([0.0, 0.4, 0.8])
+    assert summarize(run["records"])["duration_s"] == pytest.approx(1.2)
+
+
+def test_littles_law_on_the_trace():
+    """Time-averaged requests in the system = throughput x mean time in the system (L = lambda W)."""
+    reqs = stream(400, Lengths("uniform", 4, 64), Lengths("uniform", 2, 20), rate=20.0, seed=3)
+    dt = 0.002  # short steps: a request waits under one step between its arrival and the step that counts it
+    run = simulate(reqs, Constant(dt), POOL, chunk=64, max_batch=8)
+    s = report(run)
+    area = sum(dt * (running + waiting) for _, running, waiting, *_ in run["trace"])
+    assert area / s["duration_s"] == pytest.approx(s["request_throughput"] * s["e2e_s"]["mean"], rel=0.03)
+
+
+def test_a_small_pool_preempts_and_still_finishes_everything():
+    reqs = [Request(k, 0.0, 40, 40) for k in range(8)]
+    pool = Pool(block_size=16, block_bytes=1, n_blocks=12, available_bytes=12)  # 6 blocks per request at the end
+    run = simulate(reqs, Constant(0.01), pool, chunk=64, max_batch=8)
+    assert run["preemptions"] > 0
+    assert all(len(r.token_times) == 40 for r in run["records"])
+
+
+def test_nothing_to_serve_divides_nothing():
+    run = simulate([], Constant(0.1), POOL)
+    assert run["records"] == [] and report(run)["completed"] == 0
+
+
+def test_pool_by_hand():
+    """Llama-3-8B bf16 on one H100 (80 GB): 32 layers x 8 KV heads x (128 + 128) x 2 B = 128 KiB a token."""
+    spec = load_spec("llama-3-8b")
+    fm = Formats.for_spec(spec)
+    pool = kv_pool(spec, fm, Parallel(1), 80 * 10**9, 8 * 10**9, block_size=16)
+    assert pool.block_bytes == 16 * 32 * 8 * 256 * 2
+    assert pool.n_blocks == (72 * 10**9 - 8_030_261_248 * 2) // pool.block_bytes  # weights: 8.03 B params in bf16
+    with pytest.raises(KvwallError, match="no room for the KV cache"):
+        kv_pool(load_spec("llama-3-70b"), Formats.for_spec(load_spec("llama-3-70b")), Parallel(1), 80 * 10**9, 0)
+
+
+def test_cli_json_and_find_rate(capsys):
+    assert main(["simulate", "llama-3-8b", "--device", "h100", "--rate", "2", "--requests", "50", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["points"][0]
+    assert p["completed"] == 50 and p["ttft_s"]["p50"] > 0 and p["tpot_s"]["p50"] > 0
+    assert main(["simulate", "llama-3-8b", "--device", "h100", "--requests", "200", "--find-rate",
+                 "--slo-ttft", "200ms", "--output-tokens", "64", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["points"][0]
+    assert p["rate"] and p["ttft_s"]["p90"] <= 0.2
+    assert any(not ok and rate > p["rate"] for rate, ok in p["tried"])  # a faster rate failed
+
+
+def test_cli_sweep(capsys, tmp_path):
+    assert main(["simulate", "llama-3-70b", "--device", "h100", "--rate", "2", "--requests", "40", "--sweep",
+                 "tp=4,8", "kv-format=bf16,fp8", "--json", "--plot", str(tmp_path / "p.png")]) == 0
+    points = json.loads(capsys.readouterr().out)["points"]
+    assert [p["label"] for p in points] == ["tp=4 kv-format=bf16", "tp=4 kv-format=fp8", "tp=8 kv-format=bf16",
+                                            "tp=8 kv-format=fp8"]
+    assert points[1]["pool"]["n_blocks"] > points[0]["pool"]["n_blocks"]  # fp8 KV: more blocks in the same bytes
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--rate", "-1"], "--rate"), (["--rate", "1", "--requests", "0"], "--requests"),
+    (["--find-rate"], "needs an SLO"), ([], "say how requests come"),
+    (["--rate", "1", "--sweep", "banana=1"], "bad --sweep"), (["--rate", "1", "--sweep", "tp=x"], "bad --sweep value"),
+    (["--rate", "1", "--prompt-tokens", "lognormal:mean=1"], "bad --prompt-tokens"),
+])
+def test_cli_errors_are_one_line(argv, msg, capsys):
+    assert main(["simulate", "llama-3-8b", "--device", "h100", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert msg in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_cli_bad_dataset(tmp_path, capsys):
+    bad = tmp_path / "d.jsonl"
+    bad.write_text('{"prompt_tokens": 5, "output_tokens": 2}\n{"prompt_tokens": 5}\n')
+    assert main(["simulate", "llama-3-8b", "--device", "h100", "--rate", "1", "--dataset", str(bad)]) == 2
+    assert "line 2" in capsys.readouterr().err
+
+
+def test_expected_roof_adds_its_request_cost_once_per_first_chunk():
+    from kvwall.predict.expected import expected_roof
+
+    spec = load_spec("llama-3-8b")
+    fm = Formats.for_spec(spec)
+    roof = expected_roof(get_device("h100"), "bf16", fm, spec)
+    assert roof.request_overhead_s > 0
+    clock = StepClock(spec, fm, roof)
+    rows = [(0, 64), (0, 32), (100, 1), (50, 16)]  # two first chunks
+    want = run_mix(spec, [Step(1, p, n) for p, n in rows], fm, roof).time_s + 2 * roof.request_overhead_s
+    assert clock.time(rows) == pytest.approx(want, rel=1e-12)
