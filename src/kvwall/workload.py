@@ -166,11 +166,13 @@ class Record:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
     def meets(self, slo_ttft: float | None, slo_tpot: float | None) -> bool:
-        if self.error or not self.token_times:
-            return False
-        ok_ttft = slo_ttft is None or self.ttft <= slo_ttft
-        ok_tpot = slo_tpot is None or self.tpot is None or self.tpot <= slo_tpot
-        return ok_ttft and ok_tpot
+        return not self.error and bool(self.token_times) and meets(self.ttft, self.tpot, slo_ttft, slo_tpot)
+
+
+def meets(ttft: float, tpot: float | None, slo_ttft: float | None, slo_tpot: float | None) -> bool:
+    """Whether a served request met the SLO given (a one-token answer has no TPOT to miss)."""
+    ok_ttft = slo_ttft is None or ttft <= slo_ttft
+    return ok_ttft and (slo_tpot is None or tpot is None or tpot <= slo_tpot)
 
 
 def percentile(values: list[float], p: float) -> float | None:
@@ -184,7 +186,8 @@ def percentile(values: list[float], p: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def _dist(values: list[float]) -> dict:
+def distribution(values: list[float]) -> dict:
+    """Mean and the PERCENTILES of the values (None each when there are none)."""
     out = {f"p{p}": percentile(values, p) for p in PERCENTILES}
     out["mean"] = sum(values) / len(values) if values else None
     return out
@@ -203,5 +206,5 @@ def summarize(records: list[Record], slo_ttft: float | None = None, slo_tpot: fl
             "request_throughput": rate(len(done)), "output_token_throughput": rate(tokens),
             "goodput": rate(sum(r.meets(slo_ttft, slo_tpot) for r in done)),
             "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot},
-            "ttft_s": _dist([r.ttft for r in done]), "tpot_s": _dist([r.tpot for r in done if r.tpot is not None]),
-            "itl_s": _dist([g for r in done for g in r.itl()]), "e2e_s": _dist([r.e2e for r in done])}
+            "ttft_s": distribution([r.ttft for r in done]), "tpot_s": distribution([r.tpot for r in done if r.tpot is not None]),
+            "itl_s": distribution([g for r in done for g in r.itl()]), "e2e_s": distribution([r.e2e for r in done])}

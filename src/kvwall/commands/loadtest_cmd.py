@@ -5,21 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import re
 
 from kvwall.commands import common
 from kvwall.errors import KvwallError
 from kvwall.files import PLOT_EXTS, check_output
 from kvwall.report.tables import console, table
-from kvwall.units import real, whole
-
-
-def duration(text: str) -> float:
-    """'1s', '100ms', '0.5' (seconds) -> seconds."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s)?\s*", text)
-    if not m or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive time such as 1s or 100ms (got {text!r})")
-    return float(m.group(1)) / (1000 if m.group(2) == "ms" else 1)
+from kvwall.units import real, seconds_arg, whole
 
 
 def sweep(text: str) -> tuple[str, list[float]]:
@@ -49,9 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=whole(1, 1 << 20), default=128, help="prompt words (default 128)")
     p.add_argument("--output-tokens", type=whole(1, 1 << 20), default=64, help="max_tokens (default 64)")
     p.add_argument("--seed", type=whole(0, 2**63 - 1), default=0)
-    p.add_argument("--timeout", type=duration, default=120.0, help="per request (default 120s)")
-    p.add_argument("--slo-ttft", type=duration, help="goodput counts requests with TTFT at most this, e.g. 1s")
-    p.add_argument("--slo-tpot", type=duration, help="... and time per output token at most this, e.g. 100ms")
+    p.add_argument("--timeout", type=seconds_arg, default=120.0, help="per request (default 120s)")
+    p.add_argument("--slo-ttft", type=seconds_arg, help="goodput counts requests with TTFT at most this, e.g. 1s")
+    p.add_argument("--slo-tpot", type=seconds_arg, help="... and time per output token at most this, e.g. 100ms")
     p.add_argument("--dataset", metavar="JSONL", help='prompts, one {"prompt": "..."} per line, sent in turn')
     p.add_argument("--plot", metavar="PNG", help="latency CDFs (TTFT, TPOT, end to end)")
     p.add_argument("--api-key", metavar="KEY")

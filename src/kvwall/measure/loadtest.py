@@ -21,9 +21,9 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 
 from kvwall.errors import KvwallError
+from kvwall.workload import distribution, meets
 
 WORDS = ("the of and to in is was for on that with as by at from his her are this have one had not but what all "
          "were when we there can an your which their said if do will each about how up out them then she many "
@@ -195,18 +195,15 @@ async def _clients(send, load: Load) -> list[Sample]:
 # -- the summary --------------------------------------------------------------------------------------------
 
 def percentiles(values: list[float]) -> dict | None:
-    if not values:
-        return None
-    p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return {"mean": float(np.mean(values)), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+    """workload.distribution (the simulator's too), or None for no values."""
+    return distribution(values) if values else None
 
 
 def summarize(load: Load, samples: list[Sample], wall: float, slo_ttft: float | None = None,
               slo_tpot: float | None = None) -> dict:
     ok = [s for s in samples if s.ok]
     tpots = [s.tpot for s in ok if s.tpot is not None]
-    good = [s for s in ok if (slo_ttft is None or s.ttft <= slo_ttft) and
-            (slo_tpot is None or s.tpot is None or s.tpot <= slo_tpot)]
+    good = [s for s in ok if meets(s.ttft, s.tpot, slo_ttft, slo_tpot)]
     out_tokens = sum(s.output_tokens for s in ok)
     errors = [s.error for s in samples if not s.ok]
     return {"url": load.url, "model": load.model, "requests": len(samples), "completed": len(ok),
