@@ -148,3 +148,11 @@ def test_expected_roof_adds_its_request_cost_once_per_first_chunk():
     rows = [(0, 64), (0, 32), (100, 1), (50, 16)]  # two first chunks
     want = run_mix(spec, [Step(1, p, n) for p, n in rows], fm, roof).time_s + 2 * roof.request_overhead_s
     assert clock.time(rows) == pytest.approx(want, rel=1e-12)
+
+
+def test_clock_with_pipeline_stages():
+    spec = load_spec("llama-2-7b")
+    fm, roof, par = Formats.for_spec(spec), Roof(get_device("h100")), Parallel(2, 2)
+    rows = [(99, 1), (0, 128), (1000, 1)]
+    want = run_mix(spec, [Step(1, p, n) for p, n in rows], fm, roof, par).time_s
+    assert StepClock(spec, fm, roof, par).time(rows) == pytest.approx(want, rel=1e-12)

@@ -29,12 +29,11 @@ import numpy as np
 from kvwall.errors import KvwallError
 from kvwall.predict import mixers
 from kvwall.predict.memory import Formats, Parallel, memory, pipeline_stages, state_bytes, token_bytes
-from kvwall.predict.ops import PER_SEQUENCE, step_ops
-from kvwall.predict.roofline import Roof, time_ops
-from kvwall.predict.step import Step, matmul
+from kvwall.predict.ops import PER_SEQUENCE, embedding, layer_ops, lm_head
+from kvwall.predict.roofline import Roof, step_overhead
+from kvwall.predict.step import ACT_BYTES, LINK, Op, Step
 from kvwall.serve.scheduler import Request as Job
 from kvwall.serve.scheduler import Scheduler
-from kvwall.spec.formats import keep_16bit
 from kvwall.spec.model import ModelSpec
 from kvwall.workload import Record, Request, summarize
 
@@ -58,8 +57,10 @@ class StepClock:
     def __init__(self, spec: ModelSpec, fm: Formats, roof: Roof, par: Parallel | None = None):
         self.spec, self.fm, self.roof, self.par = spec, fm, roof, par or Parallel()
         self._mixers = list(Counter(layer.mixer for layer in spec.layers if layer.mixer is not None).items())
-        self._token_part: dict[tuple[int, int, bool], float] = {}
-        self._rows: dict[tuple[int, int, bool], np.ndarray] = {}
+        self._layers = list(Counter(spec.layers).items())
+        self._token_part: dict[tuple[int, bool], float] = {}
+        self._rows: dict[tuple[int, int, bool], np.ndarray] = {}  # prefill chunks: (past, new, absorbed)
+        self._decode: dict[bool, tuple[np.ndarray, np.ndarray]] = {}  # decode rows by past: table, filled
         self._fixed: dict[bool, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # layers, weight bytes, bandwidth
 
     def time(self, rows: list[tuple[int, int]]) -> float:
@@ -68,36 +69,69 @@ class StepClock:
         absorbed = all(n == 1 for _, n in rows)
         total = self._per_token(sum(n for _, n in rows), len(rows), absorbed)
         total += self.roof.request_overhead_s * sum(1 for p, _ in rows if p == 0)  # once per request (its TTFT)
-        work = np.sum([self._row(p, n, absorbed) for p, n in rows], axis=0)  # (ops, 2): FLOPs, bytes
+        work = self._decode_work([p for p, n in rows if n == 1], absorbed)  # (ops, 2): FLOPs, bytes
+        work = work + sum(self._row(p, n, absorbed) for p, n in rows if n > 1)
         layers, weights, bw = self._fixed[absorbed]
         return total + float(np.sum(layers * np.maximum(work[:, 0] / self.roof.peak, (weights + work[:, 1]) / bw)))
 
     def _per_token(self, tokens: int, seqs: int, absorbed: bool) -> float:
-        key = (tokens, seqs, absorbed)
+        """The per-token ops (projections, MLPs, experts, embedding, links) and the LM head, plus the device's
+        fixed step cost: identical layers timed once and counted (time_ops on the whole list took 8 ms)."""
+        key = (tokens, absorbed)
         if key not in self._token_part:
-            ops = [o for o in step_ops(self.spec, Step(1, 0, tokens), self.fm, self.par.tp, absorbed)
-                   if o.kind not in PER_SEQUENCE]
-            ops[-1] = matmul("lm_head", None, seqs, self.spec.hidden, self.spec.vocab / self.par.tp,
-                             keep_16bit(self.fm.weights))
-            self._token_part[key] = time_ops(self.spec, Step(seqs, 0, tokens / seqs), ops, self.roof, self.par,
-                                             "step").time_s
-        return self._token_part[key]
+            st, tp = Step(1, 0, tokens), self.par.tp
+            t = step_overhead(self.spec, self.roof.device) + self.roof.op_time(embedding(self.spec, tokens, self.fm))
+            for layer, count in self._layers:
+                ops = layer_ops(0, layer, self.spec, st, self.fm, tp, absorbed)
+                t += count * sum(self.roof.op_time(o) for o in ops if o.kind not in PER_SEQUENCE)
+            if self.par.pp > 1:  # time_ops's activation send between stages
+                pipeline_stages(self.spec.n_layers, self.par.pp)
+                t += self.roof.op_time(Op("pipeline send", None, kind=LINK,
+                                          link_bytes=(self.par.pp - 1) * tokens * self.spec.hidden * ACT_BYTES))
+            self._token_part[key] = t
+        head = self.roof.op_time(lm_head(self.spec, seqs, self.fm, self.par.tp))
+        return self._token_part[key] + head
+
+    def _decode_work(self, pasts: list[int], absorbed: bool) -> np.ndarray | float:
+        """The decode rows' per-sequence work, summed: one numpy gather from a table filled per past on first use
+        (a Python sum over 256 rows a step was a third of a simulation's time)."""
+        if not pasts:
+            return 0.0
+        idx = np.fromiter(pasts, dtype=np.int64, count=len(pasts))
+        table, filled = self._decode_table(int(idx.max()), absorbed)
+        for p in np.unique(idx[~filled[idx]]):
+            table[p], filled[p] = self._row_work(int(p), 1, absorbed), True
+        return table[idx].sum(axis=0)
+
+    def _decode_table(self, top: int, absorbed: bool) -> tuple[np.ndarray, np.ndarray]:
+        table, filled = self._decode.get(absorbed, (None, np.zeros(0, bool)))
+        if top >= len(filled):  # grow by doubling, keeping what is filled
+            size = max(2 * len(filled), top + 1, 1024)
+            ops = len(self._row_work(0, 1, absorbed))
+            grown, more = np.zeros((size, ops, 2)), np.zeros(size, bool)
+            if table is not None:
+                grown[:len(filled)], more[:len(filled)] = table, filled
+            self._decode[absorbed] = table, filled = grown, more
+        return table, filled
 
     def _row(self, past: int, new: int, absorbed: bool) -> np.ndarray:
-        """One row's per-sequence ops, one per distinct mixer: (FLOPs, bytes other than weights)."""
         key = (past, new, absorbed)
         if key not in self._rows:
-            ops, layers = [], []
-            for m, count in self._mixers:
-                mine = [o for o in mixers.of(m).ops(0, m, self.spec, Step(1, past, new), self.fm, self.par.tp,
-                                                    absorbed) if o.kind in PER_SEQUENCE]
-                ops += mine
-                layers += [count] * len(mine)
-            if absorbed not in self._fixed:
-                self._fixed[absorbed] = (np.array(layers, float), np.array([o.weight_bytes for o in ops], float),
-                                         np.array([self.roof.op_bandwidth(o) for o in ops], float))
-            self._rows[key] = np.array([(o.flops, o.bytes - o.weight_bytes) for o in ops], float).reshape(-1, 2)
+            self._rows[key] = self._row_work(past, new, absorbed)
         return self._rows[key]
+
+    def _row_work(self, past: int, new: int, absorbed: bool) -> np.ndarray:
+        """One row's per-sequence ops, one per distinct mixer: (FLOPs, bytes other than weights)."""
+        ops, layers = [], []
+        for m, count in self._mixers:
+            mine = [o for o in mixers.of(m).ops(0, m, self.spec, Step(1, past, new), self.fm, self.par.tp, absorbed)
+                    if o.kind in PER_SEQUENCE]
+            ops += mine
+            layers += [count] * len(mine)
+        if absorbed not in self._fixed:
+            self._fixed[absorbed] = (np.array(layers, float), np.array([o.weight_bytes for o in ops], float),
+                                     np.array([self.roof.op_bandwidth(o) for o in ops], float))
+        return np.array([(o.flops, o.bytes - o.weight_bytes) for o in ops], float).reshape(-1, 2)
 
 
 @dataclass

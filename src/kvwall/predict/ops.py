@@ -49,13 +49,23 @@ def layer_ops(i: int, layer: Layer, spec: ModelSpec, st: Step, fm: Formats, tp: 
 def step_ops(spec: ModelSpec, st: Step, fm: Formats, tp: int = 1, mla_absorbed: bool | None = None) -> list[Op]:
     """Every op of one step on one GPU (tensor parallel `tp`), embeddings and LM head included."""
     absorbed = (st.new == 1) if mla_absorbed is None else mla_absorbed
-    w16 = keep_16bit(fm.weights)
-    ops = [Op("embedding", None, weight_bytes=st.tokens * spec.hidden * w16.bytes_per_element(),
-              act_bytes=st.tokens * spec.hidden * ACT_BYTES, kind=GATHER)]
+    ops = [embedding(spec, st.tokens, fm)]
     for i, layer in enumerate(spec.layers):
         ops += layer_ops(i, layer, spec, st, fm, tp, absorbed)
-    ops.append(matmul("lm_head", None, st.batch, spec.hidden, spec.vocab / tp, w16))  # last position only
+    ops.append(lm_head(spec, st.batch, fm, tp))
     return ops
+
+
+def embedding(spec: ModelSpec, tokens: int, fm: Formats) -> Op:
+    """The embedding lookup: one row of the table read per token."""
+    w16 = keep_16bit(fm.weights)
+    return Op("embedding", None, weight_bytes=tokens * spec.hidden * w16.bytes_per_element(),
+              act_bytes=tokens * spec.hidden * ACT_BYTES, kind=GATHER)
+
+
+def lm_head(spec: ModelSpec, seqs: int, fm: Formats, tp: int = 1) -> Op:
+    """The LM head on each sequence's last position only."""
+    return matmul("lm_head", None, seqs, spec.hidden, spec.vocab / tp, keep_16bit(fm.weights))
 
 
 def mixed_ops(spec: ModelSpec, groups: list[Step], fm: Formats, tp: int = 1) -> list[Op]:
@@ -73,7 +83,7 @@ def mixed_ops(spec: ModelSpec, groups: list[Step], fm: Formats, tp: int = 1) -> 
     base = step_ops(spec, Step(1, 0, tokens), fm, tp, absorbed)
     parts = [step_ops(spec, g, fm, tp, absorbed) for g in groups]
     out = [op if op.kind not in PER_SEQUENCE else _summed([p[j] for p in parts]) for j, op in enumerate(base)]
-    out[-1] = matmul("lm_head", None, seqs, spec.hidden, spec.vocab / tp, keep_16bit(fm.weights))
+    out[-1] = lm_head(spec, seqs, fm, tp)
     return out
 
 
