@@ -91,3 +91,16 @@ def test_compare_names_the_group_that_holds_the_weights(capsys):
     rows = {r["model"]: r for r in json.loads(capsys.readouterr().out)["models"]}
     assert (rows["llama-3-70b"]["tp"], rows["llama-3-70b"]["fits"]) == (2, True)
     assert rows["deepseek-v3"]["fits"] is False and rows["deepseek-v3"]["tp"] is None
+
+
+def test_roofline_pipeline_micro_batches(capsys):
+    import json
+
+    from kvwall.cli import main
+
+    assert main(["roofline", "llama-3-70b", "--device", "h100", "--tp", "4", "--pp", "2", "--batch", "1,8",
+                 "--micro-batches", "4", "--json"]) == 0
+    one, eight = (p["pipelined_decode"] for p in json.loads(capsys.readouterr().out)["phases"])
+    assert "skipped" in one  # 4 micro-batches do not divide a batch of 1
+    assert eight["micro_batch"] == 2 and eight["bubble"] == 1 / 5 and eight["steady_idle"] == 0
+    assert main(["roofline", "llama-3-8b", "--micro-batches", "2"]) == 2

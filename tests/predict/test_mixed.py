@@ -71,5 +71,7 @@ def test_pipeline_micro_batches_by_hand():
         assert got["stage_s"][3] == pytest.approx(last)  # the last stage (8 layers + the LM head) is the slowest
         assert got["time_s"] == pytest.approx((m + 3) * (last + send))
         assert got["bubble"] == pytest.approx(3 / (m + 3))
+        assert got["steady_tpot_s"] == pytest.approx(max(m, 4) * (last + send))  # a micro-batch back every max(m, pp)
+        assert got["steady_idle"] == pytest.approx(1 - m / max(m, 4))
     with pytest.raises(Exception, match="micro-batches"):
         pipelined(spec, Step(8, 1023, 1), fm, roof, par, 3)

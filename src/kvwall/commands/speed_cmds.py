@@ -11,7 +11,9 @@ from kvwall.predict import devices as dev
 from kvwall.predict.expected import describe, expected_roof
 from kvwall.predict.fit import TP_DEGREES, fit, fit_warning, fits_on, placement
 from kvwall.predict.memory import Parallel
-from kvwall.predict.roofline import (Roof, compute_bound_batch, decode, energy_estimate, prefill, speculative)
+from kvwall.predict.roofline import (Roof, compute_bound_batch, decode, energy_estimate, pipelined, prefill,
+                                     speculative)
+from kvwall.predict.step import Step
 from kvwall.files import PLOT_EXTS, check_output
 from kvwall.report import plots
 from kvwall.report.analysis import group_ops, roofline_points
@@ -65,6 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", default="4k", help="tokens in the cache at the decode step (default 4k)")
     p.add_argument("--prompt", default="2k", help="prompt tokens for prefill / TTFT (default 2k)")
     p.add_argument("--mla", choices=["absorbed", "naive"], help="MLA decode form (default absorbed)")
+    p.add_argument("--micro-batches", type=whole(1, 1 << 16), metavar="M",
+                   help="with --pp: the decode batch split into M micro-batches in flight (default: pp)")
     p.add_argument("--ops", action="store_true", help="print every op of every layer, not one row per op kind")
     p.add_argument("--plot", metavar="PNG", help="write a roofline chart (ops as points under the roof)")
     common.add_model_knobs(p)
@@ -115,7 +119,9 @@ def cmd_roofline(args) -> int:
         dc = decode(spec, ctx, b, fm, roof, par, absorbed)
         why = fit_warning(spec, roof.device.memory_bytes, par, batch=b, context=ctx, formats=fm,
                           device=roof.device.name)
+        piped = _pipelined(spec, ctx, b, fm, roof, par, args.micro_batches)
         phases.append({"batch": b, "prefill": pf, "decode": dc, "fits": why is None, "fit_reason": why,
+                       "pipelined_decode": piped,
                        "ttft_s": pf.time_s, "tpot_s": dc.time_s, "tokens_per_s_per_seq": 1 / dc.time_s,
                        "tokens_per_s_total": b / dc.time_s,
                        "energy_per_token": _per_token(energy_estimate(dc, roof, energy), b)})
@@ -140,6 +146,18 @@ def cmd_roofline(args) -> int:
                        f"{spec.name} on {roof.device.name}, batch {phases[0]['batch']}: ops under the roof", plot)
         data["plot"] = args.plot
     return common.emit(args, data, lambda data: _print_roofline(data, phases, roof, args))
+
+
+def _pipelined(spec, ctx: int, batch: int, fm, roof: Roof, par, micro: int | None) -> dict | None:
+    """With pp > 1: the decode step with the batch in micro-batches (None when pp is 1 or m does not divide)."""
+    if par.pp == 1:
+        if micro:
+            raise KvwallError("--micro-batches needs pipeline stages: add --pp N")
+        return None
+    m = micro or par.pp
+    if batch % m:
+        return {"skipped": f"{m} micro-batches do not divide batch {batch}"}
+    return pipelined(spec, Step(batch, ctx - 1, 1), fm, roof, par, m)
 
 
 def _plot_path(args):
@@ -201,6 +219,15 @@ def _print_roofline(data, phases, roof: Roof, args) -> None:
     wb, sb = data["compute_bound_batch_weights"], data["compute_bound_batch_step"]
     c.print(f"decode turns compute-bound: weight matmuls at batch {wb if wb else 'above 65536'}; the whole step "
             + (f"at batch {sb}" if sb else "never (attention over the cache stays memory-bound at any batch)"))
+    for p in data["phases"]:
+        pd = p.get("pipelined_decode")
+        if pd and "skipped" not in pd:
+            c.print(f"pipeline, batch {p['batch']} in {pd['micro_batches']} micro-batches of {pd['micro_batch']}: kept full "
+                    f"across steps, {_ms(pd['steady_tpot_s'])}/token, {pd['steady_tok_s']:,.0f} tok/s (stages idle "
+                    f"{pd['steady_idle']:.0%}); one step alone {_ms(pd['time_s'])} (fill and drain, bubble "
+                    f"{pd['bubble']:.0%}); the batch through the stages in turn {_ms(p['decode']['time_s'])}")
+        elif pd:
+            c.print(f"pipeline, batch {p['batch']}: {pd['skipped']}")
     ceil = data["throughput_ceiling"]
     if ceil:
         c.print(f"throughput ceiling at {fmt_tokens(data['context'])} (cache fills the memory, 10% reserve): "

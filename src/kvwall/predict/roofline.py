@@ -189,28 +189,33 @@ def decode(spec, context: int, batch: int, fm: Formats, roof: Roof, par: Paralle
 
 
 def pipelined(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Parallel, micro_batches: int) -> dict:
-    """Pipeline parallel with micro-batches (GPipe-style fill and drain): the batch is split into m equal
-    micro-batches that flow through the pp stages, each stage working on one at a time. The step takes
-    (m + pp - 1) x the slowest stage's time per micro-batch (its ops, then sending its activations on), plus
-    the fixed step cost; the bubble, (pp - 1) / (m + pp - 1) of it, is time stages sit idle. Every
-    micro-batch reads its stage's weights again: at decode, more micro-batches shrink the bubble but
-    multiply the weight reads."""
-    m = micro_batches
+    """Pipeline parallel with micro-batches: the batch split into m equal micro-batches that flow through the
+    pp stages, each stage working on one at a time; a stage's time per micro-batch is its ops plus sending
+    its activations on, and every micro-batch reads the stage's weights again.
+
+    * one step alone (GPipe fill and drain): (m + pp - 1) x the slowest stage, plus the fixed step cost; the
+      bubble, (pp - 1) / (m + pp - 1) of it, is time stages sit idle;
+    * in steady state (a server keeps the pipeline full across decode steps): each micro-batch comes back
+      every max(m, pp) stage times, so time per token = max(m, pp) x the slowest stage, tok/s = batch / that,
+      and stages idle 1 - m / max(m, pp) of the time (none once m >= pp)."""
+    m, pp = micro_batches, par.pp
     if m < 1 or step.batch % m:
         raise KvwallError(f"{m} micro-batches do not split a batch of {step.batch}; pick a divisor of the batch")
     micro = Step(step.batch // m, step.past, step.new)
     ops = step_ops(spec, micro, fm, par.tp)
-    stage_of = {i: s for s, layers in enumerate(pipeline_stages(spec.n_layers, par.pp)) for i in layers}
-    stages = [0.0] * par.pp
+    stage_of = {i: s for s, layers in enumerate(pipeline_stages(spec.n_layers, pp)) for i in layers}
+    stages = [0.0] * pp
     for k, op in enumerate(ops):  # embedding (first op) on the first stage, the LM head (last) on the last
-        stages[stage_of.get(op.layer, 0 if k == 0 else par.pp - 1)] += roof.op_time(op)
+        stages[stage_of.get(op.layer, 0 if k == 0 else pp - 1)] += roof.op_time(op)
     send = roof.op_time(Op("pipeline send", None, link_bytes=micro.tokens * spec.hidden * ACT_BYTES, kind=LINK))
-    slowest = max(stages) + (send if par.pp > 1 else 0.0)
-    total = (m + par.pp - 1) * slowest + step_overhead(spec, roof.device)
+    slowest = max(stages) + (send if pp > 1 else 0.0)
+    total = (m + pp - 1) * slowest + step_overhead(spec, roof.device)
+    steady = max(m, pp) * slowest + step_overhead(spec, roof.device)
     if not (math.isfinite(total) and total >= 0):
         raise KvwallError(f"pipelined step: {total} s is not a finite time; does {roof.device.name!r} have a link?")
     return {"micro_batches": m, "micro_batch": micro.batch, "stage_s": stages, "send_s": send, "time_s": total,
-            "bubble": (par.pp - 1) / (m + par.pp - 1)}
+            "bubble": (pp - 1) / (m + pp - 1), "steady_tpot_s": steady, "steady_tok_s": step.batch / steady,
+            "steady_idle": 1 - m / max(m, pp)}
 
 
 def compute_bound_batch(spec, context: int, fm: Formats, roof: Roof, par: Parallel | None = None,
