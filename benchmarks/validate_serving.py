@@ -1,0 +1,136 @@
+"""kvwall simulate held against kvwall serve on this machine: the same request stream, measured and simulated.
+
+    .venv/bin/python benchmarks/validate_serving.py [--model smollm2-135m] [--rates 0.5,2,8]
+        [--kv-memory 16MiB,256MiB] [--requests 48] [--prompt-tokens 128] [--output-tokens 32] [--json out.json]
+
+For each KV budget it starts `kvwall serve` on a free loopback port (fp32 weights and pool), and for each
+offered rate it runs `kvwall loadtest` (Poisson arrivals, streamed, ignore_eos). The requests the server
+actually saw (arrival times, prompt and output tokens from its usage counts) are written as a JSONL trace
+and replayed by `kvwall simulate --device local` with the server's settings (fp32, the same pool bytes,
+chunk, batch limit, decode rows and prefill chunks as two forwards). It prints measured and simulated
+throughput and p50 / p99 TTFT and TPOT side by side with the error.
+
+Run `kvwall calibrate` first (the `local` profile is what the simulator times steps with), on a quiet
+machine: both sides time the same machine, and other processes distort the measured side only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+KVWALL = [sys.executable, "-m", "kvwall"]
+METRICS = [("req/s", "request_throughput", None), ("tok/s", "output_token_throughput", None),
+           ("TTFT p50", "ttft_s", "p50"), ("TTFT p99", "ttft_s", "p99"),
+           ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, kv: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([*KVWALL, "serve", args.model, "--port", str(port), "--kv-memory", kv, "--chunk",
+                             str(args.chunk), "--max-batch", str(args.max_batch), "--dtype", "float32"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):  # loading the model takes a while: up to 5 minutes
+        if proc.poll() is not None:
+            raise SystemExit(f"kvwall serve exited: {proc.stderr.read()[-500:]}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("kvwall serve did not come up in 5 minutes")
+
+
+def kvwall_json(argv: list[str]) -> dict:
+    out = subprocess.run([*KVWALL, *argv, "--json"], capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise SystemExit(f"kvwall {' '.join(argv[:2])} failed: {out.stderr.strip()[-400:]}")
+    return json.loads(out.stdout)
+
+
+def measured_and_simulated(args, url: str, kv: str, rate: float, seed: int, trace: Path) -> tuple[dict, dict]:
+    m = kvwall_json(["loadtest", url, "--model", args.model, "--rate", str(rate), "--requests", str(args.requests),
+                     "--prompt-tokens", str(args.prompt_tokens), "--output-tokens", str(args.output_tokens),
+                     "--seed", str(seed)])
+    with trace.open("w") as f:  # what the server saw, replayed by the simulator
+        for s in m["samples"]:
+            if s["ok"]:
+                f.write(json.dumps({"arrival_s": s["start"], "prompt_tokens": s["prompt_tokens"],
+                                    "output_tokens": s["output_tokens"]}) + "\n")
+    sim = kvwall_json(["simulate", args.model, "--device", "local", "--dataset", str(trace), "--requests",
+                       str(args.requests), "--weight-format", "fp32", "--kv-format", "fp32", "--kv-memory", kv,
+                       "--chunk", str(args.chunk), "--max-batch", str(args.max_batch), "--split-prefill",
+                       "--rate", str(rate)])["points"][0]
+    return m, sim
+
+
+def value(d: dict, key: str, sub: str | None):
+    v = d.get(key)
+    return (v or {}).get(sub) if sub else v
+
+
+def row(kv: str, rate: float, m: dict, s: dict) -> dict:
+    out = {"kv_memory": kv, "rate": rate, "preemptions_simulated": s.get("preemptions")}
+    for name, key, sub in METRICS:
+        a, b = value(m, key, sub), value(s, key, sub)
+        out[name] = {"measured": a, "simulated": b, "error": (b / a - 1) if a and b else None}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--rates", default="0.5,2,8", help="offered loads, requests/s (light, near, over saturation)")
+    p.add_argument("--kv-memory", default="16MiB,256MiB", help="KV budgets (a tight one preempts)")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = p.parse_args()
+    rows, seed = [], 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for kv in args.kv_memory.split(","):
+            proc, url = start_server(args, kv)
+            try:
+                for rate in (float(r) for r in args.rates.split(",")):
+                    seed += 1  # fresh prompts each run: no prefix-cache hits carried over
+                    m, s = measured_and_simulated(args, url, kv, rate, seed, Path(tmp) / "trace.jsonl")
+                    rows.append(row(kv, rate, m, s))
+                    print_row(rows[-1])
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def print_row(r: dict) -> None:
+    cells = []
+    for name, _, sub in METRICS:
+        c = r[name]
+        scale = 1e3 if sub else 1.0
+        fmt = (lambda v: "-" if v is None else f"{v * scale:,.1f}")
+        err = "-" if c["error"] is None else f"{c['error']:+.0%}"
+        cells.append(f"{name} {fmt(c['measured'])}/{fmt(c['simulated'])} ({err})")
+    print(f"kv {r['kv_memory']:>7} rate {r['rate']:>5g}/s: " + "; ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
