@@ -124,3 +124,36 @@ def test_an_fp8_pool_holds_four_times_the_blocks_and_serves(tiny_model):
     r = Request(0, PREFIX[:10], 3)
     serve(runner, [(0, r)])
     assert r.out[:2] == solo(model, r.prompt, 3)[:2]
+
+
+def test_integer_pools_hold_the_predicted_bytes_and_decode_close(tiny_model):
+    """Tiny llama (3 layers x 2 KV heads, head_dim 16), blocks of 16 tokens. int8 (one group of 16 per head
+    vector, fp16 scale and zero): 16 + 4 = 20 B a vector, x 2 (K, V) x 2 heads x 3 layers x 16 tokens = 3,840 B.
+    int4:g8: 8 B of codes + 2 groups x 4 B = 16 B a vector -> 3,072 B. Their logits stay near the fp32 pool's."""
+    from kvwall.serve.runner import QuantizedPages
+
+    _, model = tiny_model("llama")
+    prompt = PREFIX[:20]
+    logits = {}
+    for kv, per_block in [(torch.float32, 12288), ("int8", 3840), ("int4:g8", 3072)]:
+        runner = Runner(model, kv_memory=100_000, kv_dtype=kv)
+        assert runner.block_bytes == per_block and runner.sched.pool.n_blocks == 100_000 // per_block
+        assert runner.cache.block_bytes() == per_block and isinstance(runner.cache, QuantizedPages) == (kv != torch.float32)
+        seen, forward = [], runner.forward
+        runner.forward = lambda chunks: seen.append(forward(chunks)) or seen[-1]
+        runner.add(Request(0, prompt, 1))
+        runner.step()
+        logits[str(kv)] = seen[0]  # the prefill's attention reads its K/V back from the pool
+    exact = logits[str(torch.float32)]
+    assert (logits["int8"] - exact).abs().max() < 0.05 * exact.abs().max()
+    assert (logits["int4:g8"] - exact).abs().max() > (logits["int8"] - exact).abs().max()  # fewer bits, more error
+    with pytest.raises(KvwallError, match="paged pool stores"):
+        Runner(model, kv_memory=100_000, kv_dtype="nvfp4")
+
+
+def test_an_int8_pool_serves_like_solo(tiny_model):
+    _, model = tiny_model("llama")
+    runner = Runner(model, n_blocks=40, block_size=4, chunk=8, kv_dtype="int8")
+    reqs = [Request(i, PREFIX[:6 + 3 * i], 5) for i in range(3)]
+    serve(runner, [(i, r) for i, r in enumerate(reqs)])
+    assert all(r.out[:2] == solo(model, r.prompt, 5)[:2] for r in reqs)

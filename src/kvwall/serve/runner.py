@@ -28,7 +28,10 @@ from kvwall.engine.caches.paged import PagedCache
 from kvwall.engine.caches.registry import predicted_bytes
 from kvwall.engine.caches.state import has_state
 from kvwall.engine.generate import Sampling, check_logits, pick
+from kvwall.engine.caches.base import attention_specs, valid_tokens
+from kvwall.engine.caches.quant import dequantize, group_size, quantize
 from kvwall.errors import KvwallError
+from kvwall.spec.formats import get_format
 from kvwall.serve.scheduler import Chunk, Request, Scheduler, Step
 from kvwall.units import fmt_bytes
 
@@ -63,25 +66,101 @@ class ScheduledPages(PagedCache):
         raise AssertionError("the scheduler frees blocks; rows are not released")
 
 
+class QuantizedPages(ScheduledPages):
+    """A paged pool of integer K/V: every token's head vector quantized on write, in groups of the format's
+    group along head_dim with an fp16 scale (and zero point), as caches/quant.py lays them out; the gather
+    dequantizes. Each token is quantized alone, so a block needs no full-precision residual and is never
+    re-quantized; the price is that keys are grouped per token, not per channel as KIVI does (worse at 2-4
+    bits, about exact at 8). One block = block_size tokens of `--kv-format int8` (or int4) in every attention
+    layer: predict.memory's figure for that format (a test holds it)."""
+
+    def __init__(self, spec, block_size: int, n_blocks: int, fmt, device="cpu"):
+        self.block_size, self.device, self.fmt = block_size, device, fmt
+        self.table = self.k_pos = None
+        self.pools = [None if a is None else (self._store(n_blocks, a.n_kv_heads, a.head_dim),
+                                              self._store(n_blocks, a.n_kv_heads, a.v_head_dim))
+                      for a in attention_specs(spec)]
+
+    def _store(self, n: int, heads: int, dim: int) -> tuple[int, list[torch.Tensor]]:
+        g = group_size(self.fmt, dim)
+        shape = (n, heads, self.block_size)
+        parts = [torch.zeros(*shape, dim * self.fmt.bits // 8, dtype=torch.uint8, device=self.device),
+                 torch.zeros(*shape, dim // g, dtype=torch.float16, device=self.device)]  # packed, scale
+        if self.fmt.zero_bytes:
+            parts.append(torch.zeros(*shape, dim // g, dtype=torch.float16, device=self.device))  # zero point
+        return g, parts
+
+    def update(self, layer, k, v, pos):
+        b, t, p = valid_tokens(pos)
+        block, slot = self.table[b, p // self.block_size], p % self.block_size  # (N,), (N,)
+        out = []
+        for (g, parts), x in zip(self.pools[layer], (k, v)):
+            coded = quantize(x[b, :, t], self.fmt, g)  # packed (N, H, D * bits / 8), scale (N, H, G), zero
+            for part, value in zip(parts, coded):
+                part[block, :, slot] = value
+            out.append(self._gather_dequantized(g, parts))
+        return out[0].to(k.dtype), out[1].to(v.dtype), self.k_pos
+
+    def _gather_dequantized(self, g: int, parts: list[torch.Tensor]) -> torch.Tensor:
+        rows = [self._gather(part) for part in parts]  # each (B, H, S, .)
+        zero = rows[2] if len(rows) == 3 else None
+        return dequantize(rows[0], rows[1], zero, self.fmt, g)  # (B, H, S, D)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for pair in filter(None, self.pools):
+            for _, parts in pair:
+                for part in parts:
+                    part[dst] = part[src]
+
+    def block_bytes(self) -> int:
+        return sum(part[0].nbytes for pair in filter(None, self.pools) for _, parts in pair for part in parts)
+
+    def pool_bytes(self) -> int:
+        return sum(part.nbytes for pair in filter(None, self.pools) for _, parts in pair for part in parts)
+
+
 POOL_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 
 
-def block_bytes(spec, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block (block_size tokens of K and V in every attention layer) in `dtype`."""
-    element = next(name for name, d in POOL_FORMATS.items() if d == dtype)
+def pool_kv(kv):
+    """What a pool stores: a float dtype (given as a dtype or a name, "bf16"), or an integer Format ("int8",
+    "int4:g32"); a one-line error for anything else."""
+    if isinstance(kv, torch.dtype):
+        return kv
+    if kv in POOL_FORMATS:
+        return POOL_FORMATS[kv]
+    fmt = get_format(kv)
+    if fmt.is_float() or fmt.fixed or fmt.group is None:
+        raise KvwallError(f"the paged pool stores {', '.join(POOL_FORMATS)} or int8 / int4 (with :gN, :sym), "
+                          f"not {kv!r}")
+    return fmt
+
+
+def block_bytes(spec, block_size: int, kv) -> int:
+    """Bytes of one block (block_size tokens of K and V in every attention layer) in `kv` (see pool_kv)."""
+    kv = pool_kv(kv)
+    element = next(n for n, d in POOL_FORMATS.items() if d == kv) if isinstance(kv, torch.dtype) else kv.label
     return predicted_bytes("paged", spec, 1, block_size, element=element, block_size=block_size)
+
+
+def make_pool(spec, block_size: int, n_blocks: int, kv, device) -> ScheduledPages:
+    """The pool for `kv` (see pool_kv): float K/V as they are, integer K/V quantized per token."""
+    kv = pool_kv(kv)
+    if isinstance(kv, torch.dtype):
+        return ScheduledPages(spec, 1, block_size, n_blocks, dtype=kv, device=device)
+    return QuantizedPages(spec, block_size, n_blocks, kv, device)
 
 
 class Runner:
     def __init__(self, model, kv_memory: int | None = None, n_blocks: int | None = None, block_size: int = 16,
-                 chunk: int = 512, max_batch: int = 64, kv_dtype: torch.dtype | None = None):
+                 chunk: int = 512, max_batch: int = 64, kv_dtype=None):
         if has_state(model.spec):
             raise KvwallError(f"{model.spec.name} has SSM layers; serving runs attention-only models for now")
         w = next(model.parameters())
-        self.model, self.device, dtype = model, w.device, kv_dtype or w.dtype
-        self.block_bytes = block_bytes(model.spec, block_size, dtype)
+        self.model, self.device, kv = model, w.device, kv_dtype or w.dtype
+        self.block_bytes = block_bytes(model.spec, block_size, kv)
         n_blocks = n_blocks or self._blocks_in(kv_memory)
-        self.cache = ScheduledPages(model.spec, 1, block_size, n_blocks, dtype=dtype, device=self.device)
+        self.cache = make_pool(model.spec, block_size, n_blocks, kv, self.device)
         assert self.cache.block_bytes() == self.block_bytes, "the pool's block is the predictor's"
         self.sched = Scheduler(n_blocks, block_size, chunk, max_batch)
         self.sampling: dict[Request, tuple[Sampling, torch.Generator | None]] = {}
