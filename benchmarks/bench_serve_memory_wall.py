@@ -1,7 +1,7 @@
 """The memory wall, served: throughput and time per output token against the KV pool's size, per pool format.
 
     .venv/bin/python benchmarks/bench_serve_memory_wall.py [--model smollm2-135m] [--requests 32]
-        [--prompt 128] [--output 64] [--blocks 8,16,32,64,128] [--formats fp32,bf16,fp8] [--max-batch 32]
+        [--prompt 128] [--output 64] [--blocks 8,16,32,64,128] [--formats fp32,bf16,fp8,int8,int4] [--max-batch 32]
 
 Offline (no HTTP): every request arrives at once and the runner (kvwall.serve.runner) steps until all
 finished; a step's wall time is charged to each token it produced. Per pool size and format it prints
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvwall.engine.load import load_model
-from kvwall.serve.runner import POOL_FORMATS, Runner, block_bytes
+from kvwall.serve.runner import Runner, block_bytes
 from kvwall.serve.scheduler import Request
 
 
@@ -32,7 +32,7 @@ def model_path(name: str):
 
 def run(model, kv_memory: int, fmt: str, args) -> dict:
     runner = Runner(model, kv_memory=kv_memory, block_size=16, chunk=args.chunk, max_batch=args.max_batch,
-                    kv_dtype=POOL_FORMATS[fmt])
+                    kv_dtype=fmt)
     g = torch.Generator().manual_seed(0)
     for i in range(args.requests):
         prompt = torch.randint(0, model.spec.vocab, (args.prompt,), generator=g).tolist()
@@ -60,7 +60,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--blocks", default="8,16,32,64,128", help="pool sizes in fp32 blocks of 16 tokens")
-    p.add_argument("--formats", default="fp32,bf16,fp8")
+    p.add_argument("--formats", default="fp32,bf16,fp8,int8,int4", help="pool formats (serve --cache names)")
     p.add_argument("--threads", type=int)
     args = p.parse_args()
     if args.threads:
