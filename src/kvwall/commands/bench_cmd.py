@@ -49,8 +49,9 @@ def cmd_bench(args) -> int:
     plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
     from kvwall.measure import bench
 
+    real = real_plan(args)  # its options checked before any model is looked up
     archs = bench.resolve_archs(args.archs, args.quick)
-    real = real_plan(args, [a for a in archs if a.real])
+    real.archs = [a for a in archs if a.real]
     contexts = sorted(set(parse_token_list(args.context or (QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS))))
     plan = bench.Plan([a for a in archs if not a.real], contexts, steps=args.steps,
                       prefill_max=parse_tokens(args.prefill_max, "prefill max"), threads=args.threads)
@@ -69,13 +70,13 @@ def cmd_bench(args) -> int:
     return common.emit(args, data, print_results)
 
 
-def real_plan(args, archs):
+def real_plan(args):
     from kvwall.engine.caches.registry import parse_cache
     from kvwall.measure.real_bench import RealPlan
 
     caches = [parse_cache(c).text for c in args.cache.split(",")] if args.cache else list(CACHE_NAMES)
     batches = tuple(parse_int_list(args.batch, "--batch"))  # whole numbers >= 1, or a one-line error
-    return RealPlan(archs, caches, batches, steps=args.steps, threads=args.threads)
+    return RealPlan([], caches, batches, steps=args.steps, threads=args.threads)
 
 
 def real_data(plan, rows: list[dict]) -> dict:

@@ -90,9 +90,10 @@ def checkpoint_arch(path: str) -> Arch:
 
 def gguf_arch(name: str) -> Arch:
     """A real model (a short name such as smollm2-135m, or a .gguf file) as a bench architecture."""
-    from kvwall.spec.gguf_meta import config_from_meta, gguf_file, read_meta
+    from kvwall.spec.gguf_meta import PACKAGED, config_from_meta, gguf_file, read_meta
 
     path = gguf_file(name)
     assert path is not None, name
     cfg = config_from_meta(read_meta(path))
-    return Arch(name, cfg, "contiguous", "fp32", f"{path.name}, dequantized to fp32", checkpoint=str(path))
+    label = name if name in PACKAGED else path.stem  # a file goes by its name, as a model directory does
+    return Arch(label, cfg, "contiguous", "fp32", f"{path.name}, dequantized to fp32", checkpoint=str(path))
