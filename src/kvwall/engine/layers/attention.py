@@ -41,7 +41,8 @@ def attend_reference(q, k, v, mask, scale: float, softcap: float | None) -> torc
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, Hq, T, S)
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:  # None: every key visible to every query
+        scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(-1) @ v.float()).to(q.dtype)  # (B, Hq, T, Dv)
 
 
