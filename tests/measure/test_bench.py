@@ -162,3 +162,44 @@ def test_worker_times_no_first_call(monkeypatch, capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["prefill_s"] < 0.5 and max(r["decode_runs_s"]) < 0.5, (r["prefill_s"], r["decode_runs_s"])
     assert len(r["prefill_runs_s"]) == 3 and max(r["prefill_runs_s"]) < 0.5, r["prefill_runs_s"]  # fresh caches
+
+
+def test_bench_a_real_model_against_transformers(tmp_path, local_profile, capsys):
+    """A .gguf runs at each batch with each cache and transformers in one process: tok/s is batch over the median
+    step, the exact cache's greedy tokens equal transformers', its bytes are the preallocation, and the ratio
+    to transformers is the two tok/s divided."""
+    import statistics
+    import sys
+    from pathlib import Path
+
+    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+    from test_gguf import tiny_hf, write_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf("llama"), "llama", gguf.GGMLQuantizationType.F32)
+    assert main(["bench", str(path), "--batch", "1,2", "--cache", "contiguous,int8", "--steps", "3", "--json"]) == 0
+    real = json.loads(capsys.readouterr().out)["real_models"]
+    rows = {(r["batch"], r["engine"]): r for r in real["results"]}
+    engines = ("kvwall:contiguous", "kvwall:int8", "transformers")
+    assert set(rows) == {(b, e) for b in (1, 2) for e in engines}
+    for (batch, engine), r in rows.items():
+        assert len(r["step_runs_s"]) == 3 and r["step_s"] == statistics.median(r["step_runs_s"])
+        assert r["tok_s"] == pytest.approx(batch / r["step_s"])
+        if engine != "transformers":
+            assert r["vs_transformers"] == pytest.approx(r["tok_s"] / rows[batch, "transformers"]["tok_s"])
+            assert r["pred_tok_s"] == pytest.approx(batch / r["pred_step_s"]) and r["pred_step_s"] > 0
+    for batch in (1, 2):
+        r = rows[batch, "kvwall:contiguous"]
+        assert r["same_tokens_as_transformers"] is True
+        # batch x (16 prompt + 2 warm-up + 3 timed + 1) slots x 2 layers x 2 KV heads x (16 + 16) x 4 bytes
+        assert r["cache_bytes"] == batch * 22 * 2 * 2 * 32 * 4
+    assert set(real["summary"]["contiguous_vs_transformers"]) == {"tiny@1", "tiny@2"}
+
+
+@pytest.mark.parametrize("bad", [["--batch", "0"], ["--batch", "1,x"], ["--cache", "int3"], ["--cache", "int4:q"]])
+def test_bench_real_model_options_are_one_line_errors(bad, local_profile, capsys):
+    assert main(["bench", "missing.gguf", *bad]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvwall: error:") and ("batch" in err or "cache" in err) and "missing.gguf" not in err

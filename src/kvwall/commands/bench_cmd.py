@@ -11,7 +11,8 @@ from kvwall.errors import KvwallError
 from kvwall.files import PLOT_EXTS, check_output, write_text
 from kvwall.report.measured import plot_results
 from kvwall.report.tables import console, table
-from kvwall.units import fmt_bytes, fmt_tokens, parse_token_list, parse_tokens, whole
+from kvwall.engine.caches.registry import CACHE_NAMES
+from kvwall.units import fmt_bytes, fmt_tokens, parse_int_list, parse_token_list, parse_tokens, whole
 
 DEFAULT_CONTEXTS = "1k,4k,16k,32k"
 QUICK_CONTEXTS = "1k,4k"
@@ -19,13 +20,16 @@ QUICK_CONTEXTS = "1k,4k"
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark architectures on this machine against the roofline prediction")
-    p.add_argument("archs", nargs="*", help="architectures (default: all; see --list) or model directories")
+    p.add_argument("archs", nargs="*", help="architectures (default: all; see --list), model directories, or real "
+                   "models (smollm2-135m, gemma-3-270m, a .gguf): those run at --batch against transformers")
     p.add_argument("--list", action="store_true", help="list the architectures and exit")
     p.add_argument("--context", help=f"contexts (default {DEFAULT_CONTEXTS}; --quick: {QUICK_CONTEXTS})")
     p.add_argument("--steps", type=whole(1), default=8, help="timed decode steps per point (median; default 8)")
     p.add_argument("--prefill-max", default="4k", help="time a real prefill up to this context (default 4k)")
     p.add_argument("--quick", action="store_true", help="fewer architectures and contexts (about a minute)")
     p.add_argument("--threads", type=whole(1, 1 << 16), help="torch threads (default: all cores)")
+    p.add_argument("--batch", default="1,16", help="real models: batch sizes (default 1,16)")
+    p.add_argument("--cache", help=f"real models: caches (default all: {','.join(CACHE_NAMES)})")
     p.add_argument("--plot", metavar="PNG", help="measured vs predicted decode time vs context")
     p.add_argument("--save", metavar="JSON", help="also write the results to this file")
     common.add_json(p)
@@ -45,20 +49,60 @@ def cmd_bench(args) -> int:
     plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
     from kvwall.measure import bench
 
+    real = real_plan(args)  # its options checked before any model is looked up
     archs = bench.resolve_archs(args.archs, args.quick)
+    real.archs = [a for a in archs if a.real]
     contexts = sorted(set(parse_token_list(args.context or (QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS))))
-    plan = bench.Plan(archs, contexts, steps=args.steps, prefill_max=parse_tokens(args.prefill_max, "prefill max"),
-                      threads=args.threads)
+    plan = bench.Plan([a for a in archs if not a.real], contexts, steps=args.steps,
+                      prefill_max=parse_tokens(args.prefill_max, "prefill max"), threads=args.threads)
     device = bench.local_profile(None if args.json else console().print)
     started = time.time()
     results = _run_with_progress(plan, device, quiet=args.json)
+    real_rows = _run_real(real, device) if real.archs else []
     data = bench.bench_data(plan, device, results, time.time() - started)
+    if real.archs:
+        data["real_models"] = real_data(real, real_rows)
     if save:
         write_text(save, json.dumps(data, indent=2))
     if plot:
         plot_results(results, device, plot)
         data["plot"] = args.plot
     return common.emit(args, data, print_results)
+
+
+def real_plan(args):
+    from kvwall.engine.caches.registry import parse_cache
+    from kvwall.measure.real_bench import RealPlan
+
+    caches = [parse_cache(c).text for c in args.cache.split(",")] if args.cache else list(CACHE_NAMES)
+    batches = tuple(parse_int_list(args.batch, "--batch"))  # whole numbers >= 1, or a one-line error
+    return RealPlan([], caches, batches, steps=args.steps, threads=args.threads)
+
+
+def real_data(plan, rows: list[dict]) -> dict:
+    from kvwall.measure.real_bench import summary
+
+    return {"prompt": plan.prompt, "steps": plan.steps, "warmup": plan.warmup, "batches": list(plan.batches),
+            "caches": plan.caches, "results": rows, "skipped": plan.skipped, "summary": summary(rows)}
+
+
+def _run_real(plan, device) -> list[dict]:
+    """The real models' runs, with their progress on stderr (stdout keeps the table or the JSON)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from kvwall.measure import real_bench
+
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("real models: loading", total=len(plan.archs) * len(plan.batches))
+        seen = set()
+
+        def on_row(r):
+            if (r["arch"], r["batch"]) not in seen:
+                seen.add((r["arch"], r["batch"]))
+                progress.update(task, advance=1, description=f"{r['arch']} batch {r['batch']}")
+
+        return real_bench.run(plan, device, on_row)
 
 
 def _print_archs(rows: list[dict]) -> None:
@@ -104,9 +148,31 @@ def print_results(data: dict) -> None:
                 f"{s['goal'] * 100:.0f}%" + (f"; outside: {', '.join(s['outside_goal'])}" if s["outside_goal"] else ""))
         for arch, why in s["reasons"].items():
             c.print(f"  {arch}: {why}")
-    for sk in data["skipped"]:
+    if data.get("real_models"):
+        print_real(data["real_models"])
+    for sk in data["skipped"] + (data.get("real_models") or {}).get("skipped", []):
         where = f" @ {fmt_tokens(sk['context'])}" if sk.get("context") else ""
         c.print(f"skipped {sk['arch']}{where}: {sk['reason']}")
     if data.get("plot"):
         c.print(f"plot written to {data['plot']}")
 
+
+
+def print_real(real: dict) -> None:
+    """Real models: tok/s per engine and batch, transformers alongside, the roofline's prediction."""
+    rows = []
+    for r in real["results"]:
+        vs = f"{r['vs_transformers']:.2f}x" if r.get("vs_transformers") else "-"
+        pred = f"{r['pred_tok_s']:.1f}" if r.get("pred_tok_s") else "-"
+        err = f"{r['pred_error'] * 100:+.0f}%" if r.get("pred_error") is not None else "-"
+        same = {True: "yes", False: "no", None: "-"}[r.get("same_tokens_as_transformers")]
+        cache = fmt_bytes(r["cache_bytes"]) if r.get("cache_bytes") is not None else "-"
+        rows.append([r["arch"], str(r["batch"]), r["engine"], f"{r['tok_s']:.1f}", f"{r['step_s'] * 1e3:.1f}", vs,
+                     pred, err, same, cache])
+    console().print(table(f"real models: decode tok/s, fp32, {real['prompt']}-token prompt, greedy; median of "
+                          f"{real['steps']} steps taken in turn by every engine in one process",
+                          ["model", "batch", "engine", "tok/s", "ms/step", "vs transformers", "pred tok/s",
+                           "pred error", "same tokens", "cache"], rows,
+                          caption="pred = roofline on the local profile (fp32 weights, the cache's KV format); "
+                          "pred error = predicted step / measured - 1; same tokens = greedy tokens equal "
+                          "transformers'"))

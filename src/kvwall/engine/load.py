@@ -373,7 +373,7 @@ def build_loaded(spec: ModelSpec, ckpt, dtype: torch.dtype, device: str) -> Tran
     state = load_state(ckpt, model, dtype)
     model.load_state_dict(state, assign=True)  # rotary tables are non-persistent buffers, built on the CPU
     assert not any(p.is_meta for p in model.parameters()), "every parameter comes from the checkpoint"
-    return model.to(device).eval()
+    return model.to(device).eval().set_eager(False)  # loaded weights in the fast path's layout
 
 
 def load_state(ckpt: Checkpoint, model: Transformer, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -24,7 +24,13 @@ class Arch:
     cache: str  # the engine cache it decodes with
     kv_format: str  # the predictor's KV format for the same cache
     about: str
-    checkpoint: str | None = None  # a model directory: its own weights instead of random ones
+    checkpoint: str | None = None  # a model directory or .gguf file: its own weights instead of random ones
+
+    @property
+    def real(self) -> bool:
+        """A trained model in a .gguf (a short name or a file): measured against transformers at batch 1 and
+        16 (kvwall.measure.real_bench) instead of across contexts."""
+        return bool(self.checkpoint) and self.checkpoint.lower().endswith(".gguf")
 
 
 def _llama(**kw) -> dict:
@@ -80,3 +86,14 @@ def checkpoint_arch(path: str) -> Arch:
     d = Path(path)
     cfg = read_config_file(d / "config.json")
     return Arch(d.name, cfg, "contiguous", "fp32", f"checkpoint {d}", checkpoint=str(d))
+
+
+def gguf_arch(name: str) -> Arch:
+    """A real model (a short name such as smollm2-135m, or a .gguf file) as a bench architecture."""
+    from kvwall.spec.gguf_meta import PACKAGED, config_from_meta, gguf_file, read_meta
+
+    path = gguf_file(name)
+    assert path is not None, name
+    cfg = config_from_meta(read_meta(path))
+    label = name if name in PACKAGED else path.stem  # a file goes by its name, as a model directory does
+    return Arch(label, cfg, "contiguous", "fp32", f"{path.name}, dequantized to fp32", checkpoint=str(path))

@@ -235,7 +235,8 @@ def resolve_archs(names: list[str], quick: bool) -> list[Arch]:
     """Named architectures or model directories; none named: the default (or quick) set."""
     from pathlib import Path
 
-    from kvwall.measure.archs import ARCHS, DEFAULT, QUICK, checkpoint_arch
+    from kvwall.measure.archs import ARCHS, DEFAULT, QUICK, checkpoint_arch, gguf_arch
+    from kvwall.spec.gguf_meta import PACKAGED, gguf_file
 
     out = []
     for name in names or (QUICK if quick else DEFAULT):
@@ -243,8 +244,11 @@ def resolve_archs(names: list[str], quick: bool) -> list[Arch]:
             out.append(ARCHS[name])
         elif Path(name).is_dir():
             out.append(checkpoint_arch(name))
+        elif gguf_file(name) is not None:  # a real model: a short name of an installed package, or a .gguf
+            out.append(gguf_arch(name))
         else:
-            raise KvwallError(f"unknown architecture {name!r}; known: {', '.join(ARCHS)}, or a model directory")
+            raise KvwallError(f"unknown architecture {name!r}; known: {', '.join(ARCHS)}, a real model "
+                              f"({', '.join(PACKAGED)}), a .gguf file or a model directory")
     return out
 
 

@@ -36,6 +36,8 @@ from kvwall.spec.model import Attention, ModelSpec
 
 class KVCache:
     name = "base"
+    _mask_pos: torch.Tensor | None = None  # the pos object the memoised masks belong to (KVCache.mask)
+    _masks: dict = {}
 
     @classmethod
     def create(cls, choice, spec: ModelSpec, batch: int, max_len: int, dtype, device, **knobs) -> "KVCache":
@@ -52,13 +54,25 @@ class KVCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
         k_all, v_all, k_pos = self.update(layer, k, v, pos)  # (B, Hkv, S, D) x2, (B|1, S)
+        k_all, v_all = as_dtype(k_all, q.dtype), as_dtype(v_all, q.dtype)
         s0 = None if softcap else prefix_start(pos, k_pos)
         if s0 is not None:  # a first prefill: causal (banded by a window) over the new tokens' own keys
             T = pos.shape[1]
-            k_new, v_new = k_all[:, :, s0:s0 + T].to(q.dtype), v_all[:, :, s0:s0 + T].to(q.dtype)
-            return attend_causal(q, k_new, v_new, scale, window)
-        mask = visible(pos, k_pos, window)  # (B, 1, T, S)
-        return attend(q, k_all.to(q.dtype), v_all.to(q.dtype), mask, scale, softcap)  # (B, Hq, T, Dv)
+            return attend_causal(q, k_all[:, :, s0:s0 + T], v_all[:, :, s0:s0 + T], scale, window)
+        return attend(q, k_all, v_all, self.mask(pos, k_pos, window), scale, softcap)  # (B, Hq, T, Dv)
+
+    def mask(self, pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor | None:
+        """visible(pos, k_pos, window), or None where every slot is visible to every query (SDPA then skips
+        the mask). Layers of one forward pass get the same pos object and, for the caches whose layers share
+        one slot table (contiguous, paged), the same k_pos: the mask is worked out once per pass, not per layer.
+        So a cache must not change, within one pass, the positions of a k_pos tensor it has returned."""
+        if self._mask_pos is not pos:  # a new forward pass (a new pos object): forget the last one's masks
+            self._mask_pos, self._masks = pos, {}
+        key = (k_pos.data_ptr(), tuple(k_pos.shape), tuple(k_pos.stride()), window)
+        if key not in self._masks:  # k_pos is kept with its mask: no later tensor can take its address
+            m = visible(pos, k_pos, window)  # (B, 1, T, S)
+            self._masks[key] = (k_pos, None if bool(m.all()) else m)
+        return self._masks[key][1]
 
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -79,6 +93,11 @@ class NoCache(KVCache):
         return 0
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype, without a dispatch when it already is (most caches hold the compute dtype)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def attention_specs(spec: ModelSpec) -> list[Attention | None]:
     """Per layer: the K/V its mixer keeps (an Attention spec: heads and widths; MLA's latent and rope key
     as one head) or None (no mixer; an SSM layer, whose fixed state is state.py's)."""
@@ -91,9 +110,10 @@ def valid_tokens(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return b, t, pos[b, t]
 
 
-def check_length(pos: torch.Tensor, max_len: int, what: str) -> int:
-    """The longest sequence after this step; a one-line error past the cache's maximum."""
-    end = int(pos.max()) + 1
+def check_length(pos: torch.Tensor | int, max_len: int, what: str) -> int:
+    """The longest sequence after this step (pos, or its largest position); a one-line error past the
+    cache's maximum."""
+    end = (pos if isinstance(pos, int) else int(pos.max())) + 1
     if end > max_len:
         raise KvwallError(f"position {end - 1} is past the {what} cache's maximum of {max_len} tokens; "
                           "make the cache longer (max length) or the request shorter")

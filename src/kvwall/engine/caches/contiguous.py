@@ -19,8 +19,13 @@ class ContiguousLayer:
         self.v = torch.zeros(batch, attn.n_kv_heads, max_len, attn.v_head_dim, dtype=dtype, device=device)
         self.slots = torch.arange(max_len, device=device)[None]  # (1, max_len): slot j holds position j
 
-    def update(self, k, v, pos, length: int):
-        if pos.shape[1] == 1 and bool((pos >= 0).all()):  # decode fast path: one token per row
+    def update(self, k, v, pos, length: int, at: int | None = None):
+        """Write the new tokens; `at`: every row's one new token is at that position (the cache knows it
+        from step()), so the write is one slice copy per tensor, with no index tensors."""
+        if at is not None:
+            self.k[:, :, at:at + 1] = k  # (B, Hkv, 1, D)
+            self.v[:, :, at:at + 1] = v
+        elif pos.shape[1] == 1 and bool((pos >= 0).all()):  # decode, rows at different positions
             rows = torch.arange(pos.shape[0], device=pos.device)
             self.k[rows, :, pos[:, 0]] = k[:, :, 0]  # (B, Hkv, D)
             self.v[rows, :, pos[:, 0]] = v[:, :, 0]
@@ -43,7 +48,12 @@ class ContiguousCache(KVCache):
         assert batch > 0 and max_len > 0, (batch, max_len)
         self.max_len = max_len
         self.length = 0  # longest row so far: attention reads slots [0, length)
+        self.at = None  # this step's one position shared by every row's one new token, else None
         self.layers = [self._layer(a, batch, max_len, dtype, device) if a else None for a in attention_specs(spec)]
+        slots = torch.arange(max_len, device=device)[None]  # (1, max_len)
+        for layer in self.layers:  # one slot table for all: KVCache.mask then works once per forward pass
+            if isinstance(layer, ContiguousLayer):
+                layer.slots = slots
 
     @staticmethod
     def _layer(a: Attention, batch: int, max_len: int, dtype, device):
@@ -51,10 +61,15 @@ class ContiguousCache(KVCache):
         return ContiguousLayer(a, batch, max_len, dtype, device)
 
     def step(self, pos):
-        self.length = max(self.length, check_length(pos, self.max_len, self.name))
+        lo, hi = (int(x) for x in pos.aminmax())  # one pass over pos for both bounds
+        self.length = max(self.length, check_length(hi, self.max_len, self.name))
+        self.at = hi if pos.shape[1] == 1 and lo == hi >= 0 else None
 
     def update(self, layer, k, v, pos):
-        return self.layers[layer].update(k, v, pos, self.length)
+        store = self.layers[layer]
+        if self.at is not None and isinstance(store, ContiguousLayer):
+            return store.update(k, v, pos, self.length, self.at)
+        return store.update(k, v, pos, self.length)
 
     def nbytes(self) -> int:
         return sum(l.nbytes() for l in self.layers if l is not None)

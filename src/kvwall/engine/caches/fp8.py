@@ -22,9 +22,9 @@ class Fp8Layer(ContiguousLayer):
     def __init__(self, attn: Attention, batch: int, max_len: int, dtype, device):
         super().__init__(attn, batch, max_len, torch.float8_e4m3fn, device)
 
-    def update(self, k, v, pos, length: int):
+    def update(self, k, v, pos, length: int, at: int | None = None):
         to8 = lambda x: x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # noqa: E731
-        return super().update(to8(k), to8(v), pos, length)  # (B, Hkv, S, D) in fp8: attend reads them upcast
+        return super().update(to8(k), to8(v), pos, length, at)  # (B, Hkv, S, D) in fp8: attend reads them upcast
 
 
 class Fp8Cache(ContiguousCache):

@@ -18,7 +18,7 @@ from torch import nn
 
 from kvwall.engine.layers.mixer import SequenceMixer
 from kvwall.engine.layers.norm import RMSNorm
-from kvwall.engine.layers.rope import apply_rope
+from kvwall.engine.layers.rope import RopeTables, apply_rope, rotate
 from kvwall.spec.model import Attention as AttentionSpec
 
 
@@ -41,7 +41,8 @@ def attend_reference(q, k, v, mask, scale: float, softcap: float | None) -> torc
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, Hq, T, S)
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:  # None: every key visible to every query
+        scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(-1) @ v.float()).to(q.dtype)  # (B, Hq, T, Dv)
 
 
@@ -142,24 +143,38 @@ class Attention(SequenceMixer):
         self.wqkv = nn.Linear(hidden, sum(self.sizes), bias=spec.qkv_bias)
         self.wo = nn.Linear(self.n_q * self.dv, hidden, bias=spec.o_bias)
         self.q_norm = self.k_norm = None
+        self.eager = False  # True: the reference ops only (Transformer.set_eager)
         if spec.qk_norm:
             offset = 1.0 if gemma_norm else 0.0
             self.q_norm = RMSNorm(self.d, norm_eps, offset)
             self.k_norm = RMSNorm(self.d, norm_eps, offset)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: tuple | None, cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RopeTables | None, cache) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.sizes, dim=-1)
-        q = q.view(B, T, self.n_q, self.d)  # (B, T, Hq, D)
-        k = k.view(B, T, self.n_kv, self.d)  # (B, T, Hkv, D)
-        v = v.view(B, T, self.n_kv, self.dv)  # (B, T, Hkv, Dv)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        qkv = self.wqkv(x)  # (B, T, (Hq + 2 Hkv) D)
+        if self.eager or self.q_norm is not None or rope is None:
+            q, k = self.query_key(qkv, rope)
+        else:  # q and k side by side in qkv: one rotation for both heads' groups
+            nq, nk = self.sizes[:2]
+            qk = rotate(qkv[..., :nq + nk].unflatten(-1, (self.n_q + self.n_kv, self.d)), rope)  # (B, T, Hq+Hkv, D)
+            q, k = qk[:, :, :self.n_q], qk[:, :, self.n_q:]  # (B, T, Hq, D), (B, T, Hkv, D)
+        v = qkv[..., sum(self.sizes[:2]):].unflatten(-1, (self.n_kv, self.dv))  # (B, T, Hkv, Dv)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         y = cache.attend(self.index, q, k, v, pos, self.scale, self.window, self.softcap)  # (B, Hq, T, Dv)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_q * self.dv))  # (B, T, hidden)
+
+    def query_key(self, qkv: torch.Tensor, rope: RopeTables | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k each on its own: q/k norms first (Qwen3, Gemma 3), then the reference rotation."""
+        B, T, _ = qkv.shape
+        q, k, _ = qkv.split(self.sizes, dim=-1)
+        q = q.view(B, T, self.n_q, self.d)  # (B, T, Hq, D)
+        k = k.view(B, T, self.n_kv, self.d)  # (B, T, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            turn = (lambda x: apply_rope(x, rope.cos, rope.sin)) if self.eager else (lambda x: rotate(x, rope))
+            q, k = turn(q), turn(k)
+        return q, k
 
 
 MIXER = Attention  # kvwall.engine.mixers finds it by the spec's kind

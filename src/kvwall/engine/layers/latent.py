@@ -27,7 +27,7 @@ from kvwall.engine.layers.attention import attend, attend_causal, prefix_start, 
 from kvwall.engine.layers.latent_kernel import mla_decode
 from kvwall.engine.layers.mixer import SequenceMixer
 from kvwall.engine.layers.norm import RMSNorm
-from kvwall.engine.layers.rope import apply_rope, apply_rope_interleaved
+from kvwall.engine.layers.rope import apply_rope_interleaved, rotate
 from kvwall.errors import KvwallError
 from kvwall.spec.model import Attention as AttentionSpec, LatentAttention as LatentSpec
 
@@ -108,7 +108,7 @@ class LatentAttention(SequenceMixer):
         return q.split([self.dn, self.dr], dim=-1)
 
     def rotate(self, x: torch.Tensor, rope: tuple) -> torch.Tensor:
-        return apply_rope_interleaved(x, *rope) if self.interleaved else apply_rope(x, *rope)
+        return apply_rope_interleaved(x, rope.cos, rope.sin) if self.interleaved else rotate(x, rope)
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK (H, dn, r) and W_UV (H, dv, r): views of kv_b_proj's rows, head by head."""

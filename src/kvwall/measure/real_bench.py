@@ -1,0 +1,108 @@
+"""`kvwall bench MODEL` for a real model: decode tok/s at batch 1 and 16, kvwall with each cache next to
+transformers on the same weights (one process, steps interleaved: kvwall.measure.real_worker), and the
+roofline's prediction for each point on the `local` profile.
+
+Only ratios measured in the same run mean much on a shared machine; each row carries the median step and
+every timed step, and `vs_transformers` is kvwall's tok/s over transformers' at the same batch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvwall.engine.caches.registry import CACHE_NAMES, parse_cache
+from kvwall.errors import KvwallError
+from kvwall.measure.archs import Arch
+from kvwall.predict.devices import Device
+from kvwall.predict.memory import Formats
+from kvwall.predict.roofline import Roof, decode
+from kvwall.spec.formats import get_format
+from kvwall.spec.hf import spec_from_config
+
+BATCHES = (1, 16)
+PROMPT = 16  # tokens of the (random, fixed-seed) prompt, as in the issue's measurement
+
+
+@dataclass
+class RealPlan:
+    archs: list[Arch]
+    caches: list[str] = field(default_factory=lambda: list(CACHE_NAMES))
+    batches: tuple[int, ...] = BATCHES
+    prompt: int = PROMPT
+    steps: int = 8
+    warmup: int = 2
+    threads: int | None = None
+    transformers: bool = True
+    skipped: list[dict] = field(default_factory=list)
+
+
+def kv_format(cache: str) -> str:
+    """The predictor's KV format of a cache: its quantized format, fp8, or the fp32 the engine computes in."""
+    choice = parse_cache(cache)
+    return choice.format or ("fp8" if choice.name == "fp8" else "fp32")
+
+
+def predict(arch: Arch, cache: str, batch: int, context: int, device: Device) -> dict:
+    """The roofline's decode step on the local profile: fp32 weights, the cache's KV format."""
+    spec = spec_from_config(arch.config, name=arch.name, where=arch.checkpoint or arch.name)
+    fp32 = get_format("fp32")
+    spec = spec if parse_cache(cache).name == "sliding" else spec.with_window(None)  # others keep every token
+    d = decode(spec, context, batch, Formats(fp32, get_format(kv_format(cache)), fp32), Roof(device, dtype="fp32"))
+    return {"pred_step_s": d.time_s, "pred_tok_s": batch / d.time_s, "pred_bound": d.bound, "pred_bytes": d.bytes}
+
+
+def run(plan: RealPlan, device: Device, on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every real model at every batch: kvwall's caches and transformers, with predictions and ratios."""
+    rows = []
+    for arch in plan.archs:
+        job = {"name": arch.name, "checkpoint": arch.checkpoint, "caches": plan.caches, "batches": list(plan.batches),
+               "prompt": plan.prompt, "steps": plan.steps, "warmup": plan.warmup, "threads": plan.threads,
+               "transformers": plan.transformers}
+        got = []
+        for line in _worker(job):
+            if "error" in line:
+                plan.skipped.append({"arch": arch.name, "context": None, "reason": line["error"]})
+                continue
+            if line["cache"] is not None:  # the middle of the timed steps: what the cache holds on average
+                context = plan.prompt + plan.warmup + (plan.steps + 1) // 2
+                line.update(predict(arch, line["cache"], line["batch"], context, device))
+                line["pred_error"] = line["pred_step_s"] / line["step_s"] - 1
+            got.append(line)
+            if on_row:
+                on_row(line)
+        rows += with_ratios(got)
+    return rows
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each kvwall row gets vs_transformers: its tok/s over transformers' at the same model and batch."""
+    ref = {(r["arch"], r["batch"]): r["tok_s"] for r in rows if r["engine"] == "transformers"}
+    for r in rows:
+        base = ref.get((r["arch"], r["batch"]))
+        r["vs_transformers"] = r["tok_s"] / base if base and r["engine"] != "transformers" else None
+    return rows
+
+
+def _worker(job: dict):
+    proc = subprocess.Popen([sys.executable, "-m", "kvwall.measure.real_worker", json.dumps(job)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        if raw.startswith("{"):
+            yield json.loads(raw)
+    err = (proc.stderr.read() if proc.stderr else "").strip().splitlines()
+    if proc.wait():
+        raise KvwallError(f"the benchmark of {job['name']} failed: {err[-1] if err else 'no message'}")
+
+
+def summary(rows: list[dict]) -> dict:
+    """Per model and batch: kvwall's contiguous cache against transformers (the targets of issue 12)."""
+    out = {}
+    for r in rows:
+        if r["cache"] == "contiguous" and r["vs_transformers"] is not None:
+            out[f"{r['arch']}@{r['batch']}"] = round(r["vs_transformers"], 3)
+    return {"contiguous_vs_transformers": out}
