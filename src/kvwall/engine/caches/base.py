@@ -50,14 +50,15 @@ class KVCache:
         raise NotImplementedError
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-               scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+               scale: float, window: int | None, softcap: float | None, sink: int = 0) -> torch.Tensor:
+        """`sink`: the first positions a windowed layer keeps seeing (the sliding cache's :sinkS)."""
         k_all, v_all, k_pos = self.update(layer, k, v, pos)  # (B, Hkv, S, D) x2, (B|1, S)
         s0 = None if softcap else prefix_start(pos, k_pos)
         if s0 is not None:  # a first prefill: causal (banded by a window) over the new tokens' own keys
             T = pos.shape[1]
             k_new, v_new = k_all[:, :, s0:s0 + T].to(q.dtype), v_all[:, :, s0:s0 + T].to(q.dtype)
-            return attend_causal(q, k_new, v_new, scale, window)
-        mask = visible(pos, k_pos, window)  # (B, 1, T, S)
+            return attend_causal(q, k_new, v_new, scale, window, sink)
+        mask = visible(pos, k_pos, window, sink)  # (B, 1, T, S)
         return attend(q, k_all.to(q.dtype), v_all.to(q.dtype), mask, scale, softcap)  # (B, Hq, T, Dv)
 
     def nbytes(self) -> int:
