@@ -20,7 +20,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvwall.commands import bench_cmd, calibrate_cmd, engine_cmds, memory_cmds, report_cmd, speed_cmds, validate_cmd
+    from kvwall.commands import (bench_cmd, calibrate_cmd, engine_cmds, memory_cmds, quality_cmd, report_cmd, speed_cmds,
+                                 validate_cmd)
 
     p = _Parser(
         prog="kvwall",
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate_cmd.register(sub)
     bench_cmd.register(sub)
     validate_cmd.register(sub)
+    quality_cmd.register(sub)
     return p
 
 
