@@ -9,7 +9,7 @@ from kvwall.commands import common
 from kvwall.errors import KvwallError
 from kvwall.files import PLOT_EXTS, check_output
 from kvwall.report.tables import console, table
-from kvwall.units import fmt_bytes, fmt_tokens, parse_token_list, whole
+from kvwall.units import fmt_bytes, fmt_tokens, parse_token_list, tokens_arg, whole
 
 DEFAULTS = dict(tokens=4096, rows=16, prefill=16, lengths="1k,2k,4k", keys=20)
 
@@ -29,8 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "sliding and what-if windows of half and double it); contiguous, the reference, always runs")
     p.add_argument("--text", metavar="FILE", help="UTF-8 text (default: the prose of the Python Language "
                    "Reference shipped with CPython)")
-    p.add_argument("--tokens", type=whole(2), default=d["tokens"], metavar="N",
-                   help=f"tokens of text scored (default {d['tokens']})")
+    p.add_argument("--tokens", type=tokens_arg, default=d["tokens"], metavar="N",
+                   help=f"tokens of text scored, e.g. 4096 or 4k (default {d['tokens']})")
     p.add_argument("--rows", type=whole(1), default=d["rows"], metavar="R",
                    help=f"rows of tokens / R decoded as one batch (default {d['rows']})")
     p.add_argument("--prefill", type=whole(1), default=d["prefill"], metavar="P",
