@@ -109,12 +109,12 @@ def print_quality(data: dict) -> None:
     t = data["text"]
     c.print(f"{data['model']}: {t['used']:,} tokens of {t['source']} in {t['rows']} rows of {t['row_tokens']}, "
             f"{t['prefill']} prefilled per row, then one token per step; took {data['seconds']} s")
-    rows = [[r["cache"], f"{r['ppl']:.3f}", f"{r['delta_ppl']:+.3f}", f"{r['kl']:.4f}", f"{r['top1'] * 100:.1f}%",
+    rows = [[r["cache"], f"{r['ppl']:.3f}", f"{r['delta_ppl']:+.3f}", f"{r['kl']:.3g}", f"{r['top1'] * 100:.1f}%",
              fmt_bytes(r["bytes_per_token"]), fmt_bytes(r["predicted_bytes_per_token"])] for r in data["quality"]]
     c.print(table(f"what each strategy costs (rows of {fmt_tokens(t['row_tokens'])}, fp32 cache)",
                   ["cache", "ppl", "Δ ppl", "KL (nats)", "top-1", "bytes/token", "predicted"], rows,
-                  caption=f"against the exact {data['quality'][0]['cache']} cache; quantized caches keep the newest "
-                          f"{data['residual']} tokens in full precision"))
+                  caption=f"against the exact {data['quality'][0]['cache']} cache; int* caches keep the newest "
+                          f"{data['residual']} .. {data['residual']} + group - 1 tokens in full precision"))
     if data.get("passkey"):
         _print_passkey(data["passkey"])
     if data.get("plot"):
