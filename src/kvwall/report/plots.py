@@ -245,3 +245,55 @@ def pareto(points: list[dict], xlabel: str, ylabel: str, title: str, path: str |
     ax.grid(True, which="both", alpha=0.2)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def quality(data: dict, path: str | Path) -> Path:
+    """kvwall quality's figure: Δ perplexity against cache bytes per token (one labelled point per strategy) and,
+    when pass-key ran, a heat-map of its accuracy (length x depth) per strategy.
+
+    data: measure.quality.measure's result."""
+    plt = _plt()
+    pk = data.get("passkey")
+    names = list(dict.fromkeys(c["cache"] for c in pk["cells"])) if pk else []
+    cols = max(1, min(4, len(names)))
+    heat_rows = -(-len(names) // cols)
+    fig = plt.figure(figsize=(3.2 * max(cols, 2), 4.5 + 2.6 * heat_rows))
+    grid = fig.add_gridspec(1 + heat_rows, cols, height_ratios=[1.7] + [1] * heat_rows)
+    _quality_points(fig.add_subplot(grid[0, :]), data)
+    for i, name in enumerate(names):
+        _passkey_map(fig.add_subplot(grid[1 + i // cols, i % cols]), pk, name, plt)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _quality_points(ax, data: dict) -> None:
+    rows = data["quality"]
+    ax.scatter([r["bytes_per_token"] for r in rows], [r["delta_ppl"] for r in rows], color="#4a7ab5", s=36)
+    same: dict[tuple[float, float], list[str]] = {}  # strategies on the same spot share one label
+    for r in rows:
+        same.setdefault((r["bytes_per_token"], round(r["delta_ppl"], 4)), []).append(r["cache"])
+    for (x, y), names in same.items():
+        ax.annotate(", ".join(names), (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.axhline(0, color="gray", lw=1, ls=":")
+    ax.set_xlabel("cache bytes per token (the cache's own count)")
+    ax.set_ylabel("Δ perplexity vs the exact cache")
+    t = data["text"]
+    ax.set_title(f"{data['model']}: what each saving costs ({t['used']:,} tokens, rows of {t['row_tokens']})",
+                 fontsize=10)
+    ax.grid(True, which="both", alpha=0.2)
+
+
+def _passkey_map(ax, pk: dict, name: str, plt) -> None:
+    """Accuracy per (depth, length) for one strategy, 0 to 1, each cell labelled."""
+    cells = {(c["length"], c["depth"]): c["accuracy"] for c in pk["cells"] if c["cache"] == name}
+    grid = [[cells[(n, d)] for n in pk["lengths"]] for d in pk["depths"]]
+    ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{v * 100:.0f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(pk["lengths"])), [str(n) for n in pk["lengths"]], fontsize=7)
+    ax.set_yticks(range(len(pk["depths"])), [f"{d * 100:.0f}%" for d in pk["depths"]], fontsize=7)
+    ax.set_xlabel("context (tokens)", fontsize=8)
+    ax.set_ylabel("key depth", fontsize=8)
+    ax.set_title(f"{name}: pass key %", fontsize=9)

