@@ -6,7 +6,6 @@ import argparse
 import time
 
 from kvwall.commands import common
-from kvwall.errors import KvwallError
 from kvwall.files import PLOT_EXTS, check_output
 from kvwall.report.tables import console, table
 from kvwall.units import fmt_bytes, fmt_tokens, parse_token_list, tokens_arg, whole
@@ -65,7 +64,7 @@ def cmd_quality(args) -> int:
     from kvwall.measure import quality
 
     text, source = quality.read_text(args.text)
-    model, tok = _load(path)
+    model, tok = quality.load(path)
     caches = quality.with_exact_first(caches or quality.default_strategies(model.spec, args.tokens // args.rows))
     pk = quality.PasskeyPlan(lengths, args.keys, seed=args.seed) if lengths else None
     plan = quality.Plan(caches, args.tokens, args.rows, args.prefill, args.residual, pk)
@@ -79,16 +78,6 @@ def cmd_quality(args) -> int:
         quality_plot(data, plot)
         data["plot"] = str(plot)
     return common.emit(args, data, print_quality)
-
-
-def _load(path):
-    from kvwall.engine.load import load_model
-    from kvwall.engine.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(path)
-    if tok is None:
-        raise KvwallError(f"{path} has no tokenizer (tokenizer.json, or a .gguf's); quality needs one to read text")
-    return load_model(path), tok
 
 
 def _run_with_progress(model, tok, plan, text, source, quiet: bool) -> dict:
@@ -123,10 +112,8 @@ def print_quality(data: dict) -> None:
 
 
 def _print_passkey(pk: dict) -> None:
-    heads = [f"{fmt_tokens(n)} @ {round(d * 100)}%" for n in pk["lengths"] for d in pk["depths"]]
-    by_cache: dict[str, list[str]] = {}
-    for cell in pk["cells"]:
-        by_cache.setdefault(cell["cache"], []).append(f"{cell['correct']}/{cell['keys']}")
+    from kvwall.measure.quality import passkey_grid
+
+    heads, rows = passkey_grid(pk)
     console().print(table(f"pass-key retrieval ({pk['keys']} keys per cell, seed {pk['seed']})", ["cache", *heads],
-                          [[name, *cells] for name, cells in by_cache.items()],
-                          caption="keys answered correctly (greedy) at context length @ depth of the key"))
+                          rows, caption="keys answered correctly (greedy) at context length @ depth of the key"))

@@ -343,6 +343,28 @@ def steps(plan: Plan) -> int:
     return len(plan.caches) * ((L - 1 - plan.prefill) + cells)
 
 
+def passkey_grid(pk: dict) -> tuple[list[str], list[list[str]]]:
+    """Pass-key cells as a grid: the column heads ("1k @ 10%" ...) and one row per strategy ("7/10" ...)."""
+    from kvwall.units import fmt_tokens
+
+    heads = [f"{fmt_tokens(n)} @ {round(d * 100)}%" for n in pk["lengths"] for d in pk["depths"]]
+    by_cache: dict[str, list[str]] = {}
+    for cell in pk["cells"]:
+        by_cache.setdefault(cell["cache"], []).append(f"{cell['correct']}/{cell['keys']}")
+    return heads, [[name, *cells] for name, cells in by_cache.items()]
+
+
+def load(path):
+    """(model, tokenizer) of a checkpoint or .gguf; quality needs the tokenizer to read text."""
+    from kvwall.engine.load import load_model
+    from kvwall.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    if tok is None:
+        raise KvwallError(f"{path} has no tokenizer (tokenizer.json, or a .gguf's); quality needs one to read text")
+    return load_model(path), tok
+
+
 def measure(model, tok, plan: Plan, text: str, source: str, on_step: Callable[[], None] | None = None) -> dict:
     """The table's data: perplexity rows per strategy, pass-key cells, the text's source."""
     tokens = Tokens(tok)

@@ -62,9 +62,25 @@ def _measured_step(full: bool, say: Callable[[str], None] | None) -> Callable[[P
     if say:
         names = ", ".join(a.name for a in plan.archs)
         ctx = ", ".join(fmt_tokens(c) for c in plan.contexts)
-        say(f"measuring {names} at {ctx} tokens on this machine: about {seconds:.0f} s"
+        real = f" and {measured.REAL_MODEL} against transformers" if measured.real_model_installed() else ""
+        say(f"measuring {names} at {ctx} tokens{real} on this machine: about {seconds:.0f} s"
             + ("" if full else " (--full: every architecture at 1k-32k)"))
     return lambda out: measured.section(out, (plan, device))
+
+
+def _costs_step(full: bool, say: Callable[[str], None] | None) -> Callable[[Path], Section] | None:
+    """The "What each saving costs" section's builder (None without the engine); tells ``say`` what it will run."""
+    try:
+        import torch  # noqa: F401
+
+        from kvwall.report import costs
+    except ImportError:
+        return None
+    models, _, seconds = costs.plan(full)
+    if say and models:
+        say(f"measuring what each cache strategy costs in quality on {', '.join(models)}: about {seconds:.0f} s"
+            + ("" if full else " (--full: every installed model, longer rows, and pass-key retrieval)"))
+    return lambda out: costs.section(out, full)
 
 
 def _document() -> Document:
@@ -87,10 +103,13 @@ def write_report(out: Path, measure: bool = True, full: bool = False, progress=N
     measured = _measured_step(full, say) if measure else None
     if measured:
         steps.append(("measuring this machine", measured))
+    costs = _costs_step(full, say) if measure else None
+    if costs:
+        steps.append(("what each saving costs", costs))
     task = progress.add_task("report", total=len(steps)) if progress else None
     for name, build in steps:
         if progress:
-            progress.update(task, description=name if measured is build else f"analysis: {name}")
+            progress.update(task, description=name if build in (measured, costs) else f"analysis: {name}")
         doc.sections.append(build(out))
         if progress:
             progress.advance(task)

@@ -22,7 +22,7 @@ def plan(full: bool = False, say=None):
     device = bench.local_profile(say)
     p = bench.Plan(bench.resolve_archs([], not full), settings["contexts"], steps=settings["steps"],
                    prefill_max=settings["prefill_max"])
-    return p, device, bench.estimate_seconds(p, device)
+    return p, device, bench.estimate_seconds(p, device) + (REAL_SECONDS if real_model_installed() else 0)
 
 
 def section(out: Path, plan_device, progress=None) -> Section:
@@ -47,10 +47,11 @@ def section(out: Path, plan_device, progress=None) -> Section:
     reasons = [f"Why {arch} is outside: {why}." for arch, why in s["reasons"].items()]
     skipped = [f"skipped {k['arch']}" + (f" @ {fmt_tokens(k['context'])}" if k.get("context") else "")
                + f": {k['reason']}" for k in plan.skipped]
+    real = real_model_table(device)
     return Section(
         "Measured on this machine",
         paragraphs=[where, verdict, *reasons, *skipped],
-        tables=[Table(["arch", "context", "decode ms", "predicted ms", "error", "predicted bound", "cache",
+        tables=([real] if real else []) + [Table(["arch", "context", "decode ms", "predicted ms", "error", "predicted bound", "cache",
                        "predicted cache", "peak RSS"], rows,
                       "decode: median of the timed steps after warm-up; error = predicted / measured - 1")],
         figures=[Figure(fig, "Measured (solid) vs predicted (dashed) decode time per token vs context, per "
@@ -60,6 +61,35 @@ def section(out: Path, plan_device, progress=None) -> Section:
                      "engine's measured per-layer dispatch cost)",
                      "contexts above the prefill limit are filled with random K/V through the cache's own update()"],
     )
+
+
+REAL_MODEL = "smollm2-135m"  # the trained model the section runs when its package is installed
+REAL_SECONDS = 40  # loading it twice (kvwall, transformers) and 2 x 6 steps at batch 1 and 16, on 2 cores
+
+
+def real_model_installed() -> bool:
+    import importlib.util
+
+    from kvwall.spec.gguf_meta import PACKAGED
+
+    return importlib.util.find_spec(PACKAGED[REAL_MODEL].module) is not None
+
+
+def real_model_table(device) -> Table | None:
+    """SmolLM2-135M (when installed): kvwall's decode against transformers on the same weights, batch 1 and 16,
+    steps taken in turn in one process, next to the roofline on the local profile; None without the package."""
+    from kvwall.measure import bench, real_bench
+
+    if not real_model_installed():
+        return None
+    plan = real_bench.RealPlan(bench.resolve_archs([REAL_MODEL], quick=True), caches=["contiguous"], steps=4)
+    rows = real_bench.run(plan, device)
+    body = [[r["arch"], r["batch"], r["engine"], f"{r['tok_s']:.1f}",
+             f"{r['vs_transformers']:.2f}x" if r.get("vs_transformers") else "-",
+             f"{r['pred_tok_s']:.1f}" if r.get("pred_tok_s") else "-"] for r in rows]
+    return Table(["model", "batch", "engine", "tok/s", "vs transformers", "predicted tok/s"], body,
+                 f"a trained model: {REAL_MODEL} in fp32, 16-token prompt, greedy; median of the timed steps, kvwall "
+                 "and transformers taking steps in turn in one process")
 
 
 def plot_results(results: list[dict], device, path: str | Path) -> Path:
