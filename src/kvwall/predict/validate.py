@@ -17,7 +17,6 @@ import statistics
 from kvwall import catalog
 from kvwall.errors import KvwallError
 from kvwall.predict.expected import MODES, PARAMS, expected_roof, fitted
-from kvwall.predict.expected_fit import fit, in_fit, leave_one_out
 from kvwall.predict.roofline import Roof
 from kvwall.predict.table import CONVENTIONS, TIME_METRICS, figures, prepare, skip_reason  # noqa: F401
 
@@ -67,6 +66,8 @@ def validate(rows, engine: str | None = None, device: str | None = None, mode: s
     preps = [prepare(r) for r in usable]
     params = fitted()
     wanted = [i for i, p in enumerate(preps) if p.row["id"] in chosen]
+    from kvwall.predict.expected_fit import leave_one_out  # numpy: imported when a table is scored
+
     loo = dict(zip(wanted, leave_one_out(preps, params, only=wanted)))
     results = []
     for r in rows:
@@ -78,6 +79,8 @@ def validate(rows, engine: str | None = None, device: str | None = None, mode: s
 
 
 def _both(row: dict, preps: list, loo: dict, params: dict, mode: str) -> dict:
+    from kvwall.predict.expected_fit import in_fit
+
     ideal = predict_row(row, "ideal")
     if "skipped" in ideal:
         return ideal
@@ -146,6 +149,8 @@ def fit_info() -> dict:
 
 def refit(rows) -> dict:
     """Fit the whole table and return efficiency.json's content (parameters, their meaning, date, version)."""
+    from kvwall.predict.expected_fit import fit, in_fit
+
     usable = [r for r in rows if skip_reason(r) is None]
     preps = [prepare(r) for r in usable]
     params = fit(preps)
