@@ -148,8 +148,10 @@ def estimate_seconds(plan: Plan, device: Device) -> float:
     return total
 
 
-def _worker(job: dict):
-    proc = subprocess.Popen([sys.executable, "-m", "kvwall.measure.bench_worker", json.dumps(job)],
+def _worker(job: dict, module: str = "kvwall.measure.bench_worker"):
+    """Run one job in a fresh process (its own memory high-water mark, no state carried over); yield each JSON line
+    it prints; a failed process is a one-line error naming the job."""
+    proc = subprocess.Popen([sys.executable, "-m", module, json.dumps(job)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     for raw in proc.stdout:

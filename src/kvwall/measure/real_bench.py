@@ -8,14 +8,10 @@ every timed step, and `vs_transformers` is kvwall's tok/s over transformers' at 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
 from kvwall.engine.caches.registry import CACHE_NAMES, parse_cache
-from kvwall.errors import KvwallError
 from kvwall.measure.archs import Arch
 from kvwall.predict.devices import Device
 from kvwall.predict.memory import Formats
@@ -88,15 +84,9 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 
 def _worker(job: dict):
-    proc = subprocess.Popen([sys.executable, "-m", "kvwall.measure.real_worker", json.dumps(job)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    for raw in proc.stdout:
-        if raw.startswith("{"):
-            yield json.loads(raw)
-    err = (proc.stderr.read() if proc.stderr else "").strip().splitlines()
-    if proc.wait():
-        raise KvwallError(f"the benchmark of {job['name']} failed: {err[-1] if err else 'no message'}")
+    from kvwall.measure.bench import _worker as run_job
+
+    return run_job(job, "kvwall.measure.real_worker")
 
 
 def summary(rows: list[dict]) -> dict:
