@@ -30,8 +30,8 @@ from kvwall.errors import KvwallError
 from kvwall.predict import mixers
 from kvwall.predict.memory import Formats, Parallel, memory, pipeline_stages, state_bytes, token_bytes
 from kvwall.predict.ops import PER_SEQUENCE, embedding, layer_ops, lm_head
-from kvwall.predict.roofline import Roof, step_overhead
-from kvwall.predict.step import ACT_BYTES, LINK, Op, Step
+from kvwall.predict.roofline import Roof, pipeline_sends, step_overhead
+from kvwall.predict.step import Step
 from kvwall.serve.scheduler import Request as Job
 from kvwall.serve.scheduler import Scheduler
 from kvwall.spec.model import ModelSpec
@@ -84,10 +84,7 @@ class StepClock:
             for layer, count in self._layers:
                 ops = layer_ops(0, layer, self.spec, st, self.fm, tp, absorbed)
                 t += count * sum(self.roof.op_time(o) for o in ops if o.kind not in PER_SEQUENCE)
-            if self.par.pp > 1:  # time_ops's activation send between stages
-                pipeline_stages(self.spec.n_layers, self.par.pp)
-                t += self.roof.op_time(Op("pipeline send", None, kind=LINK,
-                                          link_bytes=(self.par.pp - 1) * tokens * self.spec.hidden * ACT_BYTES))
+            t += sum(self.roof.op_time(o) for o in pipeline_sends(self.spec, tokens, self.par))
             self._token_part[key] = t
         head = self.roof.op_time(lm_head(self.spec, seqs, self.fm, self.par.tp))
         return self._token_part[key] + head

@@ -133,13 +133,19 @@ def run_mix(spec: ModelSpec, groups: list[Step], fm: Formats, roof: Roof, par: P
     return time_ops(spec, Step(seqs, past, tokens / seqs), ops, roof, par, name)
 
 
+def pipeline_sends(spec: ModelSpec, tokens: int, par: Parallel) -> list[Op]:
+    """The activations a step's `tokens` send between pipeline stages: one op over the pp - 1 boundaries (none
+    without pipeline parallel); checks pp against the layer count."""
+    if par.pp == 1:
+        return []
+    pipeline_stages(spec.n_layers, par.pp)
+    return [Op("pipeline send", None, link_bytes=(par.pp - 1) * tokens * spec.hidden * ACT_BYTES, kind=LINK)]
+
+
 def time_ops(spec: ModelSpec, step: Step, ops: list[Op], roof: Roof, par: Parallel | None, name: str) -> PhaseResult:
     """The step's ops on the roofline, one after another, plus the device's fixed cost per step."""
     par = par or Parallel()
-    if par.pp > 1:
-        pipeline_stages(spec.n_layers, par.pp)  # validates pp against the layer count
-        ops.append(Op("pipeline send", None, link_bytes=(par.pp - 1) * step.tokens * spec.hidden * ACT_BYTES,
-                      kind=LINK))
+    ops.extend(pipeline_sends(spec, step.tokens, par))
     overhead = step_overhead(spec, roof.device)
     per_op, total = [], overhead
     for op in ops:
