@@ -132,6 +132,8 @@ def test_measured_section_prints_the_bench_numbers(tmp_path, capsys, monkeypatch
                    "cache_bytes": fixed[c][2], "peak_rss_bytes": 2**30, "params": 1}
 
     monkeypatch.setattr(bench, "_worker", worker)
+    monkeypatch.setattr(measured, "real_model_installed", lambda: False)  # the trained models: not this test's
+    monkeypatch.setattr("kvwall.report.costs.installed", lambda names: [])
     monkeypatch.setattr(bench, "predict", lambda arch, spec, c, *a: {
         "decode_pred_s": fixed[c][1], "decode_bound": "memory", "cache_pred_bytes": fixed[c][2],
         "cache_read_pred_Bps": 20e9})
