@@ -49,8 +49,11 @@ def test_bytes_per_run_are_the_buffers(calibrated):
     size, n = m["settings"]["buffer_bytes"], m["settings"]["gemm_n"]
     want = {"read": size, "copy": 2 * size, "gemv": size}
     for r in m["results"]:
-        if r["kind"] == "gemm":
-            assert r["flops_per_run"] == 2 * n**3, (r["method"], r["flops_per_run"], n)
+        if r["kind"] == "gemm":  # n, or n halved until the dtype's runs fit the time budget
+            shape = [int(x) for x in r["size"].split("x")]
+            k = shape[0]
+            assert shape == [k, k, k] and k <= n and n % k == 0 and (n // k) & (n // k - 1) == 0, r["size"]
+            assert r["flops_per_run"] == 2 * k**3, (r["method"], r["flops_per_run"], k)
         elif r["kind"] == "gemv" and r["dtype"] == "bf16":
             assert r["bytes_per_run"] == size // 2, (r["method"], r["bytes_per_run"], size)
         else:
@@ -183,3 +186,19 @@ def test_op_bandwidths_measured(calibrated):
     # a kernel cannot stream its operands much faster than a plain read of a buffer past the last-level cache
     # (10x too many bytes counted fails); a lower bound only says it ran at all
     assert all(read / 1000 < v < 3 * read for v in ops.values()), (ops, read)
+
+
+def test_gemm_size_shrinks_to_the_time_budget():
+    """A dtype 512x slower at 2048 than the budget allows is timed at a smaller n (bf16 on a CPU without
+    AVX-512 ran at 0.3 GFLOP/s: 8 runs of 2048^3 took 8 minutes)."""
+    import time as _time
+
+    from kvwall.measure.kernels import budget_n
+
+    def matmul_of(m):  # one m^3 product takes 10 ms x (m / 256)^3
+        return lambda: _time.sleep(0.01 * (m / 256) ** 3)
+
+    # by hand, runs = 7 (+1 warm-up): 2048 -> 5.12 s x 8, 1024 -> 0.64 s x 8 = 5.1 s > 3 s, 512 -> 0.08 s x 8 = 0.64 s
+    assert budget_n(2048, 7, matmul_of, budget_s=3.0) == 512
+    assert budget_n(2048, 7, lambda m: (lambda: None), budget_s=3.0) == 2048  # fast: the full size
+    assert budget_n(2048, 7, lambda m: (lambda: _time.sleep(1.0)), budget_s=0.5) == 256  # never below the floor

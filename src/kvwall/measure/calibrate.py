@@ -21,6 +21,7 @@ from typing import Callable
 from kvwall.errors import KvwallError
 from kvwall.files import check_output, write_text
 from kvwall.measure import machine
+from kvwall.measure.kernels import GEMM_BUDGET_S
 
 GiB = 2**30
 MiB = 2**20
@@ -84,8 +85,8 @@ class Calibration:
         read, gemv = self.best("read"), self.best("gemv")
         out = [f"memory_bandwidth_Bps: best median sustained streaming read, by {read.method} over a "
                f"{read.size} buffer",
-               "peak_flops: measured dense GEMM rates (n = %d), not datasheet peaks; fp32 is the best of numpy and "
-               "torch" % s.gemm_n,
+               "peak_flops: measured dense GEMM rates (n = %d, smaller for a dtype too slow to time at that size "
+               "in %.0f s), not datasheet peaks; fp32 is the best of numpy and torch" % (s.gemm_n, GEMM_BUDGET_S),
                f"best GEMV ({gemv.method}, {gemv.dtype}) reached {gemv.bandwidth / 1e9:.1f} GB/s, "
                f"{gemv.bandwidth / read.bandwidth:.0%} of the streaming read"]
         if llc and s.buffer_bytes < 2 * llc:
@@ -161,7 +162,7 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
         if progress:
             progress(len(steps), len(steps), "engine dispatch overhead and op bandwidths", None)
         size = (128 << 20) if quick else (512 << 20)
-        costs = overhead.engine_overheads(steps=20 if quick else 40)
+        costs = overhead.engine_overheads(steps=20 if quick else 30)
         cal.info["layer_overhead_s"] = costs["attention"]
         cal.info["step_overhead_s"] = costs["step"]
         cal.info["mixer_overhead_s"] = {k: v for k, v in costs.items() if k not in ("attention", "step")}

@@ -152,12 +152,35 @@ def gemv_torch(a: np.ndarray, dtype: str, threads: int, runs: int) -> Measuremen
 
 # -- GEMM: C = A B, the shape of prefill ----------------------------------------------
 
+GEMM_BUDGET_S = 3.0  # one GEMM step's timed runs; bf16 on a CPU without AVX-512 runs at 0.3 GFLOP/s (measured),
+# where 8 runs of 2048^3 took 8 minutes
+
+
+def budget_n(n: int, runs: int, matmul_of, budget_s: float = GEMM_BUDGET_S, floor: int = 256) -> int:
+    """The largest n (n, n/2, ... down to floor) whose warm-up and runs fit budget_s, from one timed floor^3 probe.
+
+    matmul_of(m) returns a callable doing one m x m x m product."""
+    probe = matmul_of(floor)
+    probe()  # warm-up: kernel selection, thread start
+    start = time.perf_counter()
+    probe()
+    rate = 2 * floor**3 / max(time.perf_counter() - start, 1e-9)  # FLOP/s at the probe size
+    while n > floor and 2 * n**3 / rate * (runs + 1) > budget_s:
+        n //= 2
+    return n
+
+
 def gemm_numpy(n: int, dtype: str, runs: int) -> Measurement:
     rng = np.random.default_rng(0)
     np_dtype = {"fp32": np.float32, "fp64": np.float64}[dtype]
-    a = rng.standard_normal((n, n), dtype=np_dtype)
-    b = rng.standard_normal((n, n), dtype=np_dtype)
-    return Measurement("gemm", "numpy A @ B (BLAS)", dtype, f"{n}x{n}x{n}", time_runs(lambda: a @ b, runs),
+
+    def matmul_of(m):
+        a = rng.standard_normal((m, m), dtype=np_dtype)
+        b = rng.standard_normal((m, m), dtype=np_dtype)
+        return lambda: a @ b
+
+    n = budget_n(n, runs, matmul_of)
+    return Measurement("gemm", "numpy A @ B (BLAS)", dtype, f"{n}x{n}x{n}", time_runs(matmul_of(n), runs),
                        flops_per_run=2 * n**3)
 
 
@@ -165,10 +188,15 @@ def gemm_torch(n: int, dtype: str, threads: int, runs: int) -> Measurement:
     import torch
 
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=g).to(torch_dtype(dtype))
-    b = torch.randn(n, n, generator=g).to(torch_dtype(dtype))
+
+    def matmul_of(m):
+        a = torch.randn(m, m, generator=g).to(torch_dtype(dtype))
+        b = torch.randn(m, m, generator=g).to(torch_dtype(dtype))
+        return lambda: a @ b
+
     with torch_threads(threads):
-        runs_s = time_runs(lambda: a @ b, runs)
+        n = budget_n(n, runs, matmul_of)
+        runs_s = time_runs(matmul_of(n), runs)
     return Measurement("gemm", f"torch A @ B, {threads} threads", dtype, f"{n}x{n}x{n}", runs_s,
                        flops_per_run=2 * n**3)
 

@@ -124,6 +124,9 @@ def attention_bandwidth(total_bytes: int = 512 << 20, runs: int = 5) -> float:
         return len(caches) * per / _fastest_time(sweep, runs)
 
 
+QUANT_BUDGET_S = 6.0  # seconds one format's measurement may take
+
+
 def quantized_attention_bandwidth(fmt: str, total_bytes: int = 512 << 20, runs: int = 5) -> float:
     """Bytes/s (packed bytes, scales included) of the engine's decode step through a KIVI cache of this format
     (int8, int4, int2): the shape of attention_bandwidth, each sweep appending one token to every cache and
@@ -144,9 +147,16 @@ def quantized_attention_bandwidth(fmt: str, total_bytes: int = 512 << 20, runs: 
         cache.update(0, keys, values, torch.arange(s)[None])
         return cache
 
-    first = filled()
-    caches = [first] + [filled() for _ in range(max(2, total_bytes // first.nbytes()) - 1)]
     q, k1, v1 = torch.randn(1, hkv * rep, 1, d), torch.randn(1, hkv, 1, d), torch.randn(1, hkv, 1, d)
+    t0 = time.perf_counter()
+    first = filled()
+    with torch.inference_mode():
+        first.attend(0, q, k1, v1, torch.tensor([[s]]), d ** -0.5, None, None)
+    one_s = time.perf_counter() - t0  # filling one cache and one step over it
+    # as many caches as fill the byte target, or as fit the time budget where the kernel is slow
+    # (no AVX2: int2 ran at 0.2 GB/s and 512 MiB of caches took 178 s, measured)
+    count = max(2, min(total_bytes // first.nbytes(), int(QUANT_BUDGET_S / ((runs + 2) * one_s))))
+    caches = [filled() for _ in range(count)]
     step = {"pos": s}
 
     def sweep():
