@@ -3,7 +3,11 @@
 The sources are package files, ``kernels/<name>.cpp`` with the shared prelude ``kernels/common.h``
 (includes, the SIMD vector type, the multiply-accumulate loops). Each kernel module
 (layers/scan_kernel.py, caches/quant_kernel.py, layers/latent_kernel.py) asks for its kernel by
-name; the build is cached by torch under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR).
+name; the build is cached under ~/.cache/torch_extensions/kvwall (TORCH_EXTENSIONS_DIR), in a folder named by
+a hash of the sources, the flags and torch's version: two checkouts with the same sources share one build, and a
+changed source never overwrites another checkout's (torch's own per-name folder made them rebuild in turn).
+Builds of one folder take an OS lock (released when a process dies), so the lock file torch leaves behind
+when a build is killed can no longer hang every later run (torch waits on it for ever).
 
 When no build works the caller gets None and keeps its torch path: correct, only slower. That
 is said once, as a warning naming the kernel, the compiler's error and the fallback, so that a
@@ -13,8 +17,10 @@ failed build is an error instead.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 KERNELS = Path(__file__).parent / "kernels"  # the .cpp files and common.h, shipped as package data
@@ -53,6 +59,34 @@ def simd_width(flags: list[str]) -> int:
     return 16 if "-mavx512f" in flags else 8 if "-mavx2" in flags else 1
 
 
+def build_dir(name: str, flags: list[str]) -> Path:
+    """Where kernel `name` built with `flags` lives: named by a hash of its sources, flags and torch version."""
+    import torch
+
+    h = hashlib.sha256()
+    for part in (source(name).read_bytes(), (KERNELS / "common.h").read_bytes(), " ".join(flags).encode(),
+                 torch.__version__.encode()):
+        h.update(part)
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions") / "kvwall"
+    return root / f"{name}-{h.hexdigest()[:16]}"
+
+
+@contextmanager
+def build_lock(where: Path):
+    """Hold an OS lock on build folder `where` (the kernel frees it if this process dies); holding it, any lock file
+    torch left there is stale (its build was killed) and is removed."""
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock file only
+        yield where
+        return
+    with open(where / "kvwall.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (where / "lock").unlink(missing_ok=True)  # torch's FileBaton of a killed build
+        yield where
+
+
 def first_error(exc: BaseException) -> str:
     """The line of a failed build that says why: the compiler's first "error:" line (file:line:col: error: ...),
     else the message's first line (no compiler, no ninja), cut to 300 characters."""
@@ -73,9 +107,10 @@ def build(name: str, fallback: str):
     for openmp in (True, False):  # no OpenMP in the compiler: try again without it
         flags = simd_flags(openmp)
         try:
-            mod = load(f"kvwall_{name}", sources=[str(source(name))], extra_cflags=flags,
-                       extra_include_paths=[str(KERNELS)], extra_ldflags=["-fopenmp"] if openmp else [],
-                       verbose=False)
+            with build_lock(build_dir(name, flags)) as where:
+                mod = load(f"kvwall_{name}", sources=[str(source(name))], extra_cflags=flags,
+                           extra_include_paths=[str(KERNELS)], extra_ldflags=["-fopenmp"] if openmp else [],
+                           build_directory=str(where), verbose=False)
             return mod, flags
         except Exception as exc:  # no compiler, no ninja, no OpenMP, a compile error
             error, detail = exc, str(exc)
