@@ -280,6 +280,10 @@ PROFILE_CASES = [  # (file content, what the message must name)
     ({**GOOD_PROFILE, "mixer_overhead_s": {"attention": -1}}, "mixer_overhead_s"),
     ({**GOOD_PROFILE, "op_bandwidth_Bps": {"matmul": 0}}, "op_bandwidth_Bps"),
     ({**GOOD_PROFILE, "op_bandwidth_Bps": {"matmul": float("inf")}}, "op_bandwidth_Bps"),
+    ({**GOOD_PROFILE, "op_flops": {"attention": -3e10}}, "op_flops"),
+    ({**GOOD_PROFILE, "matmul_rows_Bps": {"16": float("nan")}}, "matmul_rows_Bps"),
+    ({**GOOD_PROFILE, "matmul_rows_Bps": {"sixteen": 7e9}}, "matmul_rows_Bps"),
+    ({**GOOD_PROFILE, "op_fixed_s": {"attention:int8": -1e-4}}, "op_fixed_s"),
 ]
 
 

@@ -84,7 +84,7 @@ def test_projection_weights_are_column_major_with_the_same_values(checkpoint):
     path, _ = checkpoint("llama")
     model = load_model(path)
     lins = projections(model)
-    assert len(lins) == 4 * model.spec.n_layers  # wqkv, wo, w13, w2 of every layer
+    assert len(lins) == 4 * model.spec.n_layers + 1  # wqkv, wo, w13, w2 of every layer, and the untied head
     before = [lin.weight.detach().clone() for lin in lins]
     assert all(lin.weight.stride() == (1, lin.weight.shape[0]) for lin in lins)
     model.set_eager(True)

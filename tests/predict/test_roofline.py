@@ -196,3 +196,43 @@ def test_overhead_by_mixer_kind():
                                               Layer(Mamba(128, 16, 4, 4), None, 64)))
     dev = replace(get_device("h100-sxm"), layer_overhead_s=1e-3, mixer_overhead_s={"mamba": 3e-3}, step_overhead_s=5e-4)
     assert step_overhead(spec, dev) == pytest.approx(1e-3 + 3e-3 + 5e-4)
+
+
+def test_rows_bandwidth_by_hand():
+    from kvwall.predict.roofline import rows_bandwidth
+
+    table = {1: 20e9, 4: 8e9, 16: 6e9}
+    assert rows_bandwidth(table, 1) == 20e9 and rows_bandwidth(table, 0.5) == 20e9  # below the first: the first
+    assert rows_bandwidth(table, 2) == pytest.approx(14e9)  # halfway from 1 to 4 in log2
+    assert rows_bandwidth(table, 8) == pytest.approx(7e9)  # halfway from 4 to 16
+    assert rows_bandwidth(table, 64) == pytest.approx(6e9 * 16 / 64)  # past the last: its FLOP rate holds
+
+
+def test_a_measured_kernel_pays_bytes_flops_and_fixed_cost_in_turn():
+    """CPU decode attention: bytes / B + FLOPs / F + a fixed cost, not max(bytes / B, FLOPs / peak)."""
+    from dataclasses import replace
+
+    from kvwall.predict.step import CACHE, Op
+
+    dev = replace(get_device("h100-sxm"), op_bandwidth={"attention": 10e9}, op_flops={"attention": 20e9},
+                  op_fixed_s={"attention": 1e-4})
+    roof = Roof(dev)
+    op = Op("attention", 0, flops=4e6, cache_read=1e6, kernel="attention", kind=CACHE)
+    assert roof.op_time(op) == pytest.approx(1e-4 + 4e6 / 20e9 + 1e6 / 10e9)  # 0.4 ms
+    assert roof.bound(op) == "compute"  # 0.2 ms of arithmetic against 0.1 ms of bytes
+    plain = Op("attention", 0, flops=4e6, cache_read=1e6, kernel="attention:int8", kind=CACHE)
+    assert roof.op_time(plain) == pytest.approx(max(4e6 / roof.peak, 1e6 / 10e9))  # no rate: the roofline
+
+
+def test_a_matmul_streams_its_weights_at_its_rows_rate():
+    from dataclasses import replace
+
+    dev = replace(get_device("h100-sxm"), op_bandwidth={"matmul": 20e9}, matmul_rows={1: 20e9, 16: 5e9},
+                  peak_flops={"bf16": 1e12})
+    roof = Roof(dev)
+    one, sixteen = (decode(TINY, 10, b, F16, roof) for b in (1, 16))
+    mlp1 = next(o for o in one.ops if o.name == "mlp")
+    mlp16 = next(o for o in sixteen.ops if o.name == "mlp")
+    assert mlp1.rows == 1 and mlp16.rows == 16
+    assert roof.op_time(mlp1) == pytest.approx(mlp1.bytes / 20e9)
+    assert roof.op_time(mlp16) == pytest.approx(max(mlp16.flops / 1e12, mlp16.bytes / 5e9))

@@ -116,6 +116,8 @@ class Calibration:
             "tdp_W": None, "layer_overhead_s": info.get("layer_overhead_s", 0.0),
             "op_bandwidth_Bps": info.get("op_bandwidth_Bps", {}),
             "step_overhead_s": info.get("step_overhead_s"), "mixer_overhead_s": info.get("mixer_overhead_s", {}),
+            "op_flops": info.get("op_flops", {}), "op_fixed_s": info.get("op_fixed_s", {}),
+            "matmul_rows_Bps": info.get("matmul_rows_Bps", {}),
             "source": f"measured by `kvwall calibrate` on {info['hostname']} at {self.started}",
             "unconfirmed": [], "notes": self.notes(),
             "measured": {
@@ -158,18 +160,27 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
     del buf, dst
     if has_torch:
         from kvwall.measure import overhead
+        from kvwall.predict.devices import _from_entry
 
         if progress:
             progress(len(steps), len(steps), "engine dispatch overhead and op bandwidths", None)
         size = (128 << 20) if quick else (512 << 20)
-        costs = overhead.engine_overheads(steps=20 if quick else 30)
+        rows = overhead.matmul_rows_bandwidth(size // 4)  # 128 MiB is 4x the last-level cache; 512 took 9 s
+        attention, attention_flops = overhead.attention_rates(size)
+        bandwidth = {"matmul": rows[1], "attention": attention}
+        flops = {"attention": attention_flops, "latent": overhead.latent_rate(attention, size)}
+        fixed = {}
+        for f in ("int8", "int4", "int2"):
+            bandwidth[f"attention:{f}"], fixed[f"attention:{f}"] = overhead.quantized_attention_rates(f, size)
+        cal.info["op_bandwidth_Bps"] = bandwidth
+        cal.info["op_flops"] = {k: v for k, v in flops.items() if v}
+        cal.info["op_fixed_s"] = fixed
+        cal.info["matmul_rows_Bps"] = {str(m): v for m, v in rows.items()}
+        rates = _from_entry("local", cal.profile())  # the rates just measured, for the op model
+        costs = overhead.engine_overheads(rates, steps=20 if quick else 30)
         cal.info["layer_overhead_s"] = costs["attention"]
         cal.info["step_overhead_s"] = costs["step"]
         cal.info["mixer_overhead_s"] = {k: v for k, v in costs.items() if k not in ("attention", "step")}
-        cal.info["op_bandwidth_Bps"] = {"matmul": overhead.matvec_bandwidth(size),
-                                        "attention": overhead.attention_bandwidth(size),
-                                        **{f"attention:{f}": overhead.quantized_attention_bandwidth(f, size)
-                                           for f in ("int8", "int4", "int2")}}
     cal.elapsed_s = time.perf_counter() - t0
     return cal
 

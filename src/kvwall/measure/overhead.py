@@ -1,66 +1,73 @@
-"""The engine's fixed cost per layer per decode step on this machine: Python and torch dispatch.
+"""The engine's cost on this machine that a count of bytes and FLOPs does not show, and the rates its kernels reach.
 
 A roofline counts bytes and FLOPs; on a CPU (and on a GPU without CUDA graphs) every op also pays a
-fixed dispatch cost that no byte count shows. We measure it where it is nearly all there is: decode
-steps of tiny models (hidden 64) whose weights and cache are a few hundred KiB, at 2 and at 10 blocks
-of each kind. The slope is the per-layer cost `--device local` predictions add, the intercept the
-per-step rest. Each is the fastest step: a latency floor (other processes only ever add to it).
+fixed dispatch cost, and the small ops around the big ones (norms, rotary, residual adds, an SSM's
+elementwise state update, copies) each take tens of microseconds at real widths that no byte count
+shows (Mamba's decode step here: 3.6 ms of addcmul and 2.9 ms of exp over 24 layers, on states of
+98 KB). We measure what the op model leaves out, per kind of block, where it lives: decode steps of
+2- and 6-block models of width 768 (the blocks `kvwall bench` compares, a 128-token vocabulary). The
+slope of step time over depth less the op model's time of one block is the per-layer cost, the
+intercept less the model's rest the per-step cost. Each is the median step, the figure `kvwall bench`
+holds predictions against.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-TINY = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-            torch_dtype="float32")
-
-# One tiny model per kind of block: its per-layer cost is the slope of step time over depth.
-TINY_KINDS = {
-    "attention": TINY,
-    "latent": dict(model_type="deepseek_v2", vocab_size=128, hidden_size=64, intermediate_size=128,
-                   num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
-                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=None,
-                   first_k_dense_replace=64, max_position_embeddings=4096, torch_dtype="float32"),
-    "mamba": dict(model_type="mamba", vocab_size=128, hidden_size=64, state_size=16, expand=2, conv_kernel=4,
-                  intermediate_size=128, time_step_rank="auto", tie_word_embeddings=False, torch_dtype="float32"),
-    "mamba2": dict(model_type="mamba2", vocab_size=128, hidden_size=64, num_heads=8, head_dim=16, state_size=16,
-                   n_groups=1, expand=2, conv_kernel=4, tie_word_embeddings=False, torch_dtype="float32"),
-}
+OVERHEAD_ARCHS = {"attention": "gqa", "latent": "mla", "mamba": "mamba", "mamba2": "mamba2"}  # kind -> block
+DEPTHS = (2, 6)
 
 
-def _step_time(config: dict, layers: int, steps: int) -> float:
-    """Fastest decode step of a tiny model of `layers` blocks (a latency floor: others only slow it)."""
+def _arch_spec(arch: str, layers: int):
+    from kvwall.measure.archs import ARCHS
+    from kvwall.spec.hf import spec_from_config
+
+    config = ARCHS[arch].config
+    key = "num_hidden_layers"
+    return spec_from_config(dict(config, vocab_size=128, **{key: layers}), name=f"{arch}-{layers}")
+
+
+def _step_time(spec, steps: int, context: int = 64) -> float:
+    """Median decode step of `spec` (random weights) after a `context`-token prefill."""
     import torch
 
     from kvwall.engine.caches import make_cache
     from kvwall.engine.model import Transformer
-    from kvwall.spec.hf import spec_from_config
 
-    spec = spec_from_config(dict(config, num_hidden_layers=layers), name="tiny")
     torch.manual_seed(0)
     model = Transformer(spec).eval()
-    cache = make_cache("contiguous", spec, 1, 64 + steps + 4)
+    cache = make_cache("contiguous", spec, 1, context + steps + 4)
     times = []
     with torch.inference_mode():
-        model(torch.ones(1, 64, dtype=torch.long), torch.arange(64)[None], cache)
+        model(torch.ones(1, context, dtype=torch.long), torch.arange(context)[None], cache)
         for i in range(steps + 4):
             t0 = time.perf_counter()
-            model(torch.ones(1, 1, dtype=torch.long), torch.tensor([[64 + i]]), cache)
+            model(torch.ones(1, 1, dtype=torch.long), torch.tensor([[context + i]]), cache)
             if i >= 4:
                 times.append(time.perf_counter() - t0)
-    return min(times)
+    return sorted(times)[len(times) // 2]  # the median, as `kvwall bench` reports (the fastest was 5-10 % below)
 
 
-def engine_overheads(steps: int = 40) -> dict[str, float]:
-    """Per-layer dispatch cost by kind of block, and the per-step cost outside the blocks ("step"):
-    from tiny models of 2 and 10 blocks, slope = per layer, intercept = the rest."""
+def engine_overheads(rates, steps: int = 30) -> dict[str, float]:
+    """Per-layer cost by kind of block beyond the op model on device `rates` (this machine's measured op
+    rates, its overheads ignored), and the per-step rest ("step", from the attention models)."""
+    from kvwall.predict.memory import Formats
+    from kvwall.predict.roofline import Roof, decode
+    from kvwall.spec.formats import get_format
+
+    bare = Roof(dataclasses.replace(rates, layer_overhead_s=0.0, mixer_overhead_s={}, step_overhead_s=0.0),
+                dtype="fp32")
+    fp32 = get_format("fp32")
+    fm = Formats(fp32, fp32, fp32)
     out = {}
-    for kind, cfg in TINY_KINDS.items():
-        t2, t10 = _step_time(cfg, 2, steps), _step_time(cfg, 10, steps)
-        out[kind] = max((t10 - t2) / 8, 0.0)
+    for kind, arch in OVERHEAD_ARCHS.items():
+        (lo, t_lo), (hi, t_hi) = [(n, _step_time(_arch_spec(arch, n), steps)) for n in DEPTHS]
+        p_lo, p_hi = (decode(_arch_spec(arch, n), 64 + 1, 1, fm, bare).time_s for n in DEPTHS)
+        out[kind] = max(((t_hi - t_lo) - (p_hi - p_lo)) / (hi - lo), 0.0)
         if kind == "attention":
-            out["step"] = max(t2 - 2 * out[kind], 0.0)
+            out["step"] = max(t_lo - p_lo - lo * out[kind], 0.0)
     return out
 
 
@@ -83,37 +90,45 @@ def _fastest_time(fn, runs: int) -> float:
     return min(times)
 
 
-def matvec_bandwidth(total_bytes: int = 512 << 20, runs: int = 5) -> float:
-    """Bytes/s of a chain of F.linear calls over distinct (3072 x 768) fp32 weights, one token."""
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # matmul row counts measured: decode batches up to prefill chunks
+
+
+def matmul_rows_bandwidth(total_bytes: int = 512 << 20, runs: int = 3) -> dict[int, float]:
+    """Weight bytes/s of the engine's projection (F.linear over a weight stored as the fast path stores it,
+    engine.model.column_major) at each row count in ROWS, over distinct cold (3072 x 768) fp32 weights.
+    Not one bandwidth and one FLOP rate: torch's fp32 matmul here read weights at 21 GB/s for 1 row,
+    13 at 2 and 6.6-7.8 from 4 to 16 rows (the same FLOPs per byte as numpy's OpenBLAS, which kept 11-34)."""
     import torch
     import torch.nn.functional as F
 
+    from kvwall.engine.model import column_major
+
     shape = (3072, 768)
-    mats = [torch.randn(*shape) for _ in range(max(2, total_bytes // (shape[0] * shape[1] * 4)))]
-    x = torch.randn(1, 1, shape[1])  # (B, T, in)
-
-    def chain():
-        for w in mats:
-            F.linear(x, w)  # (1, 1, out)
-
+    mats = [column_major(torch.randn(*shape)) for _ in range(max(2, total_bytes // (shape[0] * shape[1] * 4)))]
+    nbytes = sum(w.nbytes for w in mats)
+    out = {}
     with torch.inference_mode():
-        return sum(w.nbytes for w in mats) / _fastest_time(chain, runs)
+        for m in ROWS:
+            x = torch.randn(1, m, shape[1])  # (B, T, in)
+            out[m] = nbytes / _fastest_time(lambda: [F.linear(x, w) for w in mats], runs)  # (1, m, out) each
+    return out
 
 
 DECODE_SHAPE = (4, 3, 64, 8192)  # KV heads, query heads per KV head, head dim, cached tokens: the bench's GQA layer
 
 
-def attention_bandwidth(total_bytes: int = 512 << 20, runs: int = 5) -> float:
-    """Bytes/s of the engine's decode attention (one token, 12 query heads over 4 KV heads of 64)
-    over distinct cold caches of 8,192 tokens, through kvwall.engine.layers.attention.attend."""
+def _attention_time(hkv: int, total_bytes: int, runs: int) -> tuple[float, float, float]:
+    """(seconds, cache bytes, FLOPs) of one decode attention call of 12 query heads of 64 over `hkv` KV heads
+    of DECODE_SHAPE's context, through kvwall.engine.layers.attention.attend, over distinct cold caches."""
     import torch
 
     from kvwall.engine.layers.attention import attend
 
-    hkv, rep, d, s = DECODE_SHAPE
+    _, _, d, s = DECODE_SHAPE
+    heads = 12
     per = 2 * hkv * s * d * 4
     caches = [(torch.randn(1, hkv, s, d), torch.randn(1, hkv, s, d)) for _ in range(max(2, total_bytes // per))]
-    q = torch.randn(1, hkv * rep, 1, d)  # (B, Hq, T, D)
+    q = torch.randn(1, heads, 1, d)  # (B, Hq, T, D)
     mask = torch.ones(1, 1, 1, s, dtype=torch.bool)
 
     def sweep():
@@ -121,23 +136,63 @@ def attention_bandwidth(total_bytes: int = 512 << 20, runs: int = 5) -> float:
             attend(q, k, v, mask, d ** -0.5, None)  # (B, Hq, 1, D)
 
     with torch.inference_mode():
-        return len(caches) * per / _fastest_time(sweep, runs)
+        t = _fastest_time(sweep, runs) / len(caches)
+    return t, per, 2 * heads * s * 2 * d  # the predictor's count: q.k and p.v per query head and key
+
+
+def attention_rates(total_bytes: int = 512 << 20, runs: int = 5) -> tuple[float, float | None]:
+    """(bytes/s, FLOP/s) of the engine's decode attention, from two calls with the same FLOPs and 12x apart
+    in bytes: 12 KV heads (MHA) and 1 (MQA). time = bytes / B + FLOPs / F solved for B and F. (None for F,
+    and the GQA call's plain bytes/s, when the two do not give positive rates: a busy machine.)"""
+    t1, b1, flops = _attention_time(12, total_bytes, runs)
+    t12, b12, _ = _attention_time(1, total_bytes, runs)
+    if t1 > t12:
+        bw = (b1 - b12) / (t1 - t12)
+        compute = t12 - b12 / bw
+        if compute > 0:
+            return bw, flops / compute
+    t3, b3, _ = _attention_time(4, total_bytes, runs)
+    return b3 / t3, None
+
+
+LATENT_SHAPE = (12, 256, 32, 8192)  # heads, latent width, rope width, cached tokens: the bench's MLA layer
+
+
+def latent_rate(bandwidth: float, total_bytes: int = 512 << 20, runs: int = 5) -> float | None:
+    """FLOP/s of MLA's absorbed decode attention kernel (kernels/mla_decode.cpp) beyond streaming its latent
+    cache at `bandwidth`: its 12 heads do 2 x 12 x (288 + 256) FLOPs per 1,152-byte cached token, so unlike
+    attention it is compute-bound here. None when the kernel does not build (the torch path then runs)."""
+    import torch
+
+    from kvwall.engine.layers.latent_kernel import mla_decode
+
+    kernel = mla_decode()
+    if kernel is None:
+        return None
+    h, r, dr, s = LATENT_SHAPE
+    per = s * (r + dr) * 4
+    caches = [(torch.randn(1, s, r), torch.randn(1, s, dr)) for _ in range(max(2, total_bytes // per))]
+    q, k_pos, pos = torch.randn(1, h, r + dr), torch.arange(s)[None], torch.tensor([s - 1])
+    with torch.inference_mode():
+        t = _fastest_time(lambda: [kernel(q, c, pe, k_pos, pos, 0.1) for c, pe in caches], runs) / len(caches)
+    compute = t - per / bandwidth
+    return 2 * h * s * (r + dr + r) / compute if compute > 0 else None
 
 
 QUANT_BUDGET_S = 6.0  # seconds one format's measurement may take
 
 
-def quantized_attention_bandwidth(fmt: str, total_bytes: int = 512 << 20, runs: int = 5) -> float:
-    """Bytes/s (packed bytes, scales included) of the engine's decode step through a KIVI cache of this format
-    (int8, int4, int2): the shape of attention_bandwidth, each sweep appending one token to every cache and
-    attending over it as QuantizedCache does at decode (the C++ kernel where it builds)."""
+def _quantized_call(fmt: str, s: int, total_bytes: int, runs: int) -> tuple[float, float]:
+    """(seconds, packed bytes incl. scales) of one decode step through a KIVI cache of this format (int8,
+    int4, int2) holding `s` tokens in DECODE_SHAPE's heads: each sweep appends one token to every cache and
+    attends over it as QuantizedCache does at decode (the C++ kernel where it builds)."""
     import torch
 
     from kvwall.engine.caches.quantized import QuantizedCache
     from kvwall.spec.formats import get_format
     from kvwall.spec.model import MLP, Attention, Layer, ModelSpec
 
-    hkv, rep, d, s = DECODE_SHAPE
+    hkv, rep, d, _ = DECODE_SHAPE
     spec = ModelSpec("calibration", "llama", hkv * rep * d, 2, (Layer(Attention(hkv * rep, hkv, d, d), MLP(d)),))
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(1, hkv, s, d, generator=g), torch.randn(1, hkv, s, d, generator=g)
@@ -166,4 +221,17 @@ def quantized_attention_bandwidth(fmt: str, total_bytes: int = 512 << 20, runs: 
         step["pos"] += 1
 
     with torch.inference_mode():
-        return sum(c.nbytes() for c in caches) / _fastest_time(sweep, runs)
+        return _fastest_time(sweep, runs) / count, first.nbytes()
+
+
+def quantized_attention_rates(fmt: str, total_bytes: int = 512 << 20, runs: int = 5) -> tuple[float, float]:
+    """(bytes/s, fixed seconds per call) of decode attention through a KIVI cache of this format: the slope
+    and intercept of two contexts (2k and 8k tokens). One bytes/s at 8k alone folded the kernel's fixed
+    cost per call into its bandwidth: int8 came out at 2.9 GB/s where the bench's decode steps, from 1k to
+    32k, grew at 5.9 GB/s of cache (measured). A busy machine that gives no positive slope: 8k's plain rate."""
+    t_lo, b_lo = _quantized_call(fmt, DECODE_SHAPE[3] // 4, total_bytes, runs)
+    t_hi, b_hi = _quantized_call(fmt, DECODE_SHAPE[3], total_bytes, runs)
+    if t_hi > t_lo and t_lo * b_hi > t_hi * b_lo:  # a slope and a positive intercept
+        bw = (b_hi - b_lo) / (t_hi - t_lo)
+        return bw, t_lo - b_lo / bw
+    return b_hi / t_hi, 0.0

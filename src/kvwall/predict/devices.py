@@ -39,6 +39,10 @@ class Device:
     op_bandwidth: dict = field(default_factory=dict)  # op class ("matmul", "attention") -> reachable bytes/s
     mixer_overhead_s: dict = field(default_factory=dict)  # per-layer dispatch cost by mixer kind, where it differs
     step_overhead_s: float | None = None  # dispatch cost per step outside the layers (None: one layer's worth)
+    # measured for `local` only (empty in the catalog), see Roof.op_time:
+    op_flops: dict = field(default_factory=dict)  # kernel -> FLOP/s of its arithmetic, paid on top of its bytes
+    op_fixed_s: dict = field(default_factory=dict)  # kernel -> fixed seconds per call beyond bytes and FLOPs
+    matmul_rows: dict = field(default_factory=dict)  # matmul rows M -> weight bytes/s reached at M rows
 
     def layer_overhead(self, kind: str | None) -> float:
         return self.mixer_overhead_s.get(kind or "", self.layer_overhead_s)
@@ -80,6 +84,10 @@ def _from_entry(name: str, e: dict) -> Device:
         op_bandwidth={k: float(v) for k, v in (e.get("op_bandwidth_Bps") or {}).items() if v},
         mixer_overhead_s={k: float(v) for k, v in (e.get("mixer_overhead_s") or {}).items()},
         step_overhead_s=e.get("step_overhead_s"),
+        op_flops={k: float(v) for k, v in (e.get("op_flops") or {}).items() if v},
+        op_fixed_s={k: float(v) for k, v in (e.get("op_fixed_s") or {}).items()},
+        matmul_rows={int(k): float(v) for k, v in sorted((e.get("matmul_rows_Bps") or {}).items(),
+                                                         key=lambda kv: int(kv[0])) if v},
     )
 
 
@@ -130,11 +138,15 @@ def _profile_problem(e: object) -> str | None:
     for key in ("layer_overhead_s", "step_overhead_s"):
         if e.get(key) is not None:
             figures.append((key, e[key], False))
-    for key, above_zero in (("peak_flops", True), ("op_bandwidth_Bps", True), ("mixer_overhead_s", False)):
+    for key, above_zero in (("peak_flops", True), ("op_bandwidth_Bps", True), ("mixer_overhead_s", False),
+                            ("op_flops", True), ("op_fixed_s", False), ("matmul_rows_Bps", True)):
         table = e.get(key) or {}
         if not isinstance(table, dict):
             return f"{key!r} is {table!r}, not an object"
         figures += [(f"{key}.{k}", v, above_zero) for k, v in table.items() if v is not None]
+    bad_rows = [k for k in (e.get("matmul_rows_Bps") or {}) if not str(k).isdigit() or int(k) < 1]
+    if bad_rows:
+        return f"'matmul_rows_Bps' has a key {bad_rows[0]!r}, not a row count >= 1"
     for name, value, above_zero in figures:
         problem = real_problem(value, above_zero)
         if problem:

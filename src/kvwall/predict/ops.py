@@ -92,6 +92,6 @@ def _summed(ops: list[Op]) -> Op:
     first = ops[0]
     assert all(o.name == first.name and o.layer == first.layer for o in ops), "groups gave different op lists"
     total = {k: sum(getattr(o, k) for o in ops) for k in ("flops", "cache_read", "cache_write", "state_bytes",
-                                                          "act_bytes", "link_bytes")}
+                                                          "act_bytes", "link_bytes", "rows")}
     return Op(first.name, first.layer, weight_bytes=max(o.weight_bytes for o in ops), kernel=first.kernel,
               kind=first.kind, **total)

@@ -29,7 +29,7 @@ from kvwall.errors import KvwallError
 from kvwall.predict.devices import Device
 from kvwall.predict.memory import Formats, Parallel, pipeline_stages
 from kvwall.predict.ops import mixed_ops, step_ops
-from kvwall.predict.step import ACT_BYTES, CACHE, LINK, Op, Step
+from kvwall.predict.step import ACT_BYTES, CACHE, LINK, MATMUL, Op, Step
 from kvwall.spec.model import ModelSpec
 
 
@@ -57,17 +57,38 @@ class Roof:
 
     def op_bandwidth(self, op: Op) -> float:
         """The bandwidth an op streams at: the device's, or (a calibrated `local` profile) the bandwidth its
-        kind of kernel was measured to reach: attention over the cache (per quantized cache format where
-        measured: "attention:int8" ...), or matrix-vector for the rest."""
+        kind of kernel was measured to reach: attention over the cache (per kernel where measured:
+        "attention:int8", "latent" ...), a matmul's weights by its number of rows, or matrix-vector for the rest."""
         measured = self.device.op_bandwidth
         if op.cache_read:
             bw = measured.get(op.kernel) or measured.get("attention")
+        elif op.kind == MATMUL and op.rows and self.device.matmul_rows:
+            bw = rows_bandwidth(self.device.matmul_rows, op.rows)
         else:
             bw = measured.get("matmul")
         return (bw or self.device.bandwidth) * self.mem_eff
 
+    def op_flop_rate(self, op: Op) -> float | None:
+        """FLOP/s of an op's own arithmetic where its kernel was measured (`local`: attention, MLA's latent
+        attention), paid on top of its bytes; None: the op's compute overlaps its memory traffic (the roofline)."""
+        rate = self.device.op_flops.get(op.kernel) if op.kernel else None
+        return rate * self.compute_eff if rate else None
+
+    def work_time(self, op: Op, flops: float, nbytes: float) -> float:
+        """Seconds for `flops` and `nbytes` of work of `op`'s kind: max(compute, memory) on the roofline, or,
+        for a kernel measured on this CPU, fixed + FLOPs / its rate + bytes / its bandwidth. The sum because a
+        CPU core does the loads and the arithmetic in turn: decode attention here took 10.8 ms with 12 KV heads
+        and 4.2 ms with 1 at 32k tokens (same FLOPs), and bytes / 28 GB/s + FLOPs / 28 GFLOP/s fits both and
+        the 8k and 1k points within 10 % (benchmarks/bench_attention_groups.py), where a max() cannot."""
+        fixed = self.device.op_fixed_s.get(op.kernel, 0.0) if op.kernel else 0.0
+        rate = self.op_flop_rate(op)
+        memory = nbytes / self.op_bandwidth(op)
+        if rate:
+            return fixed + flops / rate + memory
+        return fixed + max(flops / self.peak, memory)
+
     def op_time(self, op: Op) -> float:
-        t = max(op.flops / self.peak, op.bytes / self.op_bandwidth(op))
+        t = self.work_time(op, op.flops, op.bytes)
         if op.link_bytes:
             link = self.device.interconnect_bw
             t += self.link_latency_s + (op.link_bytes / link if link else math.inf)
@@ -76,7 +97,8 @@ class Roof:
     def bound(self, op: Op) -> str:
         if op.link_bytes and not op.flops and not op.bytes:
             return "link"
-        return "compute" if op.flops / self.peak >= op.bytes / self.op_bandwidth(op) else "memory"
+        return "compute" if op.flops / (self.op_flop_rate(op) or self.peak) >= op.bytes / self.op_bandwidth(op) \
+            else "memory"
 
     def assumptions(self) -> dict:
         return {"mode": self.mode, "device": self.device.name, "compute_dtype": self.dtype, "peak_flops": self.peak,
@@ -84,8 +106,26 @@ class Roof:
                 "link_latency_s": self.link_latency_s, "machine_balance": self.balance,
                 "op_bandwidth_Bps": {k: v * self.mem_eff for k, v in self.device.op_bandwidth.items()},
                 "layer_overhead_s": self.device.layer_overhead_s, "request_overhead_s": self.request_overhead_s,
+                "op_flops": {k: v * self.compute_eff for k, v in self.device.op_flops.items()},
+                "op_fixed_s": dict(self.device.op_fixed_s),
+                "matmul_rows_Bps": {m: v * self.mem_eff for m, v in self.device.matmul_rows.items()},
                 "counted": "weights, KV cache, SSM state, 16-bit activations; not norms, residuals, rotary, softmax",
                 "overlap": "none across ops; compute/memory overlap within an op"}
+
+
+def rows_bandwidth(table: dict[int, float], rows: float) -> float:
+    """Weight bytes/s of a matmul of `rows` rows, from rates measured at some row counts: interpolated in
+    log2(rows) between them; below the first, the first; past the last, the last one's FLOP rate (time grows
+    with the rows: the matmul is compute-bound there)."""
+    ms = sorted(table)
+    if rows <= ms[0]:
+        return table[ms[0]]
+    if rows >= ms[-1]:
+        return table[ms[-1]] * ms[-1] / rows
+    hi = next(i for i, m in enumerate(ms) if m >= rows)
+    lo_m, hi_m = ms[hi - 1], ms[hi]
+    w = (math.log2(rows) - math.log2(lo_m)) / (math.log2(hi_m) - math.log2(lo_m))
+    return table[lo_m] + w * (table[hi_m] - table[lo_m])
 
 
 @dataclass

@@ -55,7 +55,7 @@ def ops(i: int, m: LatentAttention, spec, st: Step, fm, tp: int, absorbed: bool)
     if absorbed:
         out.append(per_head("q_absorb (W_UK)", i, T, H, m.qk_nope_head_dim, m.kv_lora_rank, fm.weights))
         out.append(Op("latent attention", i, flops=2 * B * H * pairs * (lat + m.kv_lora_rank),
-                      act_bytes=T * H * (lat + m.kv_lora_rank) * ACT_BYTES, kind=CACHE, **cache))
+                      act_bytes=T * H * (lat + m.kv_lora_rank) * ACT_BYTES, kind=CACHE, kernel="latent", **cache))
         out.append(per_head("out_absorb (W_UV)", i, T, H, m.kv_lora_rank, m.v_head_dim, fm.weights))
     else:
         up = matmul("kv_b_proj (up-project cache)", i, B * held, m.kv_lora_rank, up_width, fm.weights)

@@ -26,7 +26,8 @@ def ops(i: int, f: MoE, spec, st: Step, fm, tp: int) -> list[Op]:
     one = mlp.ops(i, MLP(f.d_expert, f.gated), spec, Step(1, 0, 1), fm, tp)[0]
     touched = expected_experts(f.n_experts, f.top_k, T)
     experts = Op("experts", i, flops=T * f.top_k * one.flops, weight_bytes=touched * one.weight_bytes,
-                 act_bytes=T * f.top_k * one.act_bytes, detail=f"{touched:.1f} of {f.n_experts} touched")
+                 act_bytes=T * f.top_k * one.act_bytes, detail=f"{touched:.1f} of {f.n_experts} touched",
+                 rows=T * f.top_k / touched)  # the tokens each touched expert multiplies, on average
     out = [router, experts]
     if f.n_shared:
         shared = MLP((f.d_shared or f.d_expert) * f.n_shared, f.gated)
