@@ -17,7 +17,7 @@ import dataclasses
 import time
 
 OVERHEAD_ARCHS = {"attention": "gqa", "latent": "mla", "mamba": "mamba", "mamba2": "mamba2"}  # kind -> block
-DEPTHS = (2, 6)
+DEPTHS = (2, 10)
 
 
 def _arch_spec(arch: str, layers: int):
@@ -29,8 +29,8 @@ def _arch_spec(arch: str, layers: int):
     return spec_from_config(dict(config, vocab_size=128, **{key: layers}), name=f"{arch}-{layers}")
 
 
-def _step_time(spec, steps: int, context: int = 64) -> float:
-    """Median decode step of `spec` (random weights) after a `context`-token prefill."""
+def _decoder(spec, context: int = 64):
+    """A decode step of `spec` (random weights) after a `context`-token prefill: call it with a step index."""
     import torch
 
     from kvwall.engine.caches import make_cache
@@ -38,21 +38,41 @@ def _step_time(spec, steps: int, context: int = 64) -> float:
 
     torch.manual_seed(0)
     model = Transformer(spec).eval()
-    cache = make_cache("contiguous", spec, 1, context + steps + 4)
-    times = []
+    cache = make_cache("contiguous", spec, 1, context + 1024)
     with torch.inference_mode():
         model(torch.ones(1, context, dtype=torch.long), torch.arange(context)[None], cache)
-        for i in range(steps + 4):
-            t0 = time.perf_counter()
+
+    def step(i: int) -> None:
+        with torch.inference_mode():
             model(torch.ones(1, 1, dtype=torch.long), torch.tensor([[context + i]]), cache)
-            if i >= 4:
-                times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]  # the median, as `kvwall bench` reports (the fastest was 5-10 % below)
+    return step
+
+
+def _median_step(step, start: int, steps: int) -> float:
+    """Median of `steps` timed steps after 4 warm-up ones, as `kvwall bench` reports (the fastest was 5-10 %
+    below the median)."""
+    times = []
+    for i in range(start, start + steps + 4):
+        t0 = time.perf_counter()
+        step(i)
+        if i >= start + 4:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _step_time(spec, steps: int, context: int = 64) -> float:
+    """Median decode step of `spec` (random weights) after a `context`-token prefill."""
+    return _median_step(_decoder(spec, context), 0, steps)
+
+
+ROUNDS = 3  # depth pairs timed in turn; the median round's slope is kept
 
 
 def engine_overheads(rates, steps: int = 30) -> dict[str, float]:
     """Per-layer cost by kind of block beyond the op model on device `rates` (this machine's measured op
-    rates, its overheads ignored), and the per-step rest ("step", from the attention models)."""
+    rates, its overheads ignored), and the per-step rest ("step", from the attention models). The two depths
+    are timed in turn, ROUNDS times: one pair's slope moved 0.57-1.0 ms per layer between runs a minute apart
+    (2 cores, 30 steps of 4-11 ms); the median round's is kept."""
     from kvwall.predict.memory import Formats
     from kvwall.predict.roofline import Roof, decode
     from kvwall.spec.formats import get_format
@@ -61,10 +81,14 @@ def engine_overheads(rates, steps: int = 30) -> dict[str, float]:
                 dtype="fp32")
     fp32 = get_format("fp32")
     fm = Formats(fp32, fp32, fp32)
-    out = {}
+    (lo, hi), out = DEPTHS, {}
     for kind, arch in OVERHEAD_ARCHS.items():
-        (lo, t_lo), (hi, t_hi) = [(n, _step_time(_arch_spec(arch, n), steps)) for n in DEPTHS]
-        p_lo, p_hi = (decode(_arch_spec(arch, n), 64 + 1, 1, fm, bare).time_s for n in DEPTHS)
+        specs = [_arch_spec(arch, n) for n in DEPTHS]
+        p_lo, p_hi = (decode(s, 64 + 1, 1, fm, bare).time_s for s in specs)
+        step_lo, step_hi = (_decoder(s) for s in specs)
+        rounds = [(_median_step(step_lo, r * (steps + 4), steps), _median_step(step_hi, r * (steps + 4), steps))
+                  for r in range(ROUNDS)]
+        t_lo, t_hi = sorted(rounds, key=lambda t: t[1] - t[0])[ROUNDS // 2]
         out[kind] = max(((t_hi - t_lo) - (p_hi - p_lo)) / (hi - lo), 0.0)
         if kind == "attention":
             out["step"] = max(t_lo - p_lo - lo * out[kind], 0.0)
