@@ -203,3 +203,37 @@ def test_bench_real_model_options_are_one_line_errors(bad, local_profile, capsys
     assert main(["bench", "missing.gguf", *bad]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvwall: error:") and ("batch" in err or "cache" in err) and "missing.gguf" not in err
+
+
+def test_a_busy_machine_is_named(monkeypatch, capsys):
+    """Another process spinning one CPU for the whole of a worker's second is half of a 2-core machine's
+    CPUs (a quarter of 4): the bench records it against that architecture and says its timings are busy."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from kvwall.commands.bench_cmd import print_results
+    from kvwall.measure import bench
+    from kvwall.measure.archs import ARCHS
+
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
+
+    def busy_worker(job):
+        # started through a shell that exits at once: the spinner is no child of ours, so it counts as others'
+        subprocess.run(["sh", "-c", f'"{sys.executable}" -c "{spin}" &'], check=True)
+        time.sleep(1.0)
+        yield {"arch": "gqa", "context": 256, "decode_s": 0.010, "cache_bytes": 1, "peak_rss_bytes": 1}
+
+    monkeypatch.setattr(bench, "_worker", busy_worker)
+    monkeypatch.setattr(bench, "predict", lambda *a: {"decode_pred_s": 0.010, "decode_bound": "memory",
+                                                       "cache_pred_bytes": 1})
+    (r,) = results = bench.run(bench.Plan([ARCHS["gqa"]], [256]), device=None)
+    assert r["others_cpu_share"] >= 0.5 / (os.cpu_count() or 1)  # 1 of the CPUs, less start-up slack
+    s = bench.summary(results)
+    assert s["busy_archs"] == ["gqa"] and s["others_cpu_share_max"] == r["others_cpu_share"]
+    data = {"machine": {"host": "h", "cpu_count": 2, "bandwidth_Bps": 1e10}, "steps": 1, "seconds": 1.0,
+            "results": results, "skipped": [], "summary": s}
+    print_results(data)
+    out = capsys.readouterr().out
+    assert "other processes used up to" in out and "gqa ran" in out

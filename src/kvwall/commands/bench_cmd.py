@@ -148,6 +148,10 @@ def print_results(data: dict) -> None:
                 f"{s['goal'] * 100:.0f}%" + (f"; outside: {', '.join(s['outside_goal'])}" if s["outside_goal"] else ""))
         for arch, why in s["reasons"].items():
             c.print(f"  {arch}: {why}")
+    if s.get("busy_archs"):
+        c.print(f"[yellow]warning:[/] other processes used up to {s['others_cpu_share_max']:.0%} of the CPUs while "
+                f"{', '.join(s['busy_archs'])} ran: those timings are slower than this machine is; run "
+                "`kvwall bench` again on a quiet machine")
     if data.get("real_models"):
         print_real(data["real_models"])
     for sk in data["skipped"] + (data.get("real_models") or {}).get("skipped", []):
