@@ -23,7 +23,7 @@ expected one from the same fields):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvwall.errors import KvwallError
 from kvwall.predict.devices import Device
@@ -83,6 +83,9 @@ class Roof:
         fixed = self.device.op_fixed_s.get(op.kernel, 0.0) if op.kernel else 0.0
         rate = self.op_flop_rate(op)
         memory = nbytes / self.op_bandwidth(op)
+        if op.kind == MATMUL and op.rows and self.device.matmul_rows:  # the row table rates weight bytes only
+            w = min(op.weight_bytes, nbytes)
+            memory = w / self.op_bandwidth(op) + (nbytes - w) / self.op_bandwidth(replace(op, rows=0))
         if rate:
             return fixed + flops / rate + memory
         return fixed + max(flops / self.peak, memory)
