@@ -61,7 +61,7 @@ class StepClock:
         self._token_part: dict[tuple[int, bool], float] = {}
         self._rows: dict[tuple[int, int, bool], np.ndarray] = {}  # prefill chunks: (past, new, absorbed)
         self._decode: dict[bool, tuple[np.ndarray, np.ndarray]] = {}  # decode rows by past: table, filled
-        self._fixed: dict[bool, tuple[list, list, list]] = {}  # per-sequence ops: layer counts, weight bytes, ops
+        self._fixed: dict[bool, tuple[list, list]] = {}  # per-sequence ops: layer counts, ops
 
     def time(self, rows: list[tuple[int, int]]) -> float:
         """Seconds for one forward over rows of (past, new) tokens: the token part plus the per-sequence ops,
@@ -71,9 +71,9 @@ class StepClock:
         total += self.roof.request_overhead_s * sum(1 for p, _ in rows if p == 0)  # once per request (its TTFT)
         work = self._decode_work([p for p, n in rows if n == 1], absorbed)  # (ops, 2): FLOPs, bytes
         work = work + sum(self._row(p, n, absorbed) for p, n in rows if n > 1)
-        layers, weights, ops = self._fixed[absorbed]
-        return total + sum(n * self.roof.work_time(op, float(f), w + float(b))
-                           for n, w, op, (f, b) in zip(layers, weights, ops, work))
+        layers, ops = self._fixed[absorbed]
+        return total + sum(n * self.roof.work_time(op, float(f), op.weight_bytes + float(b))
+                           for n, op, (f, b) in zip(layers, ops, work))
 
     def _per_token(self, tokens: int, seqs: int, absorbed: bool) -> float:
         """The per-token ops (projections, MLPs, experts, embedding, links) and the LM head, plus the device's
@@ -127,7 +127,7 @@ class StepClock:
             ops += mine
             layers += [count] * len(mine)
         if absorbed not in self._fixed:
-            self._fixed[absorbed] = (layers, [o.weight_bytes for o in ops], ops)
+            self._fixed[absorbed] = (layers, ops)
         return np.array([(o.flops, o.bytes - o.weight_bytes) for o in ops], float).reshape(-1, 2)
 
 

@@ -8,6 +8,7 @@ the roofline on the `local` device profile, and computes the error.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvwall.errors import KvwallError
+from kvwall.measure import machine
 from kvwall.measure.archs import Arch
 from kvwall.predict.devices import Device
 from kvwall.spec.formats import get_format
@@ -117,7 +119,7 @@ def run(plan: Plan, device: Device, on_point: Callable[[dict], None] | None = No
         job = {"name": name, "config": arch.config, "cache": arch.cache, "contexts": contexts, "steps": plan.steps,
                "warmup": plan.warmup, "prefill_max": plan.prefill_max, "threads": plan.threads,
                "checkpoint": arch.checkpoint}
-        watch = _OthersWatch()
+        watch = machine.OthersWatch(children=True)  # the worker's own CPU time is ours
         lines = []
         for line in _worker(job):
             if "error" in line:
@@ -133,37 +135,12 @@ def run(plan: Plan, device: Device, on_point: Callable[[dict], None] | None = No
             results.append(line)
             if on_point:
                 on_point(line)
-        share = watch.share()  # the worker has exited: its CPU time is in RUSAGE_CHILDREN now
+        # the worker has exited, so its CPU time counts as ours: a run beside another process's work reads
+        # its timings 1.5-15x slower here (a serving benchmark beside it: 4k int8 decode 484 ms, 30 ms quiet)
+        share = watch.share(os.cpu_count() or 1)
         for line in lines:
             line["others_cpu_share"] = round(share, 3)
     return results
-
-
-class _OthersWatch:
-    """The share of the machine's CPUs that processes other than this one and its workers used since it was
-    made (machine.cpu_seconds, as calibrate watches each measurement): a run beside another process's work
-    reads its timings 1.5-15x slower here (a serving benchmark beside `kvwall bench`: 4k int8 decode 484 ms
-    against 30 ms quiet), and the bench says so instead of calling it an error of the model."""
-
-    def __init__(self):
-        import resource
-
-        self._usage = lambda: sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
-                                  for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-        self._start = self._read()
-
-    def _read(self) -> tuple[float, float, float]:
-        from kvwall.measure import machine
-
-        return machine.cpu_seconds()[0], self._usage(), time.perf_counter()
-
-    def share(self) -> float:
-        """Others' share of all CPUs since the start (0..1), once the workers have exited (a running one is
-        not yet in RUSAGE_CHILDREN)."""
-        import os
-
-        (busy0, own0, t0), (busy1, own1, t1) = self._start, self._read()
-        return min(1.0, max(0.0, ((busy1 - busy0) - (own1 - own0)) / max(t1 - t0, 1e-9) / (os.cpu_count() or 1)))
 
 
 PROCESS_S = 4.0  # one worker's start: python, torch, building the model (about 3-5 s on the 2-core machine)
@@ -303,7 +280,6 @@ def local_profile(say: Callable[[str], None] | None = None) -> Device:
 
 def bench_data(plan: Plan, device: Device, results: list[dict], seconds: float) -> dict:
     """What `kvwall bench` prints and saves: the machine, the results, what was skipped, the summary."""
-    import os
     import platform
 
     return {"machine": {"host": platform.node(), "cpu_count": os.cpu_count(), "bandwidth_Bps": device.bandwidth,

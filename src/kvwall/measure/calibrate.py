@@ -225,11 +225,9 @@ def _measure_quietly(run, s: Settings, deadline: float):
 def _watched(run, s: Settings):
     """Run one measurement (after a short settle) and note how much of the machine other processes took meanwhile."""
     time.sleep(s.settle_s)
-    busy0, own0, t0 = *machine.cpu_seconds(), time.perf_counter()
+    watch = machine.OthersWatch()
     m = run()
-    busy1, own1, t1 = *machine.cpu_seconds(), time.perf_counter()
-    others = (busy1 - busy0) - (own1 - own0) - 2 * machine.clock_tick()  # less the readings' resolution
-    m.others_cpu = min(1.0, max(0.0, others / ((t1 - t0) * s.threads)))
+    m.others_cpu = watch.share(s.threads)
     return m
 
 

@@ -110,6 +110,30 @@ def clock_tick() -> float:
     return 1 / os.sysconf("SC_CLK_TCK")
 
 
+class OthersWatch:
+    """The share of `cpus` CPUs that other processes used since it was made (cpu_seconds: all processes'
+    CPU time less ours). `children`: our exited child processes count as ours too (kvwall bench's workers;
+    a child still running is not yet counted, so read it after they exit)."""
+
+    def __init__(self, children: bool = False):
+        self.children = children
+        self._start = self._reading()
+
+    def _reading(self) -> tuple[float, float, float]:
+        import resource
+
+        busy, own = cpu_seconds()
+        if self.children:
+            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+            own += usage.ru_utime + usage.ru_stime
+        return busy, own, time.perf_counter()
+
+    def share(self, cpus: float) -> float:
+        (busy0, own0, t0), (busy1, own1, t1) = self._start, self._reading()
+        others = (busy1 - busy0) - (own1 - own0) - 2 * clock_tick()  # less the readings' resolution
+        return min(1.0, max(0.0, others / (max(t1 - t0, 1e-9) * cpus)))
+
+
 def hostname() -> str:
     return socket.gethostname()
 

@@ -5,7 +5,7 @@ fixed dispatch cost, and the small ops around the big ones (norms, rotary, resid
 elementwise state update, copies) each take tens of microseconds at real widths that no byte count
 shows (Mamba's decode step here: 3.6 ms of addcmul and 2.9 ms of exp over 24 layers, on states of
 98 KB). We measure what the op model leaves out, per kind of block, where it lives: decode steps of
-2- and 6-block models of width 768 (the blocks `kvwall bench` compares, a 128-token vocabulary). The
+2- and 10-block models (DEPTHS) of width 768 (the blocks `kvwall bench` compares, a 128-token vocabulary). The
 slope of step time over depth less the op model's time of one block is the per-layer cost, the
 intercept less the model's rest the per-step cost. Each is the median step, the figure `kvwall bench`
 holds predictions against.
@@ -24,9 +24,8 @@ def _arch_spec(arch: str, layers: int):
     from kvwall.measure.archs import ARCHS
     from kvwall.spec.hf import spec_from_config
 
-    config = ARCHS[arch].config
-    key = "num_hidden_layers"
-    return spec_from_config(dict(config, vocab_size=128, **{key: layers}), name=f"{arch}-{layers}")
+    config = dict(ARCHS[arch].config, vocab_size=128, num_hidden_layers=layers)
+    return spec_from_config(config, name=f"{arch}-{layers}")
 
 
 def _decoder(spec, context: int = 64):
@@ -168,11 +167,11 @@ def attention_rates(total_bytes: int = 512 << 20, runs: int = 5) -> tuple[float,
     """(bytes/s, FLOP/s) of the engine's decode attention, from two calls with the same FLOPs and 12x apart
     in bytes: 12 KV heads (MHA) and 1 (MQA). time = bytes / B + FLOPs / F solved for B and F. (None for F,
     and the GQA call's plain bytes/s, when the two do not give positive rates: a busy machine.)"""
-    t1, b1, flops = _attention_time(12, total_bytes, runs)
-    t12, b12, _ = _attention_time(1, total_bytes, runs)
-    if t1 > t12:
-        bw = (b1 - b12) / (t1 - t12)
-        compute = t12 - b12 / bw
+    t_mha, b_mha, flops = _attention_time(12, total_bytes, runs)
+    t_mqa, b_mqa, _ = _attention_time(1, total_bytes, runs)
+    if t_mha > t_mqa:
+        bw = (b_mha - b_mqa) / (t_mha - t_mqa)
+        compute = t_mqa - b_mqa / bw
         if compute > 0:
             return bw, flops / compute
     t3, b3, _ = _attention_time(4, total_bytes, runs)

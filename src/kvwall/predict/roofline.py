@@ -23,7 +23,7 @@ expected one from the same fields):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvwall.errors import KvwallError
 from kvwall.predict.devices import Device
@@ -62,11 +62,24 @@ class Roof:
         measured = self.device.op_bandwidth
         if op.cache_read:
             bw = measured.get(op.kernel) or measured.get("attention")
-        elif op.kind == MATMUL and op.rows and self.device.matmul_rows:
+        elif self._by_rows(op):
             bw = rows_bandwidth(self.device.matmul_rows, op.rows)
         else:
             bw = measured.get("matmul")
         return (bw or self.device.bandwidth) * self.mem_eff
+
+    def _by_rows(self, op: Op) -> bool:
+        return op.kind == MATMUL and bool(op.rows) and bool(self.device.matmul_rows)
+
+    def memory_time(self, op: Op, nbytes: float) -> float:
+        """Seconds to stream `nbytes` of `op`'s traffic. A matmul rated by its row count (`local`): the rate
+        is of its weight bytes, its activations stream at the matrix-vector rate (all of them at the
+        4,096-row rate put 4k prefill's MLP 3.4x too slow)."""
+        if not self._by_rows(op):
+            return nbytes / self.op_bandwidth(op)
+        w = min(op.weight_bytes, nbytes)
+        rest = (self.device.op_bandwidth.get("matmul") or self.device.bandwidth) * self.mem_eff
+        return w / self.op_bandwidth(op) + (nbytes - w) / rest
 
     def op_flop_rate(self, op: Op) -> float | None:
         """FLOP/s of an op's own arithmetic where its kernel was measured (`local`: attention, MLA's latent
@@ -82,10 +95,7 @@ class Roof:
         the 8k and 1k points within 10 % (benchmarks/bench_attention_groups.py), where a max() cannot."""
         fixed = self.device.op_fixed_s.get(op.kernel, 0.0) if op.kernel else 0.0
         rate = self.op_flop_rate(op)
-        memory = nbytes / self.op_bandwidth(op)
-        if op.kind == MATMUL and op.rows and self.device.matmul_rows:  # the row table rates weight bytes only
-            w = min(op.weight_bytes, nbytes)
-            memory = w / self.op_bandwidth(op) + (nbytes - w) / self.op_bandwidth(replace(op, rows=0))
+        memory = self.memory_time(op, nbytes)
         if rate:
             return fixed + flops / rate + memory
         return fixed + max(flops / self.peak, memory)
@@ -100,8 +110,8 @@ class Roof:
     def bound(self, op: Op) -> str:
         if op.link_bytes and not op.flops and not op.bytes:
             return "link"
-        return "compute" if op.flops / (self.op_flop_rate(op) or self.peak) >= op.bytes / self.op_bandwidth(op) \
-            else "memory"
+        compute = op.flops / (self.op_flop_rate(op) or self.peak)
+        return "compute" if compute >= self.memory_time(op, op.bytes) else "memory"
 
     def assumptions(self) -> dict:
         return {"mode": self.mode, "device": self.device.name, "compute_dtype": self.dtype, "peak_flops": self.peak,
@@ -198,7 +208,7 @@ def time_ops(spec: ModelSpec, step: Step, ops: list[Op], roof: Roof, par: Parall
     flops = sum(o.flops for o in ops)
     nbytes = sum(o.bytes for o in ops)
     link = sum(roof.op_time(o) for o in ops if o.link_bytes)
-    memory_s = sum(o.bytes / roof.op_bandwidth(o) for o in ops)
+    memory_s = sum(roof.memory_time(o, o.bytes) for o in ops)
     _check_finite(name, per_op, total, roof)
     return PhaseResult(name, step, ops, total, flops, nbytes, flops / roof.peak, memory_s, link, per_op, overhead)
 
@@ -278,7 +288,7 @@ def compute_bound_batch(spec, context: int, fm: Formats, roof: Roof, par: Parall
     def compute_bound(b: int) -> bool:
         r = decode(spec, context, b, fm, roof, par)
         ops = r.ops if scope == "step" else [o for o in r.ops if o.kind != CACHE]
-        return sum(o.flops for o in ops) / roof.peak >= sum(o.bytes / roof.op_bandwidth(o) for o in ops)
+        return sum(o.flops for o in ops) / roof.peak >= sum(roof.memory_time(o, o.bytes) for o in ops)
 
     if not compute_bound(limit):
         return None
