@@ -163,12 +163,14 @@ def test_clock_equals_the_mixed_roofline_on_a_measured_cpu():
     from dataclasses import replace
 
     dev = replace(get_device("h100"), op_bandwidth={"matmul": 20e9, "attention": 25e9, "latent": 25e9},
-                  op_flops={"attention": 30e9, "latent": 60e9}, op_fixed_s={"attention": 5e-5},
+                  op_flops={"attention": 30e9, "attention:prefill": 90e9, "latent": 60e9},
+                  op_fixed_s={"attention": 5e-5, "attention:prefill": 2e-5},
                   matmul_rows={1: 20e9, 4: 9e9, 16: 7e9, 256: 1.2e9}, layer_overhead_s=3e-4)
     for model in ("llama-3-8b", "deepseek-v3", "jamba-v0.1"):
         spec = load_spec(model)
         fm, roof = Formats.for_spec(spec), Roof(dev)
         clock = StepClock(spec, fm, roof)
-        for rows in ([(99, 1), (5000, 1), (0, 300), (7, 1)], [(4095, 1)] * 3, [(128, 64), (3, 1)]):
+        for rows in ([(99, 1), (5000, 1), (0, 300), (7, 1)], [(4095, 1)] * 3, [(128, 64), (3, 1)], [(0, 300)],
+                     [(0, 16), (0, 40)]):
             want = run_mix(spec, [Step(1, p, n) for p, n in rows], fm, roof).time_s
             assert clock.time(rows) == pytest.approx(want, rel=1e-12)

@@ -61,7 +61,7 @@ class StepClock:
         self._token_part: dict[tuple[int, bool], float] = {}
         self._rows: dict[tuple[int, int, bool], np.ndarray] = {}  # prefill chunks: (past, new, absorbed)
         self._decode: dict[bool, tuple[np.ndarray, np.ndarray]] = {}  # decode rows by past: table, filled
-        self._fixed: dict[bool, tuple[list, list]] = {}  # per-sequence ops: layer counts, ops
+        self._fixed: dict[tuple[bool, bool], tuple[list, list]] = {}  # (absorbed, prefill): layer counts, ops
 
     def time(self, rows: list[tuple[int, int]]) -> float:
         """Seconds for one forward over rows of (past, new) tokens: the token part plus the per-sequence ops,
@@ -69,11 +69,33 @@ class StepClock:
         absorbed = all(n == 1 for _, n in rows)
         total = self._per_token(sum(n for _, n in rows), len(rows), absorbed)
         total += self.roof.request_overhead_s * sum(1 for p, _ in rows if p == 0)  # once per request (its TTFT)
-        work = self._decode_work([p for p, n in rows if n == 1], absorbed)  # (ops, 2): FLOPs, bytes
-        work = work + sum(self._row(p, n, absorbed) for p, n in rows if n > 1)
-        layers, ops = self._fixed[absorbed]
-        return total + sum(n * self.roof.work_time(op, float(f), op.weight_bytes + float(b))
-                           for n, op, (f, b) in zip(layers, ops, work))
+        pasts = [p for p, n in rows if n == 1]
+        decode = self._decode_work(pasts, absorbed)  # (ops, 2): FLOPs, bytes
+        chunks = [self._row(p, n, absorbed) for p, n in rows if n > 1]
+        if not chunks:
+            return total + self._timed(decode, self._fixed[absorbed, False], True)
+        chunk = sum(chunks)
+        if not pasts:
+            return total + self._timed(chunk, self._fixed[absorbed, True], True)
+        if self._same_kernels(absorbed):  # one op each, as run_mix merges them
+            return total + self._timed(decode + chunk, self._fixed[absorbed, False], True)
+        chunk_first = rows[0][1] > 1  # run_mix reads an op's weights with the first row's kernel
+        return (total + self._timed(decode, self._fixed[absorbed, False], not chunk_first)
+                + self._timed(chunk, self._fixed[absorbed, True], chunk_first))
+
+    def _timed(self, work: np.ndarray, fixed: tuple[list, list], weights: bool) -> float:
+        """The per-sequence ops' time for summed work (ops, 2), each op's weights read if `weights`."""
+        layers, ops = fixed
+        return sum(n * self.roof.work_time(op, float(f), op.weight_bytes * weights + float(b))
+                   for n, op, (f, b) in zip(layers, ops, work))
+
+    def _same_kernels(self, absorbed: bool) -> bool:
+        """Whether decode rows and prefill chunks run every per-sequence op on the same calibrated kernel."""
+        for prefill in (False, True):
+            if (absorbed, prefill) not in self._fixed:
+                self._row_work(0, 2 if prefill else 1, absorbed)
+        decode, chunk = self._fixed[absorbed, False][1], self._fixed[absorbed, True][1]
+        return [o.kernel for o in decode] == [o.kernel for o in chunk]
 
     def _per_token(self, tokens: int, seqs: int, absorbed: bool) -> float:
         """The per-token ops (projections, MLPs, experts, embedding, links) and the LM head, plus the device's
@@ -126,8 +148,7 @@ class StepClock:
                     if o.kind in PER_SEQUENCE]
             ops += mine
             layers += [count] * len(mine)
-        if absorbed not in self._fixed:
-            self._fixed[absorbed] = (layers, ops)
+        self._fixed.setdefault((absorbed, new > 1), (layers, ops))
         return np.array([(o.flops, o.bytes - o.weight_bytes) for o in ops], float).reshape(-1, 2)
 
 

@@ -25,12 +25,13 @@ def test_llama2_mixed_step_by_hand():
     and one 16-token prefill chunk, 18 tokens in all."""
     spec = load_spec("llama-2-7b")
     ops = mixed_ops(spec, [Step(2, 99, 1), Step(1, 0, 16)], Formats.for_spec(spec))
-    attn = next(o for o in ops if o.name == "attention" and o.layer == 0)
+    decode, chunk = [o for o in ops if o.name == "attention" and o.layer == 0]  # one op per kernel
+    assert (decode.kernel, chunk.kernel) == ("attention", "attention:prefill")
     token_bytes = 32 * (128 + 128) * 2  # K and V of every head, 2 bytes each
-    assert attn.cache_read == (2 * 100 + 16) * token_bytes
-    assert attn.cache_write == (2 + 16) * token_bytes
-    pairs = 2 * 100 + 16 * 17 // 2  # each decode query sees 100 keys; the chunk is causal
-    assert attn.flops == 2 * 32 * (128 + 128) * pairs
+    assert (decode.cache_read, chunk.cache_read) == (2 * 100 * token_bytes, 16 * token_bytes)
+    assert (decode.cache_write, chunk.cache_write) == (2 * token_bytes, 16 * token_bytes)
+    # each decode query sees 100 keys; the chunk is causal
+    assert (decode.flops, chunk.flops) == (2 * 32 * (128 + 128) * 2 * 100, 2 * 32 * (128 + 128) * 16 * 17 // 2)
     qkv = next(o for o in ops if o.name == "qkv_proj" and o.layer == 0)
     assert qkv.flops == 2 * 18 * 4096 * 3 * 4096 and qkv.weight_bytes == 4096 * 3 * 4096 * 2
     head = ops[-1]

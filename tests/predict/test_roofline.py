@@ -224,6 +224,24 @@ def test_a_measured_kernel_pays_bytes_flops_and_fixed_cost_in_turn():
     assert roof.op_time(plain) == pytest.approx(max(4e6 / roof.peak, 1e6 / 10e9))  # no rate: the roofline
 
 
+def test_prefill_attention_runs_at_its_own_rate():
+    """A prompt's attention (many queries: SDPA's causal GEMMs) is charged at the prefill kernel's FLOP rate,
+    one decode token's at the decode kernel's: 64 causal queries of 32 heads x (128 + 128) at 100 GFLOP/s."""
+    from dataclasses import replace
+
+    dev = replace(get_device("h100-sxm"), op_bandwidth={"attention": 10e9},
+                  op_flops={"attention": 20e9, "attention:prefill": 100e9})
+    roof, spec = Roof(dev), load_spec("llama-2-7b")
+    fm = Formats.for_spec(spec)
+    prompt = next(o for o in step_ops(spec, Step(1, 0, 64), fm) if o.name == "attention")
+    token = next(o for o in step_ops(spec, Step(1, 63, 1), fm) if o.name == "attention")
+    assert (prompt.kernel, token.kernel) == ("attention:prefill", "attention")
+    flops = 2 * 32 * 256 * (64 * 65 // 2)
+    assert prompt.flops == flops
+    assert roof.op_time(prompt) == pytest.approx(flops / 100e9 + prompt.bytes / 10e9)
+    assert roof.op_time(token) == pytest.approx(2 * 32 * 256 * 64 / 20e9 + token.bytes / 10e9)
+
+
 def test_a_matmul_streams_its_weights_at_its_rows_rate():
     from dataclasses import replace
 

@@ -168,7 +168,8 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
         rows = overhead.matmul_rows_bandwidth(size // 4)  # 128 MiB is 4x the last-level cache; 512 took 9 s
         attention, attention_flops = overhead.attention_rates(size)
         bandwidth = {"matmul": rows[1], "attention": attention}
-        flops = {"attention": attention_flops, "latent": overhead.latent_rate(attention, size)}
+        flops = {"attention": attention_flops, "attention:prefill": overhead.prefill_attention_rate(),
+                 "latent": overhead.latent_rate(attention, size)}
         fixed = {}
         for f in ("int8", "int4", "int2"):
             bandwidth[f"attention:{f}"], fixed[f"attention:{f}"] = overhead.quantized_attention_rates(f, size)

@@ -178,6 +178,27 @@ def attention_rates(total_bytes: int = 512 << 20, runs: int = 5) -> tuple[float,
     return b3 / t3, None
 
 
+PREFILL_SHAPE = (4, 3, 64, 2048)  # KV heads, query heads per KV head, head dim, prompt tokens: the bench's GQA layer
+
+
+def prefill_attention_rate(runs: int = 3) -> float:
+    """FLOP/s of the engine's prefill attention (SDPA's causal kernel through attend_causal: T queries over
+    the same T keys, the masked half skipped) at PREFILL_SHAPE, counted as the predictor counts it
+    (q.k and p.v per query head per causal pair). Prefill attention is a blocked GEMM, far faster per FLOP
+    than decode's matrix-vector attention: charged at the decode rate, 4k prefill was predicted 1.1-1.6x
+    too slow."""
+    import torch
+
+    from kvwall.engine.layers.attention import attend_causal
+
+    hkv, group, d, t = PREFILL_SHAPE
+    q = torch.randn(1, hkv * group, t, d)  # (B, Hq, T, D)
+    k, v = torch.randn(1, hkv, t, d), torch.randn(1, hkv, t, d)  # (B, Hkv, T, D)
+    with torch.inference_mode():
+        s = _fastest_time(lambda: attend_causal(q, k, v, d ** -0.5), runs)
+    return 2 * hkv * group * 2 * d * (t * (t + 1) // 2) / s
+
+
 LATENT_SHAPE = (12, 256, 32, 8192)  # heads, latent width, rope width, cached tokens: the bench's MLA layer
 
 

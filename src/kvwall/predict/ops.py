@@ -82,16 +82,23 @@ def mixed_ops(spec: ModelSpec, groups: list[Step], fm: Formats, tp: int = 1) -> 
     tokens, seqs = sum(g.tokens for g in groups), sum(g.batch for g in groups)
     base = step_ops(spec, Step(1, 0, tokens), fm, tp, absorbed)
     parts = [step_ops(spec, g, fm, tp, absorbed) for g in groups]
-    out = [op if op.kind not in PER_SEQUENCE else _summed([p[j] for p in parts]) for j, op in enumerate(base)]
-    out[-1] = lm_head(spec, seqs, fm, tp)
-    return out
+    out = []
+    for j, op in enumerate(base[:-1]):
+        out += [op] if op.kind not in PER_SEQUENCE else _summed([p[j] for p in parts])
+    return out + [lm_head(spec, seqs, fm, tp)]
 
 
-def _summed(ops: list[Op]) -> Op:
-    """The same op over several groups: work and traffic add up, its weights are read once."""
+def _summed(ops: list[Op]) -> list[Op]:
+    """The same op over several groups: work and traffic add up per kernel (decode groups on the decode
+    kernel, prefill chunks on the prefill kernel: one op each), its weights read once, by the first."""
     first = ops[0]
     assert all(o.name == first.name and o.layer == first.layer for o in ops), "groups gave different op lists"
-    total = {k: sum(getattr(o, k) for o in ops) for k in ("flops", "cache_read", "cache_write", "state_bytes",
-                                                          "act_bytes", "link_bytes", "rows")}
-    return Op(first.name, first.layer, weight_bytes=max(o.weight_bytes for o in ops), kernel=first.kernel,
-              kind=first.kind, **total)
+    kernels = list(dict.fromkeys(o.kernel for o in ops))
+    out = []
+    for n, kernel in enumerate(kernels):
+        mine = [o for o in ops if o.kernel == kernel]
+        total = {k: sum(getattr(o, k) for o in mine) for k in ("flops", "cache_read", "cache_write", "state_bytes",
+                                                               "act_bytes", "link_bytes", "rows")}
+        weights = max(o.weight_bytes for o in ops) if n == 0 else 0
+        out.append(Op(first.name, first.layer, weight_bytes=weights, kernel=kernel, kind=first.kind, **total))
+    return out

@@ -48,6 +48,15 @@ def label(m: Attention) -> str:
     return "sliding" if m.window else "attention"
 
 
+def attention_kernel(st: Step, kv: Format) -> str:
+    """The calibrated kernel an attention op runs on: decode over the cache in its own format (the packed
+    kernel reads an integer cache as stored), or prefill's causal kernel over the step's fresh K/V (in the
+    compute type, whatever the cache stores)."""
+    if st.new > 1:
+        return "attention:prefill"
+    return "attention" if kv.is_float() else f"attention:{kv.name}"
+
+
 def ops(i: int, m: Attention, spec, st: Step, fm, tp: int, absorbed: bool) -> list[Op]:
     h, T = spec.hidden, st.tokens
     q_heads = m.n_q_heads // tp
@@ -58,7 +67,7 @@ def ops(i: int, m: Attention, spec, st: Step, fm, tp: int, absorbed: bool) -> li
               cache_read=st.batch * st.held(m.window) * tb,
               cache_write=st.batch * min(st.new, m.window or st.new) * tb,
               act_bytes=T * q_heads * (m.head_dim + m.v_head_dim) * ACT_BYTES,
-              kernel="attention" if fm.kv.is_float() else f"attention:{fm.kv.name}", kind=CACHE)
+              kernel=attention_kernel(st, fm.kv), kind=CACHE)
     return [matmul("qkv_proj", i, T, h, qkv_out, fm.weights), core,
             matmul("o_proj", i, T, q_heads * m.v_head_dim, h, fm.weights)]
 
