@@ -197,3 +197,16 @@ def test_gemm_size_shrinks_to_the_time_budget():
     assert budget_n(2048, 7, matmul_of, budget_s=3.0) == 512
     assert budget_n(2048, 7, lambda m: (lambda: None), budget_s=3.0) == 2048  # fast: the full size
     assert budget_n(2048, 7, lambda m: (lambda: _time.sleep(1.0)), budget_s=0.5) == 256  # never below the floor
+
+
+def test_the_engine_op_model_is_printed_in_one_line():
+    """calibrate's table shows the streaming figures; the op model the `local` device times ops with gets a line."""
+    from kvwall.commands.calibrate_cmd import _op_model
+
+    p = {"matmul_rows_Bps": {"1": 20e9, "16": 5e9}, "op_bandwidth_Bps": {"attention": 25e9, "attention:int8": 6e9},
+         "op_flops": {"attention": 70e9, "attention:prefill": 120e9}, "layer_overhead_s": 7.5e-4,
+         "mixer_overhead_s": {"mamba": 3.1e-4}, "step_overhead_s": 5e-4}
+    line = _op_model(p)
+    assert line.startswith("matmul weights 20.0 / 5.0 GB/s at 1 / 16 rows; decode attention 25.0 GB/s + 70.0 GFLOP/s")
+    assert "prefill attention 120.0 GFLOP/s" in line and "int8 cache attention 6.0 GB/s" in line
+    assert line.endswith("dispatch attention 0.75, mamba 0.31 ms per block, 0.50 ms per step")

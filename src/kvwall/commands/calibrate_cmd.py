@@ -51,10 +51,30 @@ def _print_calibration(cal, profile: dict, path: Path) -> None:
     flops = ", ".join(f"{d} {v / 1e9:,.0f}" for d, v in profile["peak_flops"].items())
     c.print(f"profile: bandwidth {profile['memory_bandwidth_Bps'] / 1e9:.1f} GB/s "
             f"({profile['measured']['read_method']}); GEMM GFLOP/s: {flops}")
+    if profile.get("matmul_rows_Bps"):
+        c.print(f"engine op model: {_op_model(profile)}")
     for note in profile["notes"][2:]:  # the first two are in the line above
         warn = note.startswith("other processes")
         c.print(f"[yellow]warning[/yellow]: {note}" if warn else f"note: {note}")
     c.print(f"took {cal.elapsed_s:.1f} s; saved to {path}; use it with [bold]--device local[/bold]")
+
+
+def _op_model(p: dict) -> str:
+    """One line of the engine's own rates, as the roofline's `local` device uses them."""
+    g = lambda v: f"{v / 1e9:,.1f}"  # noqa: E731
+    rows = p["matmul_rows_Bps"]
+    bw, fl = p.get("op_bandwidth_Bps", {}), p.get("op_flops", {})
+    parts = ["matmul weights " + " / ".join(f"{g(rows[r])}" for r in rows) + f" GB/s at {' / '.join(rows)} rows"]
+    if "attention" in bw:
+        parts.append(f"decode attention {g(bw['attention'])} GB/s + " + (f"{g(fl['attention'])} GFLOP/s"
+                                                                          if "attention" in fl else "no FLOP rate"))
+    parts += [f"{name} {g(fl[k])} GFLOP/s" for k, name in (("attention:prefill", "prefill attention"),
+                                                           ("latent", "MLA latent")) if k in fl]
+    parts += [f"{k.split(':')[1]} cache attention {g(v)} GB/s" for k, v in bw.items() if k.startswith("attention:")]
+    mixers = {"attention": p.get("layer_overhead_s"), **p.get("mixer_overhead_s", {})}
+    parts.append("dispatch " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in mixers.items() if v is not None)
+                 + f" ms per block, {p.get('step_overhead_s', 0) * 1e3:.2f} ms per step")
+    return "; ".join(parts)
 
 
 def _ms(seconds: float) -> str:
