@@ -210,3 +210,14 @@ def test_the_engine_op_model_is_printed_in_one_line():
     assert line.startswith("matmul weights 20.0 / 5.0 GB/s at 1 / 16 rows; decode attention 25.0 GB/s + 70.0 GFLOP/s")
     assert "prefill attention 120.0 GFLOP/s" in line and "int8 cache attention 6.0 GB/s" in line
     assert line.endswith("dispatch attention 0.75, mamba 0.31 ms per block, 0.50 ms per step")
+
+
+def test_a_busy_engine_section_is_warned_about():
+    """Other processes busy while the op model was fitted (none during the streaming steps) count toward the busy
+    warning, as during any streaming step."""
+    from kvwall.measure.calibrate import Calibration, Settings
+
+    cal = Calibration(settings=Settings.choose(quick=True))
+    assert cal.others_cpu() == 0.0
+    cal.info["engine_others_cpu"] = 0.5
+    assert cal.others_cpu() == 0.5

