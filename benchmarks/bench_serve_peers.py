@@ -32,11 +32,16 @@ METRICS = [("req/s", "request_throughput", None), ("out tok/s", "output_token_th
 EXPORT = """
 import sys
 from pathlib import Path
+from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
-gguf, out = Path(sys.argv[1]), sys.argv[2]
+gguf, out = Path(sys.argv[1]), Path(sys.argv[2])
 tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
-model.save_pretrained(out)
+out.mkdir(parents=True, exist_ok=True)
+config = model.config.to_dict()  # the dequantized weights are plain fp32: drop the GGUF quantization entry
+config.pop("quantization_config", None)
+type(model.config).from_dict(config).save_pretrained(out)
+save_model(model, str(out / "model.safetensors"))  # save_pretrained refuses a GGUF-loaded model
 tok.save_pretrained(out)
 """
 
