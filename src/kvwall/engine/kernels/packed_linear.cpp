@@ -1,0 +1,103 @@
+// y = x W^T with W held packed (layers/packed.py says the layout): never dequantized as a whole.
+//
+// Each thread takes R output rows at a time, dequantizes just those R rows into an L1 buffer
+// (w = d q + c per group: one convert + one FMA per weight) and multiplies every row of x by them
+// (R independent FMA chains: x is loaded once per R weights). At batch 1 each weight is read once
+// from memory as bits/8 bytes; at batch M the dequantization is shared by M rows.
+#include "common.h"
+
+constexpr int64_t R = 4;  // output rows dequantized and multiplied together
+
+// One packed row's K weights as floats. q: the row's bytes; s, z: its groups' scale and zero (z null:
+// symmetric, c = -2^(bits-1) d). 4-bit groups hold element j in the low nibble of byte j and element
+// j + len/2 in the high nibble (GGUF Q4's order), so both halves unpack as contiguous runs.
+template <int BITS>
+inline void dequant_row(const uint8_t *__restrict q, const at::Half *s, const at::Half *z, int64_t K, int64_t G,
+                        float *__restrict w) {
+  constexpr float OFF = float(1 << (BITS - 1));
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
+    const int64_t len = std::min(G, K - k0);
+    const float d = float(s[g]), c = z ? float(z[g]) : -OFF * d;
+    float *o = w + k0;
+    if constexpr (BITS == 8) {
+      const uint8_t *p = q + k0;
+#pragma omp simd
+      for (int64_t j = 0; j < len; ++j) o[j] = d * float(p[j]) + c;
+    } else {
+      const uint8_t *p = q + k0 / 2;
+      const int64_t h = len / 2;
+#pragma omp simd
+      for (int64_t j = 0; j < h; ++j) o[j] = d * float(p[j] & 15) + c;
+#pragma omp simd
+      for (int64_t j = 0; j < h; ++j) o[h + j] = d * float(p[j] >> 4) + c;
+    }
+  }
+}
+
+// out[m, r] = x[m] . w[r] for r < RR (RR rows of K floats in w), every m < M
+template <int RR>
+inline void dot_rows_x(const float *x, int64_t M, int64_t K, const float *w, float *out, int64_t ldo) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float *xm = x + m * K;
+    Vec a[RR];
+    for (int r = 0; r < RR; ++r) a[r] = Vec(0.f);
+    int64_t k = 0;
+    for (; k + W <= K; k += W) {
+      const Vec xv = Vec::loadu(xm + k);
+      for (int r = 0; r < RR; ++r) a[r] = at::vec::fmadd(xv, Vec::loadu(w + r * K + k), a[r]);
+    }
+    for (int r = 0; r < RR; ++r) {
+      float t = hsum(a[r]);
+      for (int64_t kk = k; kk < K; ++kk) t += xm[kk] * w[r * K + kk];
+      out[m * ldo + r] = t;
+    }
+  }
+}
+
+template <int BITS>
+torch::Tensor run(const torch::Tensor &x, const torch::Tensor &q, const torch::Tensor &s, const torch::Tensor &z,
+                  int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), NG = s.size(1), QB = q.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>();
+  const uint8_t *qp = q.data_ptr<uint8_t>();
+  const at::Half *sp = s.data_ptr<at::Half>(), *zp = z.defined() ? z.data_ptr<at::Half>() : nullptr;
+  float *yp = y.data_ptr<float>();
+  const int64_t tiles = (N + R - 1) / R;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * M / 4));  // ~16k FMAs a task at least
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> w(R * K);
+    std::vector<float> part(M * R);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * R, rows = std::min(R, N - n0);
+      for (int64_t r = 0; r < rows; ++r)
+        dequant_row<BITS>(qp + (n0 + r) * QB, sp + (n0 + r) * NG, zp ? zp + (n0 + r) * NG : nullptr, K, G,
+                          w.data() + r * K);
+      if (rows == R) {
+        dot_rows_x<R>(xp, M, K, w.data(), part.data(), R);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) dot_rows_x<1>(xp, M, K, w.data() + r * K, part.data() + r, R);
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; ++r) yp[m * N + n0 + r] = part[m * R + r];
+    }
+  });
+  return y;
+}
+
+// x (M, K) float32 contiguous; q (N, K bits/8) uint8; s, z (N, ceil(K/G)) float16 (z undefined: symmetric)
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, c10::optional<torch::Tensor> z,
+                            int64_t bits, int64_t group) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x: contiguous (M, K) float32");
+  TORCH_CHECK(q.dtype() == torch::kUInt8 && q.is_contiguous(), "q: contiguous uint8");
+  TORCH_CHECK(s.dtype() == torch::kFloat16 && s.is_contiguous(), "scales: contiguous float16");
+  TORCH_CHECK(q.size(1) * 8 == x.size(1) * bits, "q's row bytes do not match K");
+  const torch::Tensor zz = z.has_value() ? z->contiguous() : torch::Tensor();
+  if (bits == 8) return run<8>(x, q, s, zz, group);
+  TORCH_CHECK(bits == 4, "bits must be 4 or 8");
+  return run<4>(x, q, s, zz, group);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("packed_linear", &packed_linear, "y = x W^T, W packed int8/int4 with fp16 scale (and zero) per group");
+}
