@@ -8,28 +8,62 @@
 
 constexpr int64_t R = 4;  // output rows dequantized and multiplied together
 
-// One packed row's K weights as floats. q: the row's bytes; s, z: its groups' scale and zero (z null:
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// n float16 values -> floats (a row's scales or zeros: once per row, not once per group)
+inline void halves_to_float(const at::Half *h, int64_t n, float *out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(h + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(h + i))));
+#endif
+  for (; i < n; ++i) out[i] = float(h[i]);
+}
+
+// o[j] = d code(p[j]) + c for j < n, where code is the byte (BITS 8), its low nibble (SHIFT 0) or its high
+// one (SHIFT 4): 16 (AVX-512) or 8 (AVX2) bytes widened to int32 lanes per step. (A plain loop, which gcc
+// vectorises badly for 16-element runs, made int4 g32 4x slower than int4 g128: 221 vs 57 us at 576x1536.)
+template <int BITS, int SHIFT>
+inline void dequant_run(const uint8_t *__restrict p, int64_t n, float d, float c, float *__restrict o) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 vd = _mm512_set1_ps(d), vc = _mm512_set1_ps(c);
+  for (; j + 16 <= n; j += 16) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p + j)));
+    if constexpr (BITS == 4) b = _mm512_and_si512(_mm512_srli_epi32(b, SHIFT), _mm512_set1_epi32(15));
+    _mm512_storeu_ps(o + j, _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(b), vc));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vd = _mm256_set1_ps(d), vc = _mm256_set1_ps(c);
+  for (; j + 8 <= n; j += 8) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p + j)));
+    if constexpr (BITS == 4) b = _mm256_and_si256(_mm256_srli_epi32(b, SHIFT), _mm256_set1_epi32(15));
+    _mm256_storeu_ps(o + j, _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(b), vc));
+  }
+#endif
+  for (; j < n; ++j) o[j] = d * float(BITS == 8 ? p[j] : (p[j] >> SHIFT) & 15) + c;
+}
+
+// One packed row's K weights as floats. q: the row's bytes; s, z: its groups' scale and zero as floats (z null:
 // symmetric, c = -2^(bits-1) d). 4-bit groups hold element j in the low nibble of byte j and element
 // j + len/2 in the high nibble (GGUF Q4's order), so both halves unpack as contiguous runs.
 template <int BITS>
-inline void dequant_row(const uint8_t *__restrict q, const at::Half *s, const at::Half *z, int64_t K, int64_t G,
+inline void dequant_row(const uint8_t *__restrict q, const float *s, const float *z, int64_t K, int64_t G,
                         float *__restrict w) {
   constexpr float OFF = float(1 << (BITS - 1));
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
     const int64_t len = std::min(G, K - k0);
-    const float d = float(s[g]), c = z ? float(z[g]) : -OFF * d;
-    float *o = w + k0;
+    const float d = s[g], c = z ? z[g] : -OFF * d;
     if constexpr (BITS == 8) {
-      const uint8_t *p = q + k0;
-#pragma omp simd
-      for (int64_t j = 0; j < len; ++j) o[j] = d * float(p[j]) + c;
+      dequant_run<8, 0>(q + k0, len, d, c, w + k0);
     } else {
-      const uint8_t *p = q + k0 / 2;
-      const int64_t h = len / 2;
-#pragma omp simd
-      for (int64_t j = 0; j < h; ++j) o[j] = d * float(p[j] & 15) + c;
-#pragma omp simd
-      for (int64_t j = 0; j < h; ++j) o[h + j] = d * float(p[j] >> 4) + c;
+      dequant_run<4, 0>(q + k0 / 2, len / 2, d, c, w + k0);
+      dequant_run<4, 4>(q + k0 / 2, len / 2, d, c, w + k0 + len / 2);
     }
   }
 }
@@ -67,12 +101,14 @@ torch::Tensor run(const torch::Tensor &x, const torch::Tensor &q, const torch::T
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * M / 4));  // ~16k FMAs a task at least
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> w(R * K);
-    std::vector<float> part(M * R);
+    std::vector<float> part(M * R), sf(NG), zf(NG);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * R, rows = std::min(R, N - n0);
-      for (int64_t r = 0; r < rows; ++r)
-        dequant_row<BITS>(qp + (n0 + r) * QB, sp + (n0 + r) * NG, zp ? zp + (n0 + r) * NG : nullptr, K, G,
-                          w.data() + r * K);
+      for (int64_t r = 0; r < rows; ++r) {
+        halves_to_float(sp + (n0 + r) * NG, NG, sf.data());
+        if (zp) halves_to_float(zp + (n0 + r) * NG, NG, zf.data());
+        dequant_row<BITS>(qp + (n0 + r) * QB, sf.data(), zp ? zf.data() : nullptr, K, G, w.data() + r * K);
+      }
       if (rows == R) {
         dot_rows_x<R>(xp, M, K, w.data(), part.data(), R);
       } else {
