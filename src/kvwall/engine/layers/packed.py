@@ -27,26 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvwall.errors import KvwallError
-from kvwall.spec.formats import Format, get_format
-
-PACKED_BITS = (4, 8)
-
-
-def packable(fmt: Format) -> bool:
-    """An integer weight format PackedLinear holds: int8 / int4 with any group (:gN) and :sym, or GGUF's
-    q4_0, q4_1, q8_0 (the same layouts with G = 32)."""
-    return not fmt.is_float() and fmt.bits in PACKED_BITS and fmt.group is not None and \
-        fmt.scale_bytes == 2 and fmt.zero_bytes in (0, 2) and fmt.group % 2 == 0
-
-
-def weight_format(text: str) -> Format:
-    """`--weights` value -> Format: fp32 / bf16 / fp16 (the model's dtype) or a packed integer format."""
-    fmt = get_format(text)
-    if not (fmt.is_float() and fmt.bits >= 16) and not packable(fmt):
-        raise KvwallError(f"--weights {text}: the engine holds weights as fp32, bf16, fp16, int8[:gN][:sym], "
-                          "int4[:gN][:sym], q4_0, q4_1 or q8_0; pick one of those")
-    return fmt
-
+from kvwall.spec.formats import Format, packed_weights
 
 # -- codes <-> weights (torch, the reference) ---------------------------------------------------------------
 
@@ -172,19 +153,25 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.label}"
 
 
-def pack_model(model: nn.Module, fmt: Format) -> nn.Module:
-    """Replace every projection (attention qkv/o, MLP and expert MLP matrices: engine.model.projections, the LM
-    head left out as the predictor keeps it 16-bit) by a PackedLinear of format fmt, in place."""
+def pack_model(model: nn.Module, fmt: Format | None = None, source=None) -> nn.Module:
+    """Replace every projection (attention qkv/o, MLP and expert MLP matrices: engine.model.projections; the LM
+    head stays, as the predictor keeps it 16-bit) by a PackedLinear, in place: quantized to `fmt`, or taken
+    from source(name, linear) -> (q, scale, zero, Format) | None (a .gguf's own blocks; None leaves it float)."""
     from kvwall.engine.model import projections
 
-    if not packable(fmt):
+    if fmt is not None and not packed_weights(fmt):
         raise KvwallError(f"weight format {fmt.label} is not one the engine packs (int8 / int4 with :gN, q4_0, q4_1, "
                           "q8_0)")
     targets = {id(lin) for lin in projections(model)} - {id(getattr(model, "lm_head", None))}
-    for parent in list(model.modules()):
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if id(child) in targets:
+            if id(child) not in targets:
+                continue
+            if fmt is not None:
                 setattr(parent, name, PackedLinear.from_linear(child, fmt))
+            elif (got := source(f"{prefix}.{name}" if prefix else name, child)) is not None:
+                bias = None if child.bias is None else child.bias.data
+                setattr(parent, name, PackedLinear(*got, child.in_features, bias))
     return model
 
 
