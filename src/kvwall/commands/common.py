@@ -48,7 +48,8 @@ def weights_list_arg(text: str) -> list[str]:
 
 def add_weights(p: argparse.ArgumentParser, many: bool = False) -> None:
     """The engine's --weights: how it holds the projection matrices (the predictor's --weight-format strings)."""
-    p.add_argument("--weights", type=weights_list_arg if many else weights_arg, default=None, metavar="LIST" if many else "W",
+    p.add_argument("--weights", type=weights_list_arg if many else weights_arg, default=None,
+                   metavar="LIST" if many else "W",
                    help=f"{'comma-separated: ' if many else ''}engine weights: {ENGINE_WEIGHTS}; int formats keep "
                         "projections packed (activations in --dtype); default: the checkpoint's values in --dtype")
 

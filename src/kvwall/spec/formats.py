@@ -138,7 +138,8 @@ def get_format(text: str) -> Format:
 
 
 NATIVE = "native"  # --weights native: a .gguf's own Q4_0 / Q4_1 / Q8_0 blocks, repacked at load
-ENGINE_WEIGHTS = "fp32, bf16, fp16, int8[:gN][:sym], int4[:gN][:sym], q4_0, q4_1, q8_0 or native (a .gguf's own blocks)"
+ENGINE_WEIGHTS = ("fp32, bf16, fp16, int8[:gN][:sym], int4[:gN][:sym], q4_0, q4_1, q8_0 "
+                  "or native (a .gguf's own blocks)")
 
 
 def packed_weights(fmt: Format) -> bool:

@@ -99,7 +99,9 @@ inline VF vload(const float *p) { return _mm512_loadu_ps(p); }
 inline VF vset(float v) { return _mm512_set1_ps(v); }
 inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(VF v) { return _mm512_reduce_add_ps(v); }
-inline __m512i widen(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))); }
+inline __m512i widen(const uint8_t *p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+}
 inline VF codes8(const uint8_t *p) { return _mm512_cvtepi32_ps(widen(p)); }
 inline void codes4(const uint8_t *p, VF &lo, VF &hi) {
   const __m512i b = widen(p);
@@ -119,7 +121,9 @@ inline float vsum(VF v) {
   const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
-inline __m256i widen(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p))); }
+inline __m256i widen(const uint8_t *p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
+}
 inline VF codes8(const uint8_t *p) { return _mm256_cvtepi32_ps(widen(p)); }
 inline void codes4(const uint8_t *p, VF &lo, VF &hi) {
   const __m256i b = widen(p);
