@@ -133,6 +133,25 @@ def test_cli_runs_end_to_end(tiny, tmp_path, capsys):
     assert plot.stat().st_size > 0
 
 
+def test_cli_weights_list_reports_each_weight_format(tiny, capsys):
+    """--weights fp32,int4: one run per weight format, rows named "<cache> @ <weights>", Δ ppl against the fp32
+    weights' exact cache; the int4 run's exact-cache perplexity is that of one full forward of the int4 model."""
+    argv = ["quality", str(tiny), "--tokens", "128", "--rows", "2", "--cache", "int8", "--no-passkey",
+            "--weights", "fp32,int4", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {r["cache"]: r for r in data["quality"]}
+    assert list(rows) == ["contiguous @ fp32", "int8 @ fp32", "contiguous @ int4", "int8 @ int4"]
+    assert rows["contiguous @ fp32"]["delta_ppl"] == 0 and data["weights"] == ["fp32", "int4"]
+    tok = quality.Tokens(load_tokenizer(tiny))
+    ids_ = tok.plain(quality.read_text(None)[0])
+    batch = quality.split_rows(ids_, 128, 2, tok.prefix)
+    want = full_forward_ppl(load_model(tiny, weights="int4"), batch, data["text"]["prefill"])
+    assert rows["contiguous @ int4"]["ppl"] == pytest.approx(want, rel=1e-4)
+    base = rows["contiguous @ fp32"]["ppl"]
+    assert rows["int8 @ int4"]["delta_ppl"] == pytest.approx(rows["int8 @ int4"]["ppl"] - base)
+
+
 def run_error(argv, capsys) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

@@ -8,6 +8,7 @@ from typing import Any, Callable
 from kvwall.errors import KvwallError
 from kvwall.predict.memory import Formats, Parallel
 from kvwall.report.tables import print_json
+from kvwall.spec.formats import ENGINE_WEIGHTS, engine_weights
 from kvwall.spec.model import ModelSpec
 from kvwall.spec.resolve import load_spec
 from kvwall.units import parse_tokens, tokens_arg, whole
@@ -29,6 +30,28 @@ def add_model_knobs(p: argparse.ArgumentParser) -> None:
     f.add_argument("--weight-format", metavar="F", help="weights: bf16, fp16, fp8, int8, int4[:g128], nvfp4, ...")
     f.add_argument("--kv-format", metavar="F", help="KV cache: bf16, fp8, int8, int4, int2, nvfp4, ...")
     f.add_argument("--state-format", metavar="F", help="SSM state (default: the model's 16-bit type)")
+
+
+def weights_arg(text: str) -> str:
+    """A `--weights` value the engine holds (kvwall.spec.formats.engine_weights), else argparse's one-line error."""
+    try:
+        engine_weights(text)
+    except KvwallError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def weights_list_arg(text: str) -> list[str]:
+    """Comma-separated `--weights` values, each checked."""
+    return [weights_arg(t.strip()) for t in text.split(",") if t.strip()] or [weights_arg(text)]
+
+
+def add_weights(p: argparse.ArgumentParser, many: bool = False) -> None:
+    """The engine's --weights: how it holds the projection matrices (the predictor's --weight-format strings)."""
+    p.add_argument("--weights", type=weights_list_arg if many else weights_arg, default=None,
+                   metavar="LIST" if many else "W",
+                   help=f"{'comma-separated: ' if many else ''}engine weights: {ENGINE_WEIGHTS}; int formats keep "
+                        "projections packed (activations in --dtype); default: the checkpoint's values in --dtype")
 
 
 def add_parallel(p: argparse.ArgumentParser, auto: bool = False) -> None:

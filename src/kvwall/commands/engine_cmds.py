@@ -41,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=whole(1, 1 << 20), default=16, help="paged cache block size (default 16)")
     p.add_argument("--residual", type=whole(0, 1 << 24), default=32, help="quantized caches: newest tokens kept in full precision")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    common.add_weights(p)
     p.add_argument("--temperature", type=real(0), default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-k", type=whole(1))
     p.add_argument("--top-p", type=real(0, 1, lo_open=True))
@@ -144,14 +145,14 @@ def cmd_generate(args) -> int:
     if args.prompt is not None and tok is None:
         raise KvwallError(f"{path} has no tokenizer.json (or `tokenizers` is not installed); use --prompt-ids")
     ids = _prompt_ids(args, tok)
-    model = load_model(path, args.dtype)
+    model = load_model(path, args.dtype, weights=args.weights)
     t0 = time.perf_counter()  # each cache takes the keywords its registry entry lists
     out = generate(model, [ids], args.max_new_tokens, cache, sampling, block_size=args.block_size,
                    residual=args.residual)
     wall = time.perf_counter() - t0
     new = out.tokens[0]
     text = tok.decode(new) if tok is not None else None
-    result = {"checkpoint": str(path), "cache": args.cache, "prompt_ids": ids, "ids": new, "text": text,
+    result = {"checkpoint": str(path), "cache": args.cache, "weights": args.weights, "prompt_ids": ids, "ids": new, "text": text,
               "prefill_s": out.prefill_s, "decode_s": out.decode_s, "decode_steps": out.decode_steps,
               "decode_tokens_per_s": out.decode_tok_s, "total_s": wall, "cache_bytes": out.cache_bytes}
     return common.emit(args, result, _print_generate)

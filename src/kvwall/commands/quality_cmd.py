@@ -47,6 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keys", type=whole(1), default=d["keys"], metavar="K",
                    help=f"pass keys per length and depth (10/50/90 %%; default {d['keys']}, seeded)")
     p.add_argument("--seed", type=whole(0, 2**63 - 1), default=0, help="pass-key seed (default 0)")
+    common.add_weights(p, many=True)
     p.add_argument("--no-passkey", action="store_true", help="perplexity only")
     p.add_argument("--plot", metavar="PATH", help="Δ perplexity vs bytes per token, and a pass-key heat-map per "
                    "strategy (.png, .pdf or .svg)")
@@ -66,14 +67,19 @@ def cmd_quality(args) -> int:
     from kvwall.measure import quality
 
     text, source = quality.read_text(args.text)
-    model, tok = quality.load(path)
-    caches = quality.with_exact_first(caches or quality.default_strategies(model.spec, args.tokens // args.rows))
-    pk = quality.PasskeyPlan(lengths, args.keys, seed=args.seed) if lengths else None
-    plan = quality.Plan(caches, args.tokens, args.rows, args.prefill, args.residual, pk)
-    plan.check(model.spec)
     started = time.time()
-    data = _run_with_progress(model, tok, plan, text, source, quiet=args.json)
+    runs = []
+    for weights in args.weights or [None]:  # one model per weight format, each with every cache strategy
+        model, tok = quality.load(path, weights)
+        caches = quality.with_exact_first(caches or quality.default_strategies(model.spec, args.tokens // args.rows))
+        pk = quality.PasskeyPlan(lengths, args.keys, seed=args.seed) if lengths else None
+        plan = quality.Plan(caches, args.tokens, args.rows, args.prefill, args.residual, pk)
+        plan.check(model.spec)
+        runs.append((weights or "checkpoint", _run_with_progress(model, tok, plan, text, source, quiet=args.json)))
+        del model
+    data = runs[0][1] if len(runs) == 1 else quality.merge_weights(runs)
     data.update(checkpoint=str(path), seconds=round(time.time() - started, 1))
+    data.setdefault("weights", args.weights or ["checkpoint"])
     if plot:
         from kvwall.report.plots import quality as quality_plot
 

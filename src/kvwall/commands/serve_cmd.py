@@ -7,6 +7,7 @@ import socket
 import sys
 from pathlib import Path
 
+from kvwall.commands import common
 from kvwall.commands.engine_cmds import CHECKPOINT_HELP
 from kvwall.errors import KvwallError
 from kvwall.spec.formats import get_format
@@ -29,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk", type=whole(1, 1 << 24), default=512, metavar="TOKENS",
                    help="token budget of one step: prefill chunks + decode tokens (default 512)")
     p.add_argument("--dtype", default="float32", help="model weights: float32, bfloat16 or float16 (default float32)")
+    common.add_weights(p)
     p.add_argument("--name", help="the model name clients send (default: the checkpoint's name)")
     p.add_argument("--api-key", metavar="KEY", help="require Authorization: Bearer KEY")
     p.set_defaults(func=cmd_serve)
@@ -83,7 +85,7 @@ def _run(args, path: Path, kv_memory: int) -> int:
     from kvwall.serve.server import Api
     from kvwall.serve.worker import Worker
 
-    model = load_model(path, args.dtype)
+    model = load_model(path, args.dtype, weights=args.weights)
     kv_dtype = args.cache  # a name: serve.runner.make_pool makes the pool for it
     runner = Runner(model, kv_memory=kv_memory, block_size=args.block_size, chunk=args.chunk,
                     max_batch=args.max_batch, kv_dtype=kv_dtype)

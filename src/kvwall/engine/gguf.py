@@ -17,6 +17,7 @@ import torch
 
 from kvwall.engine.model import Transformer, check_supported
 from kvwall.errors import KvwallError
+from kvwall.spec.formats import get_format
 from kvwall.spec.gguf_meta import config_from_meta, open_reader, read_meta
 from kvwall.spec.hf import spec_from_config
 
@@ -77,6 +78,12 @@ class GGUFCheckpoint:
                               "is it a complete model of a supported architecture?")
         return self._fix(name, _dequantize(self.weight_map[name]))
 
+    def packed(self, name: str):
+        """(q, scale, zero, Format) of a Q4_0 / Q4_1 / Q8_0 tensor in PackedLinear's layout, the file's own bits
+        (Q/K rows put back in HF order like get's); None for any other type (it stays dequantized)."""
+        got = repack(self.weight_map[name])
+        return None if got is None else (*(self._fix(name, t) if t is not None else None for t in got[:3]), got[3])
+
     def _fix(self, name: str, w: torch.Tensor) -> torch.Tensor:
         arch, cfg = self.meta.arch, self.config
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -106,15 +113,39 @@ def _dequantize(tensor) -> torch.Tensor:
     return torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 comes back as a view of the file
 
 
+# GGUF block type -> (the predictor's format name, bytes per 32-weight block, offset of the codes in a block)
+_BLOCKS = {"Q4_0": ("q4_0", 18, 2), "Q4_1": ("q4_1", 20, 4), "Q8_0": ("q8_0", 34, 2)}
+
+
+def repack(tensor):
+    """A Q4_0 / Q4_1 / Q8_0 tensor's blocks (ggml-common.h: fp16 d, [fp16 m,] 16 nibble bytes or 32 int8) as
+    PackedLinear's (q, scale, zero, Format), bit for bit: Q4_1 w = d q + m is int4 g32 with zero m; Q4_0
+    w = d (q - 8) is int4 g32 symmetric; Q8_0 w = d q (signed) is int8 g32 symmetric with codes q + 128.
+    Nibble order is already PackedLinear's (low nibble element j, high nibble j + 16). None for other types."""
+    kind = _BLOCKS.get(tensor.tensor_type.name)
+    if kind is None:
+        return None
+    name, size, at = kind
+    N, K = _torch_shape(tensor)
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(N, K // 32, size)  # (N, blocks, block bytes)
+    half = lambda lo: torch.from_numpy(raw[..., lo:lo + 2].copy().view(np.float16).reshape(N, K // 32))  # noqa: E731
+    codes = raw[..., at:].reshape(N, -1)  # (N, K/2) nibble pairs or (N, K) int8
+    if name == "q8_0":
+        codes = (codes.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    zero = half(2) if name == "q4_1" else None
+    return torch.from_numpy(np.ascontiguousarray(codes)), half(0), zero, get_format(name)
+
+
 def gguf_spec(ckpt: GGUFCheckpoint):
     return spec_from_config(ckpt.config, name=ckpt.path.stem, where=str(ckpt.path))
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
-    """A .gguf file -> an engine Transformer in eval mode (weights dequantized, then cast to dtype)."""
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", weights=False) -> Transformer:
+    """A .gguf file -> an engine Transformer in eval mode (weights dequantized, then cast to dtype; see load_model
+    for `weights`)."""
     from kvwall.engine.load import build_loaded
 
     ckpt = GGUFCheckpoint(path)
     spec = gguf_spec(ckpt)
     check_supported(spec)
-    return build_loaded(spec, ckpt, dtype, device)
+    return build_loaded(spec, ckpt, dtype, device, weights)

@@ -20,6 +20,7 @@ from kvwall.engine.mixers import mixer_class
 from kvwall.engine.model import Transformer, check_supported
 from kvwall.errors import KvwallError
 from kvwall.spec.families import family
+from kvwall.spec.formats import NATIVE, engine_weights
 from kvwall.spec.hf import spec_from_config
 from kvwall.spec.model import ModelSpec
 from kvwall.spec.resolve import read_config_file
@@ -347,33 +348,73 @@ def _assemble(ckpt: Checkpoint, src: Source) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
-    """config.json + safetensors in `path` (or a .gguf file) -> an engine Transformer in eval mode."""
+def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, device: str = "cpu",
+               weights: str | None = None) -> Transformer:
+    """config.json + safetensors in `path` (or a .gguf file) -> an engine Transformer in eval mode.
+
+    weights (`--weights`, kvwall.spec.formats.engine_weights): fp32 / bf16 / fp16 set the dtype; int8 / int4 /
+    q4_0 / q4_1 / q8_0 quantize every projection into a PackedLinear after load (activations stay in dtype);
+    native keeps a .gguf's own Q4_0 / Q4_1 / Q8_0 blocks (no rounding at all)."""
     path = Path(path).expanduser()
+    if weights is not None:
+        fmt = engine_weights(weights)
+        if fmt is None and path.suffix.lower() != ".gguf":
+            raise KvwallError(f"--weights {NATIVE} keeps a .gguf file's own quantized blocks; {path} is not a .gguf: "
+                              "pass int8 or int4 to quantize it")
+        if fmt is not None and fmt.is_float():
+            dtype, weights = fmt.torch_dtype, None
+        else:
+            weights = fmt or NATIVE
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise KvwallError(f"dtype {dtype} is not one the engine loads (float32, bfloat16, float16)")
     if path.suffix.lower() == ".gguf":  # llama.cpp's single-file format: its own loader, same name maps
         from kvwall.engine.gguf import load_gguf
 
-        return load_gguf(path, dtype, device)
+        return load_gguf(path, dtype, device, weights)
     if not (path / "config.json").is_file():
         raise KvwallError(f"{path} is not a checkpoint directory (no config.json)")
     spec = spec_from_config(read_config_file(path / "config.json"), name=path.name, where=str(path / "config.json"))
     check_supported(spec)
     ckpt = Checkpoint(path)  # reads the headers first: a damaged file fails before the model is built
-    return build_loaded(spec, ckpt, dtype, device)
+    return build_loaded(spec, ckpt, dtype, device, weights)
 
 
-def build_loaded(spec: ModelSpec, ckpt, dtype: torch.dtype, device: str) -> Transformer:
+def build_loaded(spec: ModelSpec, ckpt, dtype: torch.dtype, device: str, weights=None) -> Transformer:
     """The model of `spec` built empty (meta), filled from a checkpoint (safetensors or GGUF: find, get,
-    weight_map, shapes), in eval mode on `device`."""
+    weight_map, shapes), in eval mode on `device`; projections packed when `weights` is a packed Format or
+    NATIVE (load_model)."""
     with torch.device("meta"):
         model = Transformer(spec)
     state = load_state(ckpt, model, dtype)
     model.load_state_dict(state, assign=True)  # rotary tables are non-persistent buffers, built on the CPU
     assert not any(p.is_meta for p in model.parameters()), "every parameter comes from the checkpoint"
+    if weights is not None:
+        _pack(model, ckpt, weights)
     return model.to(device).eval().set_eager(False)  # loaded weights in the fast path's layout
+
+
+def _pack(model: Transformer, ckpt, weights) -> None:
+    """Projections into PackedLinear: quantized to a Format, or (NATIVE) the .gguf's own blocks where every part
+    of the engine matrix (q, k, v; gate, up) is stored in the same Q4_0 / Q4_1 / Q8_0 type."""
+    from kvwall.engine.layers.packed import pack_model
+
+    if weights != NATIVE:
+        pack_model(model, weights)
+        return
+    names = LAYOUTS[family(model.spec.model_type).layout](model.spec)
+
+    def source(module: str, lin):
+        src = names[module + ".weight"]
+        parts = [ckpt.packed(ckpt.find(n)) for n in src.names]
+        if src.transpose or any(p is None for p in parts) or len({p[3] for p in parts}) != 1:
+            return None
+        cat = lambda i: None if parts[0][i] is None else torch.cat([p[i] for p in parts])  # noqa: E731
+        return cat(0), cat(1), cat(2), parts[0][3]
+
+    if not hasattr(ckpt, "packed"):
+        raise KvwallError(f"--weights {NATIVE} needs a .gguf file")
+    pack_model(model, source=source)
 
 
 def load_state(ckpt: Checkpoint, model: Transformer, dtype: torch.dtype) -> dict[str, torch.Tensor]:

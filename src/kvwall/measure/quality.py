@@ -354,15 +354,32 @@ def passkey_grid(pk: dict) -> tuple[list[str], list[list[str]]]:
     return heads, [[name, *cells] for name, cells in by_cache.items()]
 
 
-def load(path):
-    """(model, tokenizer) of a checkpoint or .gguf; quality needs the tokenizer to read text."""
+def load(path, weights: str | None = None):
+    """(model, tokenizer) of a checkpoint or .gguf, its projections held as `weights` (load_model); quality
+    needs the tokenizer to read text."""
     from kvwall.engine.load import load_model
     from kvwall.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(path)
     if tok is None:
         raise KvwallError(f"{path} has no tokenizer (tokenizer.json, or a .gguf's); quality needs one to read text")
-    return load_model(path), tok
+    return load_model(path, weights=weights), tok
+
+
+def merge_weights(runs: list[tuple[str, dict]]) -> dict:
+    """One result from a run per weight format: every row and pass-key cell named "<cache> @ <weights>", and
+    Δ ppl taken against the first run's first (exact) row, so a row says what its weights and cache cost
+    together; KL and top-1 stay against the same weights' exact cache (the logits of two runs never meet)."""
+    first = runs[0][1]
+    base = first["quality"][0]["ppl"]
+    out = {**first, "quality": [], "weights": [w for w, _ in runs]}
+    for w, data in runs:
+        for r in data["quality"]:
+            out["quality"].append({**r, "cache": f"{r['cache']} @ {w}", "weights": w, "delta_ppl": r["ppl"] - base})
+    if first.get("passkey"):
+        out["passkey"] = {**first["passkey"], "cells": [{**c, "cache": f"{c['cache']} @ {w}"} for w, data in runs
+                                                        for c in data["passkey"]["cells"]]}
+    return out
 
 
 def measure(model, tok, plan: Plan, text: str, source: str, on_step: Callable[[], None] | None = None) -> dict:

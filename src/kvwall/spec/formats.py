@@ -137,6 +137,32 @@ def get_format(text: str) -> Format:
     return fmt
 
 
+NATIVE = "native"  # --weights native: a .gguf's own Q4_0 / Q4_1 / Q8_0 blocks, repacked at load
+ENGINE_WEIGHTS = ("fp32, bf16, fp16, int8[:gN][:sym], int4[:gN][:sym], q4_0, q4_1, q8_0 "
+                  "or native (a .gguf's own blocks)")
+
+
+def packed_weights(fmt: Format) -> bool:
+    """A weight format the engine holds packed (engine/layers/packed.py): 8- or 4-bit codes with an fp16 scale
+    and optional fp16 zero per even-sized group (int8/int4 with any :gN and :sym; GGUF's q4_0, q4_1, q8_0)."""
+    return (not fmt.is_float() and fmt.bits in (4, 8) and fmt.group is not None and fmt.group % 2 == 0
+            and fmt.scale_bytes == 2 and fmt.zero_bytes in (0, 2))
+
+
+def engine_weights(text: str) -> Format | None:
+    """`--weights` value -> the Format the engine holds its projections in (None: native). The engine's bytes for
+    a format equal the predictor's for the same string (`--weight-format`)."""
+    if str(text).strip().lower() == NATIVE:
+        return None
+    try:
+        fmt = get_format(text)
+    except KvwallError:
+        fmt = None
+    if fmt is None or not ((fmt.is_float() and fmt.bits >= 16) or packed_weights(fmt)):
+        raise KvwallError(f"{text!r} is not a weight format the engine holds; pick one of {ENGINE_WEIGHTS}")
+    return fmt
+
+
 def keep_16bit(fmt: Format) -> Format:
     """Embeddings, norms and the LM head stay 16-bit when the weights are quantized below 16 bits."""
     return fmt if fmt.bits >= 16 else _BASE["bf16"]

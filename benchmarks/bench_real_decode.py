@@ -1,0 +1,92 @@
+"""SmolLM2-135M's decode speed by weight format: kvwall holding the GGUF's weights as fp32 (dequantized), natively
+(the file's own Q4_1 blocks, repacked at load), int8 and int4:g128 (re-quantized from the dequantized weights),
+against transformers in fp32 on the same dequantized weights.
+
+    flock /work/bench.lock timeout 360 .venv/bin/python benchmarks/bench_real_decode.py [--batches 1,16]
+        [--weights fp32,native,int8,int4:g128] [--new 64] [--runs 3] [--model smollm2-135m | path.gguf]
+
+Per batch: one random 16-token prompt (fixed seed); each engine prefills it, then 64 greedy decode steps are
+timed as one run. The engines take turns run by run (a busy machine slows them alike) and each reports the
+median of --runs runs. Prints a markdown table: decode tok/s (batch x new tokens / decode seconds), the ratio to
+transformers measured in the same run, the bytes the engine holds for its weights, and whether its greedy tokens
+equal transformers'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvwall.engine.layers.packed import packed_kernel, weight_bytes
+from kvwall.engine.load import load_model
+from kvwall.measure.real_worker import KvwallEngine, TransformersEngine, load_transformers
+from kvwall.spec.gguf_meta import gguf_file
+
+
+def one_run(make, new: int) -> tuple[float, torch.Tensor]:
+    """(decode seconds for `new` tokens, the tokens (B, new + 1)) of a fresh engine from make()."""
+    e = make()
+    t0 = time.perf_counter()
+    for _ in range(new):
+        e.step()
+    return time.perf_counter() - t0, torch.cat(e.tokens, 1)
+
+
+@torch.inference_mode()
+def bench_batch(models: dict, hf, batch: int, prompt_len: int, new: int, runs: int) -> list[dict]:
+    prompt = torch.randint(0, 49152, (batch, prompt_len), generator=torch.Generator().manual_seed(batch))  # (B, T)
+    makers = {name: (lambda m=m: KvwallEngine(m, "contiguous", prompt, prompt_len + new + 1))
+              for name, m in models.items()}
+    if hf is not None:
+        makers["transformers fp32"] = lambda: TransformersEngine(hf, prompt)
+    times: dict[str, list[float]] = {k: [] for k in makers}
+    tokens = {}
+    for _ in range(runs):
+        for name, make in makers.items():
+            s, tokens[name] = one_run(make, new)
+            times[name].append(s)
+    ref = tokens.get("transformers fp32")
+    rows = []
+    for name in makers:
+        s = statistics.median(times[name])
+        rows.append({"engine": name, "batch": batch, "tok_s": batch * new / s, "runs_s": times[name],
+                     "same_tokens": None if ref is None or name == "transformers fp32"
+                     else bool(torch.equal(tokens[name], ref)),
+                     "bytes": weight_bytes(models[name]) if name in models else None})
+    base = next((r["tok_s"] for r in rows if r["engine"] == "transformers fp32"), None)
+    for r in rows:
+        r["vs_transformers"] = r["tok_s"] / base if base else None
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--weights", default="fp32,native,int8,int4:g128")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--no-transformers", action="store_true")
+    args = ap.parse_args()
+    path = gguf_file(args.model)
+    models = {f"kvwall {w}": load_model(path, weights=w) for w in args.weights.split(",")}
+    hf = None if args.no_transformers else load_transformers(str(path))[0]
+    print(f"{path.name}; torch {torch.__version__}, {torch.get_num_threads()} threads; packed kernel built: "
+          f"{packed_kernel() is not None}")
+    print("| engine | batch | decode tok/s | vs transformers | weight bytes | tokens = transformers' | runs (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        for r in bench_batch(models, hf, batch, args.prompt, args.new, args.runs):
+            ratio = f"{r['vs_transformers']:.2f}x" if r["vs_transformers"] else "-"
+            size = f"{r['bytes'] / 1e6:.1f} MB" if r["bytes"] else "-"
+            same = "-" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "no")
+            runs = ", ".join(f"{t:.2f}" for t in r["runs_s"])
+            print(f"| {r['engine']} | {batch} | {r['tok_s']:.1f} | {ratio} | {size} | {same} | {runs} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Weights kept quantized: PackedLinear holds a projection's (N, K) matrix as int8 / int4 codes plus a float16
+scale (and, asymmetric, a float16 zero) per group of G weights along each row, and multiplies by it directly.
+
+Symbols: N output rows, K inputs, G group length (the last group of a row may be shorter), q a code,
+d a group's scale, m its zero (min). A group's weights are
+
+    asymmetric (int8, int4, GGUF Q4_1):        w = d q + m          q in 0 .. 2^bits - 1
+    symmetric  (int8:sym, int4:sym, Q4_0, Q8_0): w = d (q - 2^(bits-1))   (codes stored offset, unsigned)
+
+Layout (what the C++ kernel reads): ``q`` (N, K bits/8) uint8: 8-bit codes one a byte; 4-bit codes two a
+byte, within each group element j in the low nibble of byte j and element j + len/2 in the high nibble
+(llama.cpp's Q4_0/Q4_1 block order, so GGUF blocks repack by copying their bytes). ``scale`` and ``zero``
+(N, ceil(K/G)) float16. The bytes held per matrix are therefore N (K bits/8 + ceil(K/G) (2 + 2|0)), which
+is the predictor's ``Format.bytes(N, K)`` for the same format string (kvwall.spec.formats).
+
+Two paths: ``reference`` dequantizes the matrix and calls F.linear (eager, obviously correct); the fast
+path is kernels/packed_linear.cpp, which dequantizes a few rows at a time into L1 and never the whole
+matrix. Without a compiler the fast path is the reference (correct, slower).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvwall.errors import KvwallError
+from kvwall.spec.formats import Format, packed_weights
+
+# -- codes <-> weights (torch, the reference) ---------------------------------------------------------------
+
+def _group_spans(K: int, G: int) -> list[tuple[int, int]]:
+    return [(k0, min(G, K - k0)) for k0 in range(0, K, G)]
+
+
+def pack_nibbles(codes: torch.Tensor, G: int) -> torch.Tensor:
+    """(N, K) codes 0..15 -> (N, K/2) bytes, per group element j low and j + len/2 high."""
+    out = []
+    for k0, n in _group_spans(codes.shape[1], G):
+        g = codes[:, k0:k0 + n].to(torch.uint8)  # (N, len)
+        out.append(g[:, :n // 2] | (g[:, n // 2:] << 4))  # (N, len/2)
+    return torch.cat(out, 1)
+
+
+def unpack_codes(q: torch.Tensor, bits: int, K: int, G: int) -> torch.Tensor:
+    """(N, K bits/8) bytes -> (N, K) codes as float32."""
+    if bits == 8:
+        return q.float()
+    out = []
+    for k0, n in _group_spans(K, G):
+        b = q[:, k0 // 2:(k0 + n) // 2]  # (N, len/2)
+        out += [b & 15, b >> 4]
+    return torch.cat(out, 1).float()  # (N, K)
+
+
+def _per_element(t: torch.Tensor, K: int, G: int) -> torch.Tensor:
+    """(N, groups) -> (N, K): each group's value repeated over its elements."""
+    return t.float().repeat_interleave(G, dim=1)[:, :K]
+
+
+def dequantize(q, scale, zero, bits: int, K: int, G: int) -> torch.Tensor:
+    """The float32 (N, K) matrix the codes stand for (the reference the kernel is held to)."""
+    codes = unpack_codes(q, bits, K, G)  # (N, K)
+    d = _per_element(scale, K, G)  # (N, K)
+    c = _per_element(zero, K, G) if zero is not None else -float(1 << (bits - 1)) * d
+    return d * codes + c
+
+
+def quantize(w: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(N, K) float -> (q, scale, zero): round to nearest against the float16 scale and zero actually stored.
+    Error per weight: symmetric <= d/2; asymmetric <= d/2 + 2^-11 max|w| of its group (m rounded to fp16)."""
+    N, K = w.shape
+    G, bits = fmt.group, fmt.bits
+    if K % 2 and bits == 4:
+        raise KvwallError(f"int4 weights need an even number of inputs per row (got {K})")
+    pad = -K % G
+    wg = F.pad(w.float(), (0, pad)).view(N, -1, G)  # (N, groups, G), padded with zeros
+    real = (torch.arange(K + pad) < K).view(-1, G)  # (groups, G): which slots hold real weights
+    top = float((1 << bits) - 1)
+    if fmt.zero_bytes:
+        lo = wg.masked_fill(~real, float("inf")).amin(-1)  # (N, groups)
+        hi = wg.masked_fill(~real, float("-inf")).amax(-1)
+        d = ((hi - lo) / top).half()
+        m = lo.half()
+        inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros(()))
+        codes = ((wg - m.float()[..., None]) * inv[..., None]).round().clamp(0, top)  # (N, groups, G)
+        zero = m
+    else:
+        half = float(1 << (bits - 1))
+        d = (wg.abs().amax(-1) / (half - 1)).half()  # (N, groups)
+        inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros(()))
+        codes = ((wg * inv[..., None]).round().clamp(-half, half - 1) + half)
+        zero = None
+    codes = codes.view(N, -1)[:, :K]  # (N, K)
+    q = codes.to(torch.uint8) if bits == 8 else pack_nibbles(codes, G)
+    return q.contiguous(), d.contiguous(), None if zero is None else zero.contiguous()
+
+
+# -- the module ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def packed_kernel():
+    """The compiled matmul, or None when it cannot be built (then the reference path runs)."""
+    from kvwall.engine.native import compiled
+
+    return compiled("packed_linear", "packed_linear", "dequantize + F.linear (torch)")
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear's contract (y = x W^T + b) over a packed W; buffers q, scale, zero (see the module doc)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: Format, in_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.fmt, self.bits, self.group = fmt, fmt.bits, fmt.group
+        self.in_features, self.out_features = in_features, q.shape[0]
+        self.register_buffer("q", q)  # (N, K bits/8) uint8
+        self.register_buffer("scale", scale)  # (N, groups) float16
+        self.register_buffer("zero", zero)  # (N, groups) float16, or None (symmetric)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.eager = False  # True: the reference path (Transformer.set_eager)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, fmt: Format) -> "PackedLinear":
+        q, scale, zero = quantize(lin.weight.data, fmt)
+        return cls(q, scale, zero, fmt, lin.in_features, None if lin.bias is None else lin.bias.data)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the packed matrix: the predictor's Format.bytes(N, K) for self.fmt (bias not counted)."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.zero) if t is not None)
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize(self.q, self.scale, self.zero, self.bits, self.in_features, self.group)  # (N, K)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dequantized()  # (N, K) float32
+        b = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), w, b).to(x.dtype)  # (..., N)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = None if self.eager or x.device.type != "cpu" else packed_kernel()
+        if kernel is None:
+            return self.reference(x)
+        x2 = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
+        y = kernel(x2, self.q, self.scale, self.zero, self.bits, self.group)  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.label}"
+
+
+def pack_model(model: nn.Module, fmt: Format | None = None, source=None) -> nn.Module:
+    """Replace every projection (attention qkv/o, MLP and expert MLP matrices: engine.model.projections; the LM
+    head stays, as the predictor keeps it 16-bit) by a PackedLinear, in place: quantized to `fmt`, or taken
+    from source(name, linear) -> (q, scale, zero, Format) | None (a .gguf's own blocks; None leaves it float)."""
+    from kvwall.engine.model import projections
+
+    if fmt is not None and not packed_weights(fmt):
+        raise KvwallError(f"weight format {fmt.label} is not one the engine packs (int8 / int4 with :gN, q4_0, q4_1, "
+                          "q8_0)")
+    targets = {id(lin) for lin in projections(model)} - {id(getattr(model, "lm_head", None))}
+    for prefix, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) not in targets:
+                continue
+            if fmt is not None:
+                setattr(parent, name, PackedLinear.from_linear(child, fmt))
+            elif (got := source(f"{prefix}.{name}" if prefix else name, child)) is not None:
+                bias = None if child.bias is None else child.bias.data
+                setattr(parent, name, PackedLinear(*got, child.in_features, bias))
+    return model
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of all packed matrices of a model."""
+    return sum(m.weight_bytes() for m in model.modules() if isinstance(m, PackedLinear))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Every weight the model holds: packed matrices at their packed bytes, every other parameter at its dtype
+    (a tied LM head once). Loaded in bf16 with packed projections this is the predictor's total_weight_bytes."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + packed_bytes(model)

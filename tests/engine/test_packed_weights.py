@@ -1,0 +1,223 @@
+"""Weights kept quantized (engine/layers/packed.py): codes against hand-made values, each format within its error
+bound, GGUF blocks repacked bit for bit (against the gguf package's own dequantizer), packed models against the
+same model holding the dequantized weights in fp32, the C++ kernel against the reference path, the engine's weight
+bytes against the predictor's, and --weights' one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from native_kernels import built  # noqa: E402
+from tiny_checkpoints import ids  # noqa: E402
+
+from kvwall.cli import main  # noqa: E402
+from kvwall.engine import load as load_module  # noqa: E402
+from kvwall.engine.generate import generate  # noqa: E402
+from kvwall.engine.layers import packed  # noqa: E402
+from kvwall.engine.layers.packed import PackedLinear, dequantize, packed_kernel, quantize, weight_bytes  # noqa: E402
+from kvwall.engine.load import load_model  # noqa: E402
+from kvwall.errors import KvwallError  # noqa: E402
+from kvwall.predict.memory import total_weight_bytes  # noqa: E402
+from kvwall.spec.formats import engine_weights, get_format  # noqa: E402
+
+FORMATS = ["int8", "int8:sym", "int8:g64", "int4", "int4:sym", "int4:g128", "int4:g128:sym", "q4_0", "q4_1", "q8_0"]
+
+
+def random_linear(n: int, k: int, seed: int = 0, bias: bool = False) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=bias)
+    lin.weight.data = torch.randn(n, k) * 0.05
+    return lin
+
+
+# -- codes ---------------------------------------------------------------------------------------------------
+
+def test_int4_codes_and_nibble_order_by_hand():
+    """One group of 16 weights 0.0, 0.1, .., 1.5: min 0, scale fp16(0.1) = 0.0999755859375, codes 0..15; byte j
+    holds code j (low nibble) and code j + 8 (high nibble)."""
+    w = (torch.arange(16, dtype=torch.float32) * 0.1)[None]  # (1, 16)
+    q, d, m = quantize(w, get_format("int4:g16"))
+    assert d.item() == 0.0999755859375 and m.item() == 0.0
+    assert q[0].tolist() == [j | ((j + 8) << 4) for j in range(8)]
+    assert torch.equal(dequantize(q, d, m, 4, 16, 16), torch.arange(16.0)[None] * 0.0999755859375)
+
+
+def test_int8_symmetric_codes_by_hand():
+    """int8:sym: d = max|w| / 127, stored codes round(w / d) + 128."""
+    w = torch.tensor([[-1.27, 0.0, 0.635, 1.27]])
+    q, d, z = quantize(w, get_format("int8:g4:sym"))
+    assert z is None and d.item() == 0.01000213623046875  # fp16's nearest to 1.27 / 127 = 0.01 (1311 x 2^-17)
+    assert q[0].tolist() == [1, 128, 128 + 63, 255]  # -1.27 / d = -126.97 -> -127; 0.635 / d = 63.49 -> 63
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_each_format_within_its_error_bound(name):
+    """Per weight: symmetric |w - w'| <= d/2; asymmetric <= d/2 + 2^-11 max|w| (the zero is rounded to fp16).
+    K = 200 leaves a short last group for g64 / g128 and q-formats' g32 (200 = 6 x 32 + 8)."""
+    fmt = get_format(name)
+    lin = random_linear(24, 200)
+    p = PackedLinear.from_linear(lin, fmt)
+    w, got = lin.weight.data, p.dequantized()  # (N, K)
+    G = fmt.group
+    d = p.scale.float().repeat_interleave(G, 1)[:, :200]  # (N, K)
+    bound = d / 2 * (1 + 1e-5)
+    if fmt.zero_bytes:
+        big = torch.nn.functional.pad(w.abs(), (0, -200 % G)).view(24, -1, G).amax(-1)  # (N, groups)
+        bound = bound + 2 ** -11 * big.repeat_interleave(G, 1)[:, :200]
+    assert ((w - got).abs() <= bound).all()
+    assert p.weight_bytes() == fmt.bytes(24, 200)  # the predictor's bytes of a (24, 200) matrix
+
+
+# -- the kernel against the reference ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows,k", [(1, 200), (1, 256), (5, 200), (17, 256)])
+def test_kernel_equals_reference(name, rows, k):
+    """Batch 1 with whole-vector groups (K = 256) takes the fused path, the rest the row-buffer path."""
+    built(packed_kernel, "packed_linear")
+    p = PackedLinear.from_linear(random_linear(37, k, bias=True), get_format(name))  # N not a multiple of 4
+    x = torch.randn(rows, 1 if rows == 1 else 3, k)
+    fast = p(x)
+    p.eager = True
+    ref = p(x)
+    assert fast.shape == ref.shape == (*x.shape[:-1], 37)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_takes_bf16_activations():
+    built(packed_kernel, "packed_linear")
+    p = PackedLinear.from_linear(random_linear(16, 64), get_format("int4"))
+    x = torch.randn(2, 64).bfloat16()
+    y = p(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), p.reference(x.float()), rtol=2e-2, atol=2e-2)
+
+
+# -- models --------------------------------------------------------------------------------------------------
+
+def dequantized_copy(path, packed_model, dtype=torch.float32):
+    """The same checkpoint in plain float, every projection replaced by the packed model's dequantized matrix: the
+    model packed weights stand for."""
+    ref = load_model(path, dtype)
+    mods = dict(ref.named_modules())
+    for name, m in packed_model.named_modules():
+        if isinstance(m, PackedLinear):
+            mods[name].weight.data = m.dequantized().to(dtype)
+    return ref.set_eager(False)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int4:g128:sym", "q4_0"])
+def test_packed_model_logits_equal_the_dequantized_model(checkpoint, name):
+    path, _ = checkpoint("llama")
+    model = load_model(path, weights=name)
+    n = sum(isinstance(m, PackedLinear) for m in model.modules())
+    assert n == 2 * 2 * 3  # wqkv, wo, w13, w2 per layer; 3 layers
+    ref = dequantized_copy(path, model)
+    tokens = ids(2, 24)
+    with torch.no_grad():
+        want = ref(tokens)
+        torch.testing.assert_close(model(tokens), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model.set_eager(True)(tokens), want, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_greedy_tokens_equal_the_dequantized_run(checkpoint):
+    path, _ = checkpoint("llama")
+    model = load_model(path, weights="int8")
+    ref = dequantized_copy(path, model)
+    prompts = ids(2, 12, seed=3).tolist()
+    assert generate(model, prompts, 24).tokens == generate(ref, prompts, 24).tokens
+
+
+def test_without_a_compiler_the_model_runs_the_reference(checkpoint, monkeypatch):
+    """packed_kernel() None (no compiler): every PackedLinear dequantizes + F.linear; same logits."""
+    path, _ = checkpoint("llama")
+    model = load_model(path, weights="int4")
+    tokens = ids(1, 10)
+    with torch.no_grad():
+        fast = model(tokens)
+        monkeypatch.setattr(packed, "packed_kernel", lambda: None)
+        torch.testing.assert_close(model(tokens), fast, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["int4", "int4:sym", "q4_1", "q8_0", "int8:g32", "int8:g64:sym"])
+def test_engine_weight_bytes_equal_the_predictor(checkpoint, name):
+    """Loaded in bf16 (embeddings, norms and the LM head 16-bit, as the predictor keeps them), the bytes the
+    engine holds equal `kvwall memory --weight-format NAME`'s weights. Groups that divide every row (64, 128)."""
+    path, _ = checkpoint("llama")
+    model = load_model(path, "bfloat16", weights=name)
+    assert weight_bytes(model) == total_weight_bytes(model.spec, get_format(name))
+    plain = load_model(path, "bfloat16")
+    assert weight_bytes(plain) == total_weight_bytes(plain.spec, get_format("bf16"))
+
+
+# -- GGUF blocks ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_repack_bit_for_bit(tmp_path, qtype):
+    """Every projection of a tiny .gguf, repacked, dequantizes to exactly what the gguf package's dequantizer
+    gives (GGUFCheckpoint.get, Q/K rows put back); the model logits equal the dequantized load's."""
+    gg = pytest.importorskip("gguf")
+    from test_gguf import tiny_hf, write_gguf
+
+    from kvwall.engine.gguf import GGUFCheckpoint
+
+    path = tmp_path / f"t-{qtype}.gguf"
+    write_gguf(path, tiny_hf("llama"), "llama", getattr(gg.GGMLQuantizationType, qtype))
+    ckpt = GGUFCheckpoint(path)
+    checked = 0
+    for name in ckpt.weight_map:
+        got = ckpt.packed(name)
+        if got is None or "layers" not in name:
+            continue
+        q, d, m, fmt = got
+        assert fmt.name == qtype.lower()
+        K = ckpt.shapes[name][1]
+        mine = dequantize(q, d, m, fmt.bits, K, fmt.group)
+        torch.testing.assert_close(mine, ckpt.get(name), rtol=0, atol=1e-6)
+        checked += 1
+    assert checked == 2 * 7  # q, k, v, o, gate, up, down in 2 layers
+    native, plain = load_model(path, weights="native"), load_model(path)
+    assert sum(isinstance(m, PackedLinear) for m in native.modules()) == 2 * 4
+    tokens = ids(1, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(native(tokens), plain(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_smollm2_q4_1_native_bytes_equal_the_predictor():
+    """The real model's file: every projection is Q4_1, so held natively in bf16 it is `--weight-format q4_1`."""
+    from kvwall.spec.gguf_meta import packaged_path
+
+    try:
+        path = packaged_path("smollm2-135m")
+    except KvwallError as exc:
+        pytest.skip(str(exc))
+    model = load_model(path, "bfloat16", weights="native")
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 30 * 4
+    assert weight_bytes(model) == total_weight_bytes(model.spec, get_format("q4_1"))
+
+
+# -- bad values ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["int3", "int2", "fp8", "nvfp4", "int4:g7", "q4_k", "banana"])
+def test_unknown_weights_value_is_one_line(checkpoint, capsys, bad):
+    path, _ = checkpoint("llama")
+    rc = main(["generate", str(path), "--prompt-ids", "1,2", "--weights", bad])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "--weights" in err and "int4" in err
+    with pytest.raises(KvwallError):
+        engine_weights(bad)
+
+
+def test_native_on_safetensors_is_one_line(checkpoint, capsys):
+    path, _ = checkpoint("llama")
+    rc = main(["generate", str(path), "--prompt-ids", "1,2", "--weights", "native"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and ".gguf" in err, err
+
+
+def test_float_weights_set_the_dtype(checkpoint):
+    path, _ = checkpoint("llama")
+    assert load_module.load_model(path, weights="bf16").embed.weight.dtype == torch.bfloat16
