@@ -186,7 +186,7 @@ def build(spec: ModelSpec, seed: int):
 
     torch.manual_seed(seed)
     model = Transformer(spec).set_eager(True)
-    if os.environ.get("RECALL_INIT", "1") == "1": _init(model)
+    _init(model)
     return model.train()
 
 
@@ -294,3 +294,103 @@ def _seed(base: int, what: str, *parts: int) -> int:
     """A seed per (base, what, parts): train, val and test never share sequences."""
     text = ":".join([str(base), what, *map(str, parts)])
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+
+
+# -- the grid, cached -----------------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """~/.cache/kvwall/recall (XDG_CACHE_HOME when set): one JSON file per trained configuration."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "kvwall" / "recall"
+
+
+def _key(arch: Arch, width: int, pairs: int, plan: Plan) -> str:
+    """The configuration a result belongs to: architecture, width, pairs, the whole plan and VERSION."""
+    text = json.dumps([VERSION, arch.name, width, pairs, asdict(plan)], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def grid(archs: list[Arch], widths: list[int], pairs: list[int]) -> list[tuple[Arch, int, int]]:
+    return [(a, w, n) for n in pairs for a in archs for w in widths]
+
+
+def check(archs: list[Arch], widths: list[int], pairs: list[int], plan: Plan) -> None:
+    """Every problem before any training: widths, pairs that fit the sequence, windows below it."""
+    for w in widths:
+        check_width(w)
+    for n in pairs:
+        if not 1 <= n <= max_pairs(plan.seq):
+            raise KvwallError(f"--pairs {n} does not fit --seq {plan.seq} (at most {max_pairs(plan.seq)}: each pair "
+                              "takes 4 tokens, itself and its query); lower --pairs or raise --seq")
+    for a in archs:
+        if a.window is not None and a.window >= plan.seq:
+            raise KvwallError(f"--archs {a.name}: the window is not below --seq {plan.seq}, so it never slides; "
+                              "pick a smaller window")
+
+
+def one(arch: Arch, width: int, pairs: int, plan: Plan, report: Callable[[int, float], None] | None = None) -> dict:
+    """Train and evaluate one model; its row: accuracy, parameters, kept bytes and how training went."""
+    import torch
+
+    spec = model_spec(arch, width, plan.seq)
+    model = build(spec, plan.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params == spec.params(), (n_params, spec.params())  # the spec describes the model that trained
+    with torch.random.fork_rng():
+        done = train(model, arch, pairs, plan, report)
+    return {"arch": arch.name, "kind": arch.kind, "window": arch.window, "width": width, "pairs": pairs,
+            "seq": plan.seq, "accuracy": round(done.accuracy, 4), "params": n_params, **kept_bytes(spec, plan.seq),
+            "steps": done.steps, "stopped": done.stopped, "train_seconds": round(done.seconds, 1),
+            "curve": done.curve, "layers": [l.describe() for l in spec.layers]}
+
+
+def run(archs: list[Arch], widths: list[int], pairs: list[int], plan: Plan, *, cache: Path | None = None,
+        retrain: bool = False, on_start: Callable[[str, int], None] | None = None,
+        on_eval: Callable[[str, int, float], None] | None = None,
+        on_done: Callable[[str, dict], None] | None = None) -> dict:
+    """Every (arch, width, pairs): a cached row when this exact configuration has run before, else trained now
+    (and cached). Callbacks drive the command's progress bar: on_start(label, index), on_eval(label, step,
+    validation accuracy), on_done(label, row)."""
+    check(archs, widths, pairs, plan)
+    cache = cache or cache_dir()
+    rows, started, trained = [], time.time(), 0
+    for i, (arch, width, n) in enumerate(grid(archs, widths, pairs)):
+        label = f"{arch.name} w{width} N{n}"
+        path = cache / f"{_key(arch, width, n, plan)}.json"
+        row = None if retrain else _read(path)
+        cached = row is not None
+        if on_start:
+            on_start(label, i)
+        if row is None:
+            row = one(arch, width, n, plan, (lambda s, a, label=label: on_eval(label, s, a)) if on_eval else None)
+            _write(path, row)
+            trained += 1
+        rows.append(dict(row, cached=cached))
+        if on_done:
+            on_done(label, row)
+    return {"task": task_dict(plan), "plan": asdict(plan), "results": rows, "trained": trained,
+            "cached": len(rows) - trained, "seconds": round(time.time() - started, 1), "cache": str(cache)}
+
+
+def task_dict(plan: Plan) -> dict:
+    return {"name": "MQAR (Zoology, Arora et al. 2023)", "seq": plan.seq, "keys": KEYS, "values": VALUES,
+            "vocab": VOCAB, "chance": 1 / VALUES, "kept_bytes_format": "fp32"}
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # not run yet, or a half-written file: train again
+
+
+def _write(path: Path, row: dict) -> None:
+    from kvwall.files import write_text
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps(row, indent=1))
+    except OSError as exc:  # a read-only home: the result still prints, it is just not kept
+        import sys
+
+        print(f"kvwall: warning: could not cache a recall result in {path.parent} ({exc.strerror})", file=sys.stderr)
