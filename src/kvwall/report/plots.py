@@ -320,7 +320,7 @@ def recall(data: dict, path: str | Path) -> Path:
         ax.axhline(data["task"]["chance"] * 100, color="gray", lw=1, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_ylim(-3, 103)
-        ax.set_title(f"{n} key-value pairs", fontsize=10)
+        ax.set_title(f"{n} key-value pair{'s' if n != 1 else ''}", fontsize=10)
         ax.set_xlabel("kept bytes per sequence")
         ax.grid(True, which="both", alpha=0.2)
     axes[0][0].set_ylabel("recall accuracy (%)")
