@@ -21,7 +21,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from kvwall.commands import (bench_cmd, calibrate_cmd, engine_cmds, loadtest_cmd, memory_cmds, quality_cmd,
-                                 report_cmd, serve_cmd, simulate_cmd, speed_cmds, validate_cmd)
+                                 recall_cmd, report_cmd, serve_cmd, simulate_cmd, speed_cmds, validate_cmd)
 
     p = _Parser(
         prog="kvwall",
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     loadtest_cmd.register(sub)
     simulate_cmd.register(sub)
     quality_cmd.register(sub)
+    recall_cmd.register(sub)
     return p
 
 

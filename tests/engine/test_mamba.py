@@ -13,7 +13,8 @@ from tiny_checkpoints import VOCAB, ids, randomize, transformers_greedy  # noqa:
 
 from kvwall.engine.caches import make_cache  # noqa: E402
 from kvwall.engine.generate import generate  # noqa: E402
-from kvwall.engine.layers.mamba import causal_conv, scan_chunked, scan_reference, scan_step  # noqa: E402
+from kvwall.engine.layers.mamba import (causal_conv, scan_chunked, scan_prefill, scan_reference, scan_step,  # noqa: E402
+                                        scan_trainable)
 from kvwall.engine.load import load_model  # noqa: E402
 from kvwall.errors import KvwallError  # noqa: E402
 from kvwall.spec.formats import get_format  # noqa: E402
@@ -150,6 +151,25 @@ def test_fast_scan_equals_reference(chunk, big_dt):
     y, h = scan_chunked(u, dt, A, Bm, Cm, h0, chunk=chunk)
     assert torch.isfinite(y).all()
     assert (y - y_ref).abs().max().item() < 1e-4 and (h - h_ref).abs().max().item() < 1e-4
+
+
+def test_trainable_scan_equals_reference_values_and_gradients():
+    """The training path (kvwall recall) against the plain loop: outputs, final state and every input's gradient;
+    scan_prefill takes it exactly when a gradient is wanted, and leaves the caller's h untouched."""
+    inputs = scan_inputs(T=12)
+    ref = [x.clone().requires_grad_(True) for x in inputs]
+    mine = [x.clone().requires_grad_(True) for x in inputs]
+    y_ref, h_ref = scan_reference(*ref)
+    y, h = scan_prefill(*mine)
+    assert (y - y_ref).abs().max().item() < 1e-5 and (h - h_ref).abs().max().item() < 1e-5
+    w = torch.randn_like(y)
+    ((y_ref * w).sum() + h_ref.sum()).backward()
+    ((y * w).sum() + h.sum()).backward()
+    for a, b in zip(ref, mine):
+        assert (a.grad - b.grad).abs().max().item() < 1e-4 * (1 + a.grad.abs().max().item())
+    h0 = inputs[-1].clone()
+    scan_trainable(*inputs[:-1], h0)
+    assert torch.equal(h0, inputs[-1])
 
 
 def test_decode_step_equals_reference():

@@ -297,3 +297,35 @@ def _passkey_map(ax, pk: dict, name: str, plt) -> None:
     ax.set_xlabel("context (tokens)", fontsize=8)
     ax.set_ylabel("key depth", fontsize=8)
     ax.set_title(f"{name}: pass key %", fontsize=9)
+
+
+def recall(data: dict, path: str | Path) -> Path:
+    """kvwall recall's figure: held-out MQAR accuracy against the bytes a model keeps per sequence (log x), one
+    line per architecture through its widths, one panel per number of pairs; chance as a dotted line.
+
+    data: measure.recall.run's result."""
+    plt = _plt()
+    rows = data["results"]
+    pairs = sorted({r["pairs"] for r in rows})
+    archs = list(dict.fromkeys(r["arch"] for r in rows))
+    fig, axes = plt.subplots(1, len(pairs), figsize=(3.6 * len(pairs) + 1.2, 3.8), sharey=True, squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, n in zip(axes[0], pairs):
+        for i, arch in enumerate(archs):
+            pts = sorted((r["kept_bytes"], r["accuracy"] * 100, r["width"]) for r in rows
+                         if r["arch"] == arch and r["pairs"] == n)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[i % len(colors)], label=arch)
+            for x, y, w in pts:
+                ax.annotate(str(w), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.axhline(data["task"]["chance"] * 100, color="gray", lw=1, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-3, 103)
+        ax.set_title(f"{n} key-value pair{'s' if n != 1 else ''}", fontsize=10)
+        ax.set_xlabel("kept bytes per sequence")
+        ax.grid(True, which="both", alpha=0.2)
+    axes[0][0].set_ylabel("recall accuracy (%)")
+    axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle(f"MQAR at {data['task']['seq']} tokens: recall against memory (points labelled by width)",
+                 fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)

@@ -17,7 +17,8 @@ and C without weights before use; Jamba does the same with weights (Mamba.inner_
 Decode is one O(1) step on the layer's fixed state: the last K inputs of the conv (E, K) and
 h (E, N). Prefill runs the same recurrence over T tokens: ``scan_reference`` is the plain loop,
 ``scan_chunked`` a faster torch path (discretise a chunk at once, then one fused multiply-add per step), and
-``scan_prefill`` uses the fused C++ kernel of scan_kernel.py when it builds (falling back to scan_chunked).
+``scan_prefill`` uses the fused C++ kernel of scan_kernel.py when it builds (falling back to scan_chunked), and
+``scan_trainable`` when a gradient must flow back (training small models: kvwall.measure.recall).
 Padding (pos = -1) gets Δ = 0: exp(0·A) = 1 and 0·B·u = 0, so the state passes through unchanged.
 """
 
@@ -65,8 +66,27 @@ def scan_chunked(u, dt, A, Bm, Cm, h, chunk: int = 16):
     return torch.cat(ys, 1), h.clone()  # (B, T, E), (B, E, N)
 
 
+def scan_trainable(u, dt, A, Bm, Cm, h):
+    """Same result as scan_reference, and autograd can follow it (training: kvwall recall). scan_chunked writes
+    its states into one buffer with out=, which autograd refuses, and the fused kernel has no backward; here
+    exp(ΔA) and ΔBu are computed for all T at once and each step is one addcmul that keeps its own output.
+    Memory: 3 x (B, T, E, N) fp32 tensors (B 32, T 128, E 256, N 16: 200 MB)."""
+    dA = torch.exp(dt[..., None] * A)  # (B, T, E, N)
+    dBu = (dt * u)[..., None] * Bm[:, :, None]  # (B, T, E, N)
+    h = h.clone()  # the caller's h is the state cache's storage, which it overwrites before backward runs
+    states = []
+    for a, b in zip(dA.unbind(1), dBu.unbind(1)):  # unbind: one backward for all T (a slice's backward would
+        h = torch.addcmul(b, a, h)  # (B, E, N) = exp(ΔA) h + ΔBu   # fill a whole (B, T, E, N) of zeros each step)
+        states.append(h)
+    y = (torch.stack(states, 1) @ Cm[..., None])[..., 0]  # (B, T, E, N) @ (B, T, N, 1) -> (B, T, E)
+    return y, h  # (B, T, E), (B, E, N)
+
+
 def scan_prefill(u, dt, A, Bm, Cm, h):
-    """The fastest exact scan available: the fused C++ kernel on the CPU when it builds, else scan_chunked."""
+    """The fastest exact scan available: the fused C++ kernel on the CPU when it builds, else scan_chunked;
+    scan_trainable when a gradient has to flow back through it (neither of the others has a backward)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (u, dt, A, Bm, Cm, h)):
+        return scan_trainable(u, dt, A, Bm, Cm, h)
     fused = fused_scan() if u.device.type == "cpu" else None
     out = fused(u, dt, A, Bm, Cm, h) if fused is not None else None
     return out if out is not None else scan_chunked(u, dt, A, Bm, Cm, h)

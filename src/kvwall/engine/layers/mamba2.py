@@ -66,7 +66,7 @@ def ssd_chunked(x, dt, A, Bm, Cm, h, chunk: int = 64):
     y = torch.einsum("bclsh,bcshp->bclhp", scores, xdt)  # (B, c, L, H, P): within the chunk
     tail = torch.exp(cum[:, :, -1:] - cum)  # (B, c, L, H): decay from each token to the chunk end
     local = torch.einsum("bclhn,bclh,bclhp->bchpn", Bm, tail, xdt)  # (B, c, H, P, N): chunk's own state
-    starts = []
+    starts, h = [], h.clone()  # h may be the state cache's storage, overwritten by the caller before a backward
     for k in range(x.shape[1]):
         starts.append(h)
         h = torch.exp(cum[:, k, -1])[..., None, None] * h + local[:, k]  # (B, H, P, N)

@@ -1,0 +1,392 @@
+"""Recall against memory: train small models on multi-query associative recall (MQAR) and set what each
+recalls beside the bytes it keeps per sequence.
+
+MQAR (Arora et al., "Zoology: Measuring and Improving Recall in Efficient Language Models", 2023): a
+sequence opens with N key-value pairs, and later on each key comes back as a query whose answer is its value.
+Attention can look the pair up; a fixed-state model must have squeezed all N pairs into its state. Zoology's
+finding: attention solves MQAR at every width, fixed-state models fall as N grows unless the state grows.
+
+    vocabulary   0 filler | keys 1..KEYS | values KEYS+1..KEYS+VALUES
+    sequence     k1 v1 k2 v2 .. kN vN  then filler, in which each key comes back once: k_i at a query slot p,
+                 its value v_i at p + 1 (slots are the even positions after the pairs, chosen uniformly)
+    targets      v_i at position p (the next token after the query), IGNORE elsewhere: loss on answers only
+
+The models are kvwall's own engine (kvwall.engine.model.Transformer, the same layer modules that decode
+elsewhere), built from a ModelSpec that the spec parsers make from a Hugging Face-style config; 2 blocks each:
+    attention  llama: 2 x (attention + gated MLP)          sliding:W  the same, each layer a window of W tokens
+    mamba      2 Mamba blocks (d_state 16, no MLP)         mamba2     2 Mamba-2 blocks (d_state 64, no MLP)
+    hybrid     jamba: a Mamba block, then an attention block, each with a gated MLP
+Kept bytes are kvwall.predict.memory's cache bytes for one sequence of the evaluation length in fp32 (the
+dtype the models run in): K/V of every token for attention, of the last W for sliding, the fixed conv + SSM
+state for Mamba / Mamba-2, the sum for the hybrid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvwall.errors import KvwallError
+from kvwall.predict.memory import Formats, memory
+from kvwall.spec.formats import get_format
+from kvwall.spec.hf import spec_from_config
+from kvwall.spec.model import ModelSpec
+
+FILLER, KEYS, VALUES = 0, 128, 128
+VOCAB = 1 + KEYS + VALUES
+IGNORE = -100  # cross_entropy's ignore_index: no loss off the answers
+HEAD_DIM = 32  # attention head width; Mamba-2 head width too
+KINDS = ("attention", "sliding", "mamba", "mamba2", "hybrid")
+VERSION = 1  # bump when training or data change, so cached results of the old code are not reused
+
+
+# -- data ------------------------------------------------------------------------------------------------
+
+def max_pairs(seq: int) -> int:
+    """The most pairs a sequence of `seq` tokens holds: 2N for the pairs, 2N for the queries and their values."""
+    return min(KEYS, seq // 4)
+
+
+def mqar(n: int, seq: int, pairs: int, seed: int):
+    """n MQAR sequences -> tokens (n, seq) and targets (n, seq) (IGNORE except at the N query positions).
+
+    Seeded (torch.Generator): the same (n, seq, pairs, seed) gives the same batch."""
+    import torch
+
+    if not 1 <= pairs <= max_pairs(seq):
+        raise KvwallError(f"{pairs} pairs do not fit {seq} tokens (at most {max_pairs(seq)}: 4 tokens a pair); "
+                          "lower --pairs or raise --seq")
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.rand(n, KEYS, generator=g).argsort(1)[:, :pairs] + 1  # (n, N) distinct keys per row
+    values = torch.randint(KEYS + 1, VOCAB, (n, pairs), generator=g)  # (n, N)
+    slots = (seq - 2 * pairs) // 2  # query slots after the pairs
+    where = torch.rand(n, slots, generator=g).argsort(1)[:, :pairs]  # (n, N) a distinct slot per key
+    query = 2 * pairs + 2 * where  # (n, N) position of each key's query
+    tokens = torch.full((n, seq), FILLER, dtype=torch.long)
+    tokens[:, 0:2 * pairs:2], tokens[:, 1:2 * pairs:2] = keys, values  # (n, N) each: the pairs
+    tokens.scatter_(1, query, keys)
+    tokens.scatter_(1, query + 1, values)
+    targets = torch.full((n, seq), IGNORE, dtype=torch.long).scatter_(1, query, values)  # (n, seq)
+    return tokens, targets
+
+
+# -- architectures ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Arch:
+    kind: str
+    window: int | None = None  # sliding only
+
+    @property
+    def name(self) -> str:
+        return f"sliding:{self.window}" if self.window else self.kind
+
+
+def parse_archs(text: str, seq: int) -> list[Arch]:
+    """"attention,sliding:16,mamba" -> Archs; a one-line error for an unknown name or a window that never slides."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        kind, _, opt = part.partition(":")
+        if kind not in KINDS or (kind == "sliding") != bool(opt):
+            raise KvwallError(f"--archs: unknown architecture {part!r}; choose from attention, sliding:W (W a "
+                              "window in tokens), mamba, mamba2, hybrid")
+        window = None
+        if opt:
+            if not opt.isdigit() or not 1 <= int(opt) < seq:
+                raise KvwallError(f"--archs {part}: the window must be a whole number from 1 to {seq - 1} (below "
+                                  f"--seq {seq}, else it never slides)")
+            window = int(opt)
+        out.append(Arch(kind, window))
+    return list(dict.fromkeys(out))
+
+
+def check_width(width: int) -> None:
+    if width % HEAD_DIM or not HEAD_DIM <= width <= 1024:
+        raise KvwallError(f"--widths: {width} is not a multiple of {HEAD_DIM} from {HEAD_DIM} to 1024 (heads are "
+                          f"{HEAD_DIM} wide); e.g. --widths 64,128")
+
+
+def config(arch: Arch, width: int, seq: int) -> dict:
+    """The Hugging Face-style config.json of one model (2 blocks, hidden `width`), parsed like any real model's."""
+    check_width(width)
+    heads = width // HEAD_DIM
+    base = dict(vocab_size=VOCAB, hidden_size=width, num_hidden_layers=2, tie_word_embeddings=False,
+                torch_dtype="float32", max_position_embeddings=seq)
+    attn = dict(num_attention_heads=heads, num_key_value_heads=heads, head_dim=HEAD_DIM, intermediate_size=2 * width,
+                rms_norm_eps=1e-5, rope_theta=10000.0)
+    if arch.kind == "attention":
+        return dict(base, model_type="llama", **attn)
+    if arch.kind == "sliding":
+        return dict(base, model_type="mistral", sliding_window=arch.window, **attn)
+    if arch.kind == "mamba":
+        return dict(base, model_type="mamba", state_size=16, expand=2, conv_kernel=4, time_step_rank="auto")
+    if arch.kind == "mamba2":
+        return dict(base, model_type="mamba2", num_heads=2 * width // HEAD_DIM, head_dim=HEAD_DIM, state_size=64,
+                    n_groups=1, expand=2, conv_kernel=4)
+    assert arch.kind == "hybrid", arch
+    return dict(base, model_type="jamba", **attn, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=3,
+                expert_layer_offset=2, num_experts=1, num_experts_per_tok=1, mamba_d_state=16, mamba_expand=2,
+                mamba_d_conv=4)
+
+
+def model_spec(arch: Arch, width: int, seq: int) -> ModelSpec:
+    return spec_from_config(config(arch, width, seq), name=f"{arch.name} w{width}", where=f"recall arch {arch.name}")
+
+
+FP32 = Formats(get_format("fp32"), get_format("fp32"), get_format("fp32"))
+
+
+def kept_bytes(spec: ModelSpec, seq: int) -> dict[str, int]:
+    """What one sequence of `seq` tokens keeps at decode: kvwall.predict.memory's cache_bytes (batch 1, fp32),
+    split into K/V (attention layers, window-bounded) and fixed state (SSM layers)."""
+    report = memory(spec, batch=1, context=seq, formats=FP32)
+    state = report.fixed_bytes
+    return {"kept_bytes": report.cache_bytes, "kv_bytes": report.cache_bytes - state, "state_bytes": state}
+
+
+# -- training -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """How each model trains. Steps of `batch` fresh sequences (a new seed per step, so no sequence repeats);
+    AdamW with a linear warm-up then cosine decay over max_steps; gradients clipped to norm 1 (an earlier attempt
+    saw Mamba-2 diverge without a lower rate and clipping); every eval_every steps, accuracy on `val` sequences, and a stop
+    when it reaches `target` or has not improved by 1 point in `patience` evaluations; finally accuracy on `test`
+    held-out sequences (their own seeds)."""
+
+    seq: int
+    batch: int = 32
+    max_steps: int = 1500
+    warmup: int = 50
+    lr: float = 1e-3  # attention, width 64, 4 pairs at 32 tokens, 1,500 steps: 51 % at 1e-3, 29 % at 3e-3
+    weight_decay: float = 0.1
+    eval_every: int = 50
+    patience: int = 6
+    target: float = 0.995
+    val: int = 128
+    test: int = 512
+    seed: int = 0
+
+
+def build(spec: ModelSpec, seed: int):
+    """The engine's Transformer for spec, seeded, in training mode (contiguous weights: the eager layout)."""
+    import torch
+
+    from kvwall.engine.model import Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(spec).set_eager(True)
+    _init(model)
+    return model.train()
+
+
+def _init(model) -> None:
+    """GPT-2-style small init for linear and embedding weights (nn.Linear's default is too large to train a
+    2-layer model fast); SSM parameters (A_log, D, dt_proj) keep Mamba's own init."""
+    import torch
+    from torch import nn
+
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)) and not name.endswith("dt_proj"):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+    for m in model.modules():  # Mamba: A = -(1..N) per channel, dt bias so that softplus(bias) is in [1e-3, 0.1]
+        if hasattr(m, "A_log") and hasattr(m, "x_proj"):
+            E, N = m.A_log.shape
+            with torch.no_grad():
+                m.A_log.copy_(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).expand(E, N))
+                dt = torch.exp(torch.rand(E) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))  # (E,)
+                m.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        elif hasattr(m, "A_log") and hasattr(m, "dt_bias"):  # Mamba-2: A in [1, 16], dt in [1e-3, 0.1]
+            H = m.A_log.shape[0]
+            with torch.no_grad():
+                m.A_log.copy_(torch.log(torch.rand(H) * 15 + 1))
+                dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))  # (H,)
+                m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+
+def accuracy(model, tokens, targets, batch: int = 128) -> float:
+    """Share of answer positions where the model's top token is the value (greedy, teacher-forced)."""
+    import torch
+
+    hit = total = 0
+    with torch.no_grad():
+        for s in range(0, tokens.shape[0], batch):
+            t, y = tokens[s:s + batch], targets[s:s + batch]
+            pred = model(t).argmax(-1)  # (b, seq)
+            ask = y != IGNORE
+            hit += int((pred[ask] == y[ask]).sum())
+            total += int(ask.sum())
+    return hit / total
+
+
+@dataclass
+class Trained:
+    accuracy: float
+    steps: int
+    stopped: str  # "target", "plateau" or "max steps"
+    seconds: float
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, validation accuracy)
+
+
+def train(model, arch: Arch, pairs: int, plan: Plan, report: Callable[[int, float], None] | None = None) -> Trained:
+    """Train on fresh MQAR batches until the validation accuracy reaches plan.target or plateaus."""
+    import torch
+    import torch.nn.functional as F
+
+    started = time.time()
+    opt = torch.optim.AdamW(model.parameters(), lr=plan.lr, weight_decay=plan.weight_decay,
+                            betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, plan))
+    val = mqar(plan.val, plan.seq, pairs, seed=_seed(plan.seed, "val", pairs))
+    best, since, curve, stopped, step = 0.0, 0, [], "max steps", 0
+    for step in range(1, plan.max_steps + 1):
+        tokens, targets = mqar(plan.batch, plan.seq, pairs, seed=_seed(plan.seed, "train", pairs, step))
+        logits = model(tokens)  # (B, seq, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % plan.eval_every:
+            continue
+        model.eval()
+        acc = accuracy(model, *val)
+        model.train()
+        curve.append((step, round(acc, 4)))
+        if report:
+            report(step, acc)
+        if acc > best + 0.01:
+            best, since = acc, 0
+        else:
+            best, since = max(best, acc), since + 1
+        if acc >= plan.target:
+            stopped = "target"
+            break
+        if since >= plan.patience:
+            stopped = "plateau"
+            break
+    model.eval()
+    test = mqar(plan.test, plan.seq, pairs, seed=_seed(plan.seed, "test", pairs))
+    return Trained(accuracy(model, *test), step, stopped, time.time() - started, curve)
+
+
+def _lr_factor(step: int, plan: Plan) -> float:
+    if step < plan.warmup:
+        return (step + 1) / plan.warmup
+    span = max(1, plan.max_steps - plan.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - plan.warmup) / span)))
+
+
+def _seed(base: int, what: str, *parts: int) -> int:
+    """A seed per (base, what, parts): train, val and test never share sequences."""
+    text = ":".join([str(base), what, *map(str, parts)])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+
+
+# -- the grid, cached -----------------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """~/.cache/kvwall/recall (XDG_CACHE_HOME when set): one JSON file per trained configuration."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "kvwall" / "recall"
+
+
+def _key(arch: Arch, width: int, pairs: int, plan: Plan) -> str:
+    """The configuration a result belongs to: architecture, width, pairs, the whole plan and VERSION."""
+    text = json.dumps([VERSION, arch.name, width, pairs, asdict(plan)], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def grid(archs: list[Arch], widths: list[int], pairs: list[int]) -> list[tuple[Arch, int, int]]:
+    return [(a, w, n) for n in pairs for a in archs for w in widths]
+
+
+def check(archs: list[Arch], widths: list[int], pairs: list[int], plan: Plan) -> None:
+    """Every problem before any training: widths, pairs that fit the sequence, windows below it."""
+    for w in widths:
+        check_width(w)
+    for n in pairs:
+        if not 1 <= n <= max_pairs(plan.seq):
+            raise KvwallError(f"--pairs {n} does not fit --seq {plan.seq} (at most {max_pairs(plan.seq)}: each pair "
+                              "takes 4 tokens, itself and its query); lower --pairs or raise --seq")
+    for a in archs:
+        if a.window is not None and a.window >= plan.seq:
+            raise KvwallError(f"--archs {a.name}: the window is not below --seq {plan.seq}, so it never slides; "
+                              "pick a smaller window")
+
+
+def one(arch: Arch, width: int, pairs: int, plan: Plan, report: Callable[[int, float], None] | None = None) -> dict:
+    """Train and evaluate one model; its row: accuracy, parameters, kept bytes and how training went."""
+    import torch
+
+    spec = model_spec(arch, width, plan.seq)
+    model = build(spec, plan.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params == spec.params(), (n_params, spec.params())  # the spec describes the model that trained
+    with torch.random.fork_rng():
+        done = train(model, arch, pairs, plan, report)
+    return {"arch": arch.name, "kind": arch.kind, "window": arch.window, "width": width, "pairs": pairs,
+            "seq": plan.seq, "accuracy": round(done.accuracy, 4), "params": n_params, **kept_bytes(spec, plan.seq),
+            "steps": done.steps, "stopped": done.stopped, "train_seconds": round(done.seconds, 1),
+            "curve": done.curve, "layers": [l.describe() for l in spec.layers]}
+
+
+def run(archs: list[Arch], widths: list[int], pairs: list[int], plan: Plan, *, cache: Path | None = None,
+        retrain: bool = False, on_start: Callable[[str, int], None] | None = None,
+        on_eval: Callable[[str, int, float], None] | None = None,
+        on_done: Callable[[str, dict], None] | None = None) -> dict:
+    """Every (arch, width, pairs): a cached row when this exact configuration has run before, else trained now
+    (and cached). Callbacks drive the command's progress bar: on_start(label, index), on_eval(label, step,
+    validation accuracy), on_done(label, row)."""
+    check(archs, widths, pairs, plan)
+    cache = cache or cache_dir()
+    rows, started, trained = [], time.time(), 0
+    for i, (arch, width, n) in enumerate(grid(archs, widths, pairs)):
+        label = f"{arch.name} w{width} N{n}"
+        path = cache / f"{_key(arch, width, n, plan)}.json"
+        row = None if retrain else _read(path)
+        cached = row is not None
+        if on_start:
+            on_start(label, i)
+        if row is None:
+            row = one(arch, width, n, plan, (lambda s, a, label=label: on_eval(label, s, a)) if on_eval else None)
+            _write(path, row)
+            trained += 1
+        rows.append(dict(row, cached=cached))
+        if on_done:
+            on_done(label, row)
+    return {"task": task_dict(plan), "plan": asdict(plan), "results": rows, "trained": trained,
+            "cached": len(rows) - trained, "seconds": round(time.time() - started, 1), "cache": str(cache)}
+
+
+def task_dict(plan: Plan) -> dict:
+    return {"name": "MQAR (Zoology, Arora et al. 2023)", "seq": plan.seq, "keys": KEYS, "values": VALUES,
+            "vocab": VOCAB, "chance": 1 / VALUES, "kept_bytes_format": "fp32"}
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # not run yet, or a half-written file: train again
+
+
+def _write(path: Path, row: dict) -> None:
+    from kvwall.files import write_text
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps(row, indent=1))
+    except OSError as exc:  # a read-only home: the result still prints, it is just not kept
+        import sys
+
+        print(f"kvwall: warning: could not cache a recall result in {path.parent} ({exc.strerror})", file=sys.stderr)
