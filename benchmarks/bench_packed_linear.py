@@ -2,7 +2,7 @@
 stores it), torch's packed CPU ops (_weight_int8pack_mm, per-channel int8; _weight_int4pack_mm_for_cpu, int4
 groups of 32) and kvwall's PackedLinear kernel (int8 / int4, fp16 scales and zeros per group).
 
-    flock /work/bench.lock timeout 360 .venv/bin/python benchmarks/bench_packed_linear.py [--runs 15] [--rows 1,16]
+    .venv/bin/python benchmarks/bench_packed_linear.py [--runs 15] [--rows 1,16]
 
 Every matrix is read cold, as in a decode step of a model larger than the cache: each call multiplies by the next
 of enough copies of the weights (together at least 2 x the last-level cache and 256 MiB). Prints microseconds per

@@ -2,7 +2,7 @@
 (the file's own Q4_1 blocks, repacked at load), int8 and int4:g128 (re-quantized from the dequantized weights),
 against transformers in fp32 on the same dequantized weights.
 
-    flock /work/bench.lock timeout 360 .venv/bin/python benchmarks/bench_real_decode.py [--batches 1,16]
+    .venv/bin/python benchmarks/bench_real_decode.py [--batches 1,16]
         [--weights fp32,native,int8,int4:g128] [--new 64] [--runs 3] [--model smollm2-135m | path.gguf]
 
 Per batch: one random 16-token prompt (fixed seed); each engine prefills it, then 64 greedy decode steps are
