@@ -32,7 +32,7 @@ METRICS = [("req/s", "request_throughput", None), ("out tok/s", "output_token_th
 EXPORT = """
 import sys
 from pathlib import Path
-from safetensors.torch import save_model
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 gguf, out = Path(sys.argv[1]), Path(sys.argv[2])
 tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -40,8 +40,12 @@ model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, d
 out.mkdir(parents=True, exist_ok=True)
 config = model.config.to_dict()  # the dequantized weights are plain fp32: drop the GGUF quantization entry
 config.pop("quantization_config", None)
+config["architectures"] = [type(model).__name__]
 type(model.config).from_dict(config).save_pretrained(out)
-save_model(model, str(out / "model.safetensors"))  # save_pretrained refuses a GGUF-loaded model
+state = model.state_dict()  # save_pretrained refuses a GGUF-loaded model; a tied head is the embedding
+if config.get("tie_word_embeddings"):
+    state.pop("lm_head.weight", None)
+save_file({k: v.contiguous().clone() for k, v in state.items()}, str(out / "model.safetensors"))
 tok.save_pretrained(out)
 """
 
