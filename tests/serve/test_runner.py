@@ -157,3 +157,16 @@ def test_an_int8_pool_serves_like_solo(tiny_model):
     reqs = [Request(i, PREFIX[:6 + 3 * i], 5) for i in range(3)]
     serve(runner, [(i, r) for i, r in enumerate(reqs)])
     assert all(r.out[:2] == solo(model, r.prompt, 5)[:2] for r in reqs)
+
+
+def test_warm_up_runs_a_request_and_leaves_nothing_behind(tiny_model):
+    """serve warms the model up before saying it is up (first-use kernel builds); afterwards every block is
+    free, the counters read zero, and a request still equals its solo run."""
+    _, model = tiny_model("llama")
+    runner = Runner(model, n_blocks=8, block_size=4)
+    runner.warm_up()
+    assert runner.sched.pool.n_free() == 8
+    assert (runner.generated, runner.computed, runner.steps) == (0, 0, 0)
+    r = Request(1, [3, 5, 7], 4)
+    serve(runner, [(0, r)])
+    assert r.out == solo(model, [3, 5, 7], 4)

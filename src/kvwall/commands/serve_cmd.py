@@ -89,6 +89,7 @@ def _run(args, path: Path, kv_memory: int) -> int:
     kv_dtype = args.cache  # a name: serve.runner.make_pool makes the pool for it
     runner = Runner(model, kv_memory=kv_memory, block_size=args.block_size, chunk=args.chunk,
                     max_batch=args.max_batch, kv_dtype=kv_dtype)
+    runner.warm_up()  # before the server says it is up
     name = args.name or Path(args.checkpoint).name
     pool = runner.sched.pool
     print(f"kvwall serve: {name} at http://{args.host}:{args.port}/v1; KV pool {pool.n_blocks} blocks of "
