@@ -120,10 +120,18 @@ def _whole_problem(value: Any, lo: int, hi: int) -> str | None:
 
 def real_problem(value: Any, above_zero: bool) -> str | None:
     """What is wrong with a real-valued figure (None: a finite number, > 0 or >= 0 as asked)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _fits_a_float(value)
     if ok and (value > 0 or (value == 0 and not above_zero)):
         return None
     return "it must be a finite number above 0" if above_zero else "it must be a finite number, 0 or above"
+
+
+def _fits_a_float(value: int | float) -> bool:
+    """Finite as a float: math.isfinite raises on an int past 1.8e308 (JSON allows rope_theta = 10**400)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _is_int(value: Any) -> bool:
