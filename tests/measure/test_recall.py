@@ -117,3 +117,21 @@ def test_bad_arguments_get_one_line(argv, names, capsys):
     assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     for n in names:
         assert n in err, (n, err)
+
+
+def test_results_live_in_kvwall_home(tmp_path, monkeypatch):
+    """One home for what kvwall keeps: the recall cache sits beside the `local` profile under $KVWALL_HOME."""
+    from kvwall.predict.devices import profile_path
+
+    monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
+    assert recall.cache_dir() == tmp_path / "recall" and profile_path() == tmp_path / "local-device.json"
+
+
+def test_explicit_options_win_over_quick():
+    """--quick sets what was not given; a value given explicitly stays, even when it equals the full default."""
+    from kvwall.cli import build_parser
+    from kvwall.commands.recall_cmd import DEFAULTS, QUICK, _choices
+
+    args = build_parser().parse_args(["recall", "--quick", "--widths", DEFAULTS["widths"], "--seq", "20"])
+    assert _choices(args) == dict(QUICK, widths=DEFAULTS["widths"], seq=20)
+    assert _choices(build_parser().parse_args(["recall"])) == DEFAULTS

@@ -152,8 +152,8 @@ def cmd_generate(args) -> int:
     wall = time.perf_counter() - t0
     new = out.tokens[0]
     text = tok.decode(new) if tok is not None else None
-    result = {"checkpoint": str(path), "cache": args.cache, "weights": args.weights, "prompt_ids": ids, "ids": new, "text": text,
-              "prefill_s": out.prefill_s, "decode_s": out.decode_s, "decode_steps": out.decode_steps,
+    result = {"checkpoint": str(path), "cache": args.cache, "weights": args.weights, "prompt_ids": ids, "ids": new,
+              "text": text, "prefill_s": out.prefill_s, "decode_s": out.decode_s, "decode_steps": out.decode_steps,
               "decode_tokens_per_s": out.decode_tok_s, "total_s": wall, "cache_bytes": out.cache_bytes}
     return common.emit(args, result, _print_generate)
 

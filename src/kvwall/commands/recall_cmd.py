@@ -30,11 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "sequence (kvwall's predictor: K/V for attention, window-bounded for sliding, fixed state for "
                     "Mamba). Results are cached per configuration under ~/.cache/kvwall/recall, so a re-run only "
                     "trains what changed.")
-    p.add_argument("--archs", default=d["archs"], metavar="LIST",
+    p.add_argument("--archs", metavar="LIST",
                    help=f"attention, sliding:W, mamba, mamba2, hybrid (default {d['archs']})")
-    p.add_argument("--widths", default=d["widths"], metavar="LIST",
+    p.add_argument("--widths", metavar="LIST",
                    help=f"hidden sizes, multiples of 32 (default {d['widths']})")
-    p.add_argument("--pairs", default=d["pairs"], metavar="LIST",
+    p.add_argument("--pairs", metavar="LIST",
                    help=f"key-value pairs per sequence, at most seq/4 (default {d['pairs']})")
     p.add_argument("--seq", type=whole(8, 4096), default=None, metavar="L",
                    help=f"tokens per sequence, the evaluation length of kept bytes (default {d['seq']})")
@@ -53,11 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _choices(args) -> dict:
-    """What was asked: explicit options first, then --quick's, then the defaults."""
+    """What was asked: explicit options first, then --quick's, then the defaults (every option defaults to None,
+    so an explicit value equal to a default still wins over --quick)."""
     base = QUICK if args.quick else DEFAULTS
-    given = lambda name, default: getattr(args, name) if getattr(args, name) not in (None, default) else base[name]  # noqa: E731
-    return dict(archs=given("archs", DEFAULTS["archs"]), widths=given("widths", DEFAULTS["widths"]),
-                pairs=given("pairs", DEFAULTS["pairs"]), seq=args.seq or base["seq"], steps=args.steps or base["steps"])
+    return {name: getattr(args, name) or base[name] for name in DEFAULTS}
 
 
 def cmd_recall(args) -> int:

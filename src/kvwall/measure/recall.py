@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -295,9 +294,10 @@ def _seed(base: int, what: str, *parts: int) -> int:
 # -- the grid, cached -----------------------------------------------------------------------------------------
 
 def cache_dir() -> Path:
-    """~/.cache/kvwall/recall (XDG_CACHE_HOME when set): one JSON file per trained configuration."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "kvwall" / "recall"
+    """kvwall's home (kvwall.files.home: ~/.cache/kvwall) / recall: one JSON file per trained configuration."""
+    from kvwall.files import home
+
+    return home() / "recall"
 
 
 def _key(arch: Arch, width: int, pairs: int, plan: Plan) -> str:

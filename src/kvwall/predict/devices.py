@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvwall import catalog
 from kvwall.errors import KvwallError
+from kvwall.files import home
 from kvwall.spec.validate import real_problem
 
 # Compute dtypes a peak can be asked for. A 16- or 32-bit dtype without its own peak takes its same-width
@@ -100,8 +100,7 @@ _ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "h200-sxm": "h200", "4090":
 
 
 def profile_path() -> Path:
-    base = os.environ.get("KVWALL_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "kvwall")
-    return Path(base) / "local-device.json"
+    return home() / "local-device.json"
 
 
 def get_device(name: str) -> Device:
