@@ -1,9 +1,11 @@
 """SmolLM2-135M's decode speed by weight format: kvwall holding the GGUF's weights as fp32 (dequantized), natively
-(the file's own Q4_1 blocks, repacked at load), int8 and int4:g128 (re-quantized from the dequantized weights),
-against transformers in fp32 on the same dequantized weights.
+(the file's own Q4_1 blocks and Q8_0 token table, repacked at load), int8 and int4:g128 (re-quantized from the
+dequantized weights; `/q8_0` packs the token table and tied head too), against transformers in fp32 on the same
+dequantized weights, and llama.cpp on the file itself at batch 1 when llama-cpp-python is installed.
 
     .venv/bin/python benchmarks/bench_real_decode.py [--batches 1,16]
-        [--weights fp32,native,int8,int4:g128] [--new 64] [--runs 3] [--model smollm2-135m | path.gguf]
+        [--weights fp32,native,int8,int4:g128,int4:g128/q8_0] [--new 64] [--runs 3]
+        [--model smollm2-135m | path.gguf] [--no-llama-cpp]
 
 Per batch: one random 16-token prompt (fixed seed); each engine prefills it, then 64 greedy decode steps are
 timed as one run. The engines take turns run by run (a busy machine slows them alike) and each reports the
@@ -26,6 +28,35 @@ from kvwall.measure.real_worker import KvwallEngine, TransformersEngine, load_tr
 from kvwall.spec.gguf_meta import gguf_file
 
 
+class LlamaCppEngine:
+    """llama.cpp (llama-cpp-python) on the .gguf itself, one sequence: prefill the prompt, then one token a
+    step, greedy over the logits it returns (the same step/tokens interface as real_worker's engines)."""
+
+    def __init__(self, llm, prompt: torch.Tensor):
+        import numpy as np
+
+        self.llm, self.np = llm, np
+        llm.reset()
+        llm.eval(prompt[0].tolist())
+        self.tokens = [torch.tensor([[self._next()]])]
+
+    def _next(self) -> int:
+        return int(self.np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+
+    def step(self) -> None:
+        self.llm.eval([int(self.tokens[-1])])
+        self.tokens.append(torch.tensor([[self._next()]]))
+
+
+def load_llama_cpp(path, n_ctx: int):
+    """A llama_cpp.Llama on the file with as many threads as torch uses, or None when not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    return Llama(str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), n_batch=512, verbose=False)
+
+
 def one_run(make, new: int) -> tuple[float, torch.Tensor]:
     """(decode seconds for `new` tokens, the tokens (B, new + 1)) of a fresh engine from make()."""
     e = make()
@@ -36,12 +67,14 @@ def one_run(make, new: int) -> tuple[float, torch.Tensor]:
 
 
 @torch.inference_mode()
-def bench_batch(models: dict, hf, batch: int, prompt_len: int, new: int, runs: int) -> list[dict]:
+def bench_batch(models: dict, hf, batch: int, prompt_len: int, new: int, runs: int, llm=None) -> list[dict]:
     prompt = torch.randint(0, 49152, (batch, prompt_len), generator=torch.Generator().manual_seed(batch))  # (B, T)
     makers = {name: (lambda m=m: KvwallEngine(m, "contiguous", prompt, prompt_len + new + 1))
               for name, m in models.items()}
     if hf is not None:
         makers["transformers fp32"] = lambda: TransformersEngine(hf, prompt)
+    if llm is not None and batch == 1:  # llama-cpp-python's Llama runs one sequence
+        makers["llama.cpp (the file)"] = lambda: LlamaCppEngine(llm, prompt)
     times: dict[str, list[float]] = {k: [] for k in makers}
     tokens = {}
     for _ in range(runs):
@@ -57,35 +90,42 @@ def bench_batch(models: dict, hf, batch: int, prompt_len: int, new: int, runs: i
                      else bool(torch.equal(tokens[name], ref)),
                      "bytes": weight_bytes(models[name]) if name in models else None})
     base = next((r["tok_s"] for r in rows if r["engine"] == "transformers fp32"), None)
+    cpp = next((r["tok_s"] for r in rows if r["engine"].startswith("llama.cpp")), None)
     for r in rows:
         r["vs_transformers"] = r["tok_s"] / base if base else None
+        r["vs_llama_cpp"] = r["tok_s"] / cpp if cpp else None
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--weights", default="fp32,native,int8,int4:g128")
+    ap.add_argument("--weights", default="fp32,native,int8,int4:g128,int4:g128/q8_0")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--no-llama-cpp", action="store_true")
     args = ap.parse_args()
     path = gguf_file(args.model)
     models = {f"kvwall {w}": load_model(path, weights=w) for w in args.weights.split(",")}
     hf = None if args.no_transformers else load_transformers(str(path))[0]
+    llm = None if args.no_llama_cpp else load_llama_cpp(path, args.prompt + args.new + 8)
     print(f"{path.name}; torch {torch.__version__}, {torch.get_num_threads()} threads; packed kernel built: "
-          f"{packed_kernel() is not None}")
-    print("| engine | batch | decode tok/s | vs transformers | weight bytes | tokens = transformers' | runs (s) |")
-    print("|---|---|---|---|---|---|---|")
+          f"{packed_kernel() is not None}; llama.cpp: {'yes' if llm else 'not installed'}")
+    print("| engine | batch | decode tok/s | vs transformers | vs llama.cpp | weight bytes | tokens = transformers' "
+          "| runs (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
-        for r in bench_batch(models, hf, batch, args.prompt, args.new, args.runs):
+        for r in bench_batch(models, hf, batch, args.prompt, args.new, args.runs, llm):
             ratio = f"{r['vs_transformers']:.2f}x" if r["vs_transformers"] else "-"
+            cpp = f"{r['vs_llama_cpp']:.2f}x" if r["vs_llama_cpp"] else "-"
             size = f"{r['bytes'] / 1e6:.1f} MB" if r["bytes"] else "-"
             same = "-" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "no")
             runs = ", ".join(f"{t:.2f}" for t in r["runs_s"])
-            print(f"| {r['engine']} | {batch} | {r['tok_s']:.1f} | {ratio} | {size} | {same} | {runs} |", flush=True)
+            print(f"| {r['engine']} | {batch} | {r['tok_s']:.1f} | {ratio} | {cpp} | {size} | {same} | {runs} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -103,8 +103,8 @@ def dequantized_copy(path, packed_model, dtype=torch.float32):
     ref = load_model(path, dtype)
     mods = dict(ref.named_modules())
     for name, m in packed_model.named_modules():
-        if isinstance(m, PackedLinear):
-            mods[name].weight.data = m.dequantized().to(dtype)
+        if isinstance(m, PackedLinear):  # a packed table's tied head ("embed.head") stands for the table
+            mods[name.removesuffix(".head")].weight.data = m.dequantized().to(dtype)
     return ref.set_eager(False)
 
 
@@ -120,6 +120,34 @@ def test_packed_model_logits_equal_the_dequantized_model(checkpoint, name):
         want = ref(tokens)
         torch.testing.assert_close(model(tokens), want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(model.set_eager(True)(tokens), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt2"])  # untied head; tied + softcap; + positions
+@pytest.mark.parametrize("name", ["int4/q8_0", "int8:g64/int4:g32:sym"])
+def test_packed_table_and_head_equal_the_dequantized_model(checkpoint, family, name):
+    """WEIGHTS/HEAD: the token table (and an untied head) packed too; logits equal the model holding every
+    dequantized matrix in fp32, full forward and token-by-token decode; learned positions stay float."""
+    path, _ = checkpoint(family)
+    model = load_model(path, weights=name)
+    assert isinstance(model.embed, packed.PackedEmbedding)
+    assert model.lm_head is None or isinstance(model.lm_head, PackedLinear)
+    ref = dequantized_copy(path, model)
+    tokens = ids(2, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), ref(tokens), rtol=1e-4, atol=1e-4)
+    prompts = ids(2, 8, seed=5).tolist()
+    assert generate(model, prompts, 12).tokens == generate(ref, prompts, 12).tokens
+
+
+@pytest.mark.parametrize("name", ["int4/q8_0", "q4_1/int8:g32", "int8:g64/int4:g64:sym"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # untied; tied (families whose biases, q/k norms or
+# routers the predictor counts in the weight format differ by those few bytes: see the closing note of stop 25)
+def test_packed_table_bytes_equal_the_predictor(checkpoint, family, name):
+    """Loaded in bf16, a model with its table (and untied head) packed holds the predictor's bytes for the same
+    WEIGHTS/HEAD string; its table is stored once when tied."""
+    path, _ = checkpoint(family)
+    model = load_model(path, "bfloat16", weights=name)
+    assert weight_bytes(model) == total_weight_bytes(model.spec, get_format(name, head_ok=True))
 
 
 def test_int8_greedy_tokens_equal_the_dequantized_run(checkpoint):
@@ -179,7 +207,8 @@ def test_gguf_blocks_repack_bit_for_bit(tmp_path, qtype):
         checked += 1
     assert checked == 2 * 7  # q, k, v, o, gate, up, down in 2 layers
     native, plain = load_model(path, weights="native"), load_model(path)
-    assert sum(isinstance(m, PackedLinear) for m in native.modules()) == 2 * 4
+    assert sum(isinstance(m, PackedLinear) for m in native.modules()) == 2 * 4 + 2  # + the table, the untied head
+    assert isinstance(native.embed, packed.PackedEmbedding) and isinstance(native.lm_head, PackedLinear)
     tokens = ids(1, 16)
     with torch.no_grad():
         torch.testing.assert_close(native(tokens), plain(tokens), rtol=1e-4, atol=1e-4)
@@ -194,8 +223,28 @@ def test_smollm2_q4_1_native_bytes_equal_the_predictor():
     except KvwallError as exc:
         pytest.skip(str(exc))
     model = load_model(path, "bfloat16", weights="native")
-    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 30 * 4
-    assert weight_bytes(model) == total_weight_bytes(model.spec, get_format("q4_1"))
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 30 * 4 + 1  # and the Q8_0 table's head
+    assert weight_bytes(model) == total_weight_bytes(model.spec, get_format("q4_1/q8_0", head_ok=True))
+
+
+def test_smollm2_file_bytes_equal_the_predictor():
+    """Independent of the engine: the bytes the gguf package gives for each tensor of SmolLM2's file add up to
+    `--weight-format q4_1/q8_0`, the norms (F32 in the file) counted at the predictor's 2 bytes."""
+    gg = pytest.importorskip("gguf")
+    from kvwall.spec.gguf_meta import packaged_path
+    from kvwall.spec.hf import spec_from_config
+    from kvwall.spec.gguf_meta import config_from_meta, read_meta
+
+    try:
+        path = packaged_path("smollm2-135m")
+    except KvwallError as exc:
+        pytest.skip(str(exc))
+    reader = gg.GGUFReader(str(path))
+    f32 = gg.GGMLQuantizationType.F32
+    quant = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type != f32)
+    norms = sum(int(t.n_elements) for t in reader.tensors if t.tensor_type == f32)
+    spec = spec_from_config(config_from_meta(read_meta(path)), name="smollm2")
+    assert quant + 2 * norms == total_weight_bytes(spec, get_format("q4_1/q8_0", head_ok=True))
 
 
 # -- bad values ----------------------------------------------------------------------------------------------

@@ -195,7 +195,39 @@ def test_bench_a_real_model_against_transformers(tmp_path, local_profile, capsys
         assert r["same_tokens_as_transformers"] is True
         # batch x (16 prompt + 2 warm-up + 3 timed + 1) slots x 2 layers x 2 KV heads x (16 + 16) x 4 bytes
         assert r["cache_bytes"] == batch * 22 * 2 * 2 * 32 * 4
-    assert set(real["summary"]["contiguous_vs_transformers"]) == {"tiny@1", "tiny@2"}
+    assert set(real["summary"]["contiguous_vs_transformers"]) == {"tiny:fp32@1", "tiny:fp32@2"}
+
+
+def test_bench_a_real_model_by_weight_format(tmp_path, local_profile, capsys):
+    """--weights fp32,int8:g32: one kvwall engine per format in the same run; int8's greedy tokens are its own
+    (not asserted), and its predicted step reads 73,728 projection weights x (4 - 1.125) bytes fewer (2 layers
+    x (q 64x64 + k, v 64x32 + o 64x64 + gate, up, down 64x128); int8:g32 = 1 + 4/32 bytes a weight)."""
+    import sys
+    from pathlib import Path
+
+    gguf = pytest.importorskip("gguf")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+    from test_gguf import tiny_hf, write_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_hf("llama"), "llama", gguf.GGMLQuantizationType.F32)
+    argv = ["bench", str(path), "--batch", "1", "--cache", "contiguous", "--steps", "2", "--weights", "fp32,int8:g32",
+            "--json"]
+    assert main(argv) == 0
+    real = json.loads(capsys.readouterr().out)["real_models"]
+    rows = {(r["engine"], r["weights"]): r for r in real["results"]}
+    assert set(rows) == {("kvwall:contiguous", "fp32"), ("kvwall:contiguous", "int8:g32"), ("transformers", "fp32")}
+    assert real["weights"] == ["fp32", "int8:g32"]
+    fp32, int8 = rows["kvwall:contiguous", "fp32"], rows["kvwall:contiguous", "int8:g32"]
+    assert fp32["pred_bytes"] - int8["pred_bytes"] == pytest.approx(73728 * (4 - 1.125))
+    assert rows["kvwall:contiguous", "fp32"]["same_tokens_as_transformers"] is True
+
+
+def test_bench_native_weights_of_a_safetensors_model_is_one_line(checkpoint, local_profile, capsys):
+    path, _ = checkpoint("llama")
+    assert main(["bench", str(path), "--batch", "1", "--weights", "native", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvwall: error:") and "native" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("bad", [["--batch", "0"], ["--batch", "1,x"], ["--cache", "int3"], ["--cache", "int4:q"]])

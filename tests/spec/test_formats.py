@@ -46,3 +46,25 @@ def test_gguf_block_formats_match_ggml(name):
     assert fmt.bytes(3, 4 * block) == 3 * 4 * size
     with pytest.raises(KvwallError, match="fixed layout"):
         get_format(name.lower() + ":g64")
+
+
+def test_a_weight_format_names_its_head_after_a_slash():
+    """q4_1/q8_0: projections in q4_1, the token table and LM head in q8_0; the label reads back the same."""
+    from kvwall.spec.formats import head_format, keep_16bit
+
+    fmt = get_format("Q4_1/Q8_0", head_ok=True)
+    assert fmt.name == "q4_1" and fmt.head.name == "q8_0" and fmt.label == "q4_1/q8_0"
+    assert head_format(fmt).name == "q8_0" and keep_16bit(fmt).name == "bf16"  # norms stay 16-bit
+    assert get_format("int4:g128/int8:sym", head_ok=True).label == "int4:g128/int8:g128:sym"
+    assert head_format(get_format("int4")).name == "bf16" and head_format(get_format("fp32")).name == "fp32"
+
+
+@pytest.mark.parametrize("bad", ["int4/", "/int8", "int4/int8/int8", "int4/fp7"])
+def test_bad_head_formats(bad):
+    with pytest.raises(KvwallError):
+        get_format(bad, head_ok=True)
+
+
+def test_a_kv_format_takes_no_head():
+    with pytest.raises(KvwallError, match="only a weight format"):
+        get_format("int4/int8")

@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=whole(1, 1 << 16), help="torch threads (default: all cores)")
     p.add_argument("--batch", default="1,16", help="real models: batch sizes (default 1,16)")
     p.add_argument("--cache", help=f"real models: caches (default all: {','.join(CACHE_NAMES)})")
+    common.add_weights(p, many=True)  # real models: one kvwall engine per weight format (default fp32)
     p.add_argument("--plot", metavar="PNG", help="measured vs predicted decode time vs context")
     p.add_argument("--save", metavar="JSON", help="also write the results to this file")
     common.add_json(p)
@@ -76,14 +77,14 @@ def real_plan(args):
 
     caches = [parse_cache(c).text for c in args.cache.split(",")] if args.cache else list(CACHE_NAMES)
     batches = tuple(parse_int_list(args.batch, "--batch"))  # whole numbers >= 1, or a one-line error
-    return RealPlan([], caches, batches, steps=args.steps, threads=args.threads)
+    return RealPlan([], caches, batches, steps=args.steps, threads=args.threads, weights=args.weights or ["fp32"])
 
 
 def real_data(plan, rows: list[dict]) -> dict:
     from kvwall.measure.real_bench import summary
 
     return {"prompt": plan.prompt, "steps": plan.steps, "warmup": plan.warmup, "batches": list(plan.batches),
-            "caches": plan.caches, "results": rows, "skipped": plan.skipped, "summary": summary(rows)}
+            "caches": plan.caches, "weights": plan.weights, "results": rows, "skipped": plan.skipped, "summary": summary(rows)}
 
 
 def _run_real(plan, device) -> list[dict]:
@@ -171,12 +172,14 @@ def print_real(real: dict) -> None:
         err = f"{r['pred_error'] * 100:+.0f}%" if r.get("pred_error") is not None else "-"
         same = {True: "yes", False: "no", None: "-"}[r.get("same_tokens_as_transformers")]
         cache = fmt_bytes(r["cache_bytes"]) if r.get("cache_bytes") is not None else "-"
-        rows.append([r["arch"], str(r["batch"]), r["engine"], f"{r['tok_s']:.1f}", f"{r['step_s'] * 1e3:.1f}", vs,
+        engine = r["engine"] if r["engine"] == "transformers" else f"{r['engine']} ({r['weights']})"
+        rows.append([r["arch"], str(r["batch"]), engine, f"{r['tok_s']:.1f}", f"{r['step_s'] * 1e3:.1f}", vs,
                      pred, err, same, cache])
-    console().print(table(f"real models: decode tok/s, fp32, {real['prompt']}-token prompt, greedy; median of "
+    console().print(table(f"real models: decode tok/s, {real['prompt']}-token prompt, greedy; median of "
                           f"{real['steps']} steps taken in turn by every engine in one process",
                           ["model", "batch", "engine", "tok/s", "ms/step", "vs transformers", "pred tok/s",
                            "pred error", "same tokens", "cache"], rows,
-                          caption="pred = roofline on the local profile (fp32 weights, the cache's KV format); "
+                          caption="engine (weights): fp32 activations, weights as --weights holds them (transformers: "
+                          "fp32); pred = roofline on the local profile for those weights and the cache's KV format; "
                           "pred error = predicted step / measured - 1; same tokens = greedy tokens equal "
                           "transformers'"))

@@ -396,8 +396,9 @@ def build_loaded(spec: ModelSpec, ckpt, dtype: torch.dtype, device: str, weights
 
 def _pack(model: Transformer, ckpt, weights) -> None:
     """Projections into PackedLinear: quantized to a Format, or (NATIVE) the .gguf's own blocks where every part
-    of the engine matrix (q, k, v; gate, up) is stored in the same Q4_0 / Q4_1 / Q8_0 type."""
-    from kvwall.engine.layers.packed import pack_model
+    of the engine matrix (q, k, v; gate, up) is stored in the same Q4_0 / Q4_1 / Q8_0 type, and the embedding
+    table and LM head likewise."""
+    from kvwall.engine.layers.packed import pack_head, pack_model
 
     if weights != NATIVE:
         pack_model(model, weights)
@@ -415,6 +416,8 @@ def _pack(model: Transformer, ckpt, weights) -> None:
     if not hasattr(ckpt, "packed"):
         raise KvwallError(f"--weights {NATIVE} needs a .gguf file")
     pack_model(model, source=source)
+    table, head = (source(n, None) if n + ".weight" in names else None for n in ("embed", "lm_head"))
+    pack_head(model, table=table, head=head)  # SmolLM2's Q8_0 token table, also its tied head
 
 
 def load_state(ckpt: Checkpoint, model: Transformer, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -142,12 +142,15 @@ class Transformer(nn.Module):
         """What a forward without a cache remembers: nothing (attention over the new tokens, SSMs from zero)."""
         if not has_state(self.spec):
             return NoCache()
-        w = self.embed.weight
-        return ModelCache(NoCache(), StateCache(self.spec, batch, w.dtype, w.device))
+        packed = getattr(self.embed, "head", None)  # a packed table (PackedEmbedding) has no float weight to ask
+        dtype, device = ((self.embed.dtype, packed.q.device) if packed is not None
+                         else (self.embed.weight.dtype, self.embed.weight.device))
+        return ModelCache(NoCache(), StateCache(self.spec, batch, dtype, device))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        out = x @ w.T  # (B, T, V)
+        head = self.embed if self.lm_head is None else self.lm_head
+        head = getattr(head, "head", head)  # a packed table's tied head (engine/layers/packed.py PackedEmbedding)
+        out = x @ head.weight.T if isinstance(head, (nn.Embedding, nn.Linear)) else head(x)  # (B, T, V)
         cap = self.spec.final_softcap
         return cap * torch.tanh(out / cap) if cap else out
 

@@ -8,7 +8,7 @@ every timed step, and `vs_transformers` is kvwall's tok/s over transformers' at 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from kvwall.engine.caches.registry import CACHE_NAMES, parse_cache
@@ -16,7 +16,9 @@ from kvwall.measure.archs import Arch
 from kvwall.predict.devices import Device
 from kvwall.predict.memory import Formats
 from kvwall.predict.roofline import Roof, decode
-from kvwall.spec.formats import get_format
+from kvwall.errors import KvwallError
+from kvwall.spec.formats import Format, engine_weights, get_format
+from kvwall.spec.gguf_meta import read_meta, weight_format
 from kvwall.spec.hf import spec_from_config
 
 BATCHES = (1, 16)
@@ -33,6 +35,7 @@ class RealPlan:
     warmup: int = 2
     threads: int | None = None
     transformers: bool = True
+    weights: list[str] = field(default_factory=lambda: ["fp32"])  # --weights: one kvwall engine per format
     skipped: list[dict] = field(default_factory=list)
 
 
@@ -42,22 +45,43 @@ def kv_format(cache: str) -> str:
     return choice.format or ("fp8" if choice.name == "fp8" else "fp32")
 
 
-def predict(arch: Arch, cache: str, batch: int, context: int, device: Device) -> dict:
-    """The roofline's decode step on the local profile: fp32 weights, the cache's KV format."""
+def held_format(arch: Arch, weights: str) -> Format:
+    """The predictor's format of what an fp32 engine holds under --weights: packed projections (native: the
+    file's own types, gguf_meta.weight_format) with the token table and head in fp32 unless packed too."""
+    fmt = engine_weights(weights)
+    if fmt is None:
+        if not str(arch.checkpoint).lower().endswith(".gguf"):
+            raise KvwallError(f"--weights native keeps a .gguf file's own blocks; {arch.name} is not a .gguf: use "
+                              "int8 or int4")
+        text = weight_format(read_meta(arch.checkpoint))
+        if text is None:
+            raise KvwallError(f"{arch.name}: its file mixes weight types, so --weights native has no single "
+                              "predictor format; use int8 or int4")
+        fmt = get_format(text, head_ok=True)
+    return fmt if fmt.head is not None or fmt.is_float() else replace(fmt, head=get_format("fp32"))
+
+
+def predict(arch: Arch, cache: str, batch: int, context: int, device: Device, weights: str = "fp32") -> dict:
+    """The roofline's decode step on the local profile: the weights as the engine holds them (fp32
+    activations), the cache's KV format."""
     spec = spec_from_config(arch.config, name=arch.name, where=arch.checkpoint or arch.name)
     fp32 = get_format("fp32")
     spec = spec if parse_cache(cache).name == "sliding" else spec.with_window(None)  # others keep every token
-    d = decode(spec, context, batch, Formats(fp32, get_format(kv_format(cache)), fp32), Roof(device, dtype="fp32"))
+    fm = Formats(held_format(arch, weights), get_format(kv_format(cache)), fp32)
+    d = decode(spec, context, batch, fm, Roof(device, dtype="fp32"))
     return {"pred_step_s": d.time_s, "pred_tok_s": batch / d.time_s, "pred_bound": d.bound, "pred_bytes": d.bytes}
 
 
 def run(plan: RealPlan, device: Device, on_row: Callable[[dict], None] | None = None) -> list[dict]:
     """Every real model at every batch: kvwall's caches and transformers, with predictions and ratios."""
     rows = []
+    for arch in plan.archs:  # a --weights the predictor cannot name fails here, before any model runs
+        for w in plan.weights:
+            held_format(arch, w)
     for arch in plan.archs:
         job = {"name": arch.name, "checkpoint": arch.checkpoint, "caches": plan.caches, "batches": list(plan.batches),
                "prompt": plan.prompt, "steps": plan.steps, "warmup": plan.warmup, "threads": plan.threads,
-               "transformers": plan.transformers}
+               "transformers": plan.transformers, "weights": plan.weights}
         got = []
         for line in _worker(job):
             if "error" in line:
@@ -65,7 +89,7 @@ def run(plan: RealPlan, device: Device, on_row: Callable[[dict], None] | None = 
                 continue
             if line["cache"] is not None:  # the middle of the timed steps: what the cache holds on average
                 context = plan.prompt + plan.warmup + (plan.steps + 1) // 2
-                line.update(predict(arch, line["cache"], line["batch"], context, device))
+                line.update(predict(arch, line["cache"], line["batch"], context, device, line["weights"]))
                 line["pred_error"] = line["pred_step_s"] / line["step_s"] - 1
             got.append(line)
             if on_row:
@@ -90,9 +114,9 @@ def _worker(job: dict):
 
 
 def summary(rows: list[dict]) -> dict:
-    """Per model and batch: kvwall's contiguous cache against transformers (the targets of issue 12)."""
+    """Per model, weights and batch: kvwall's contiguous cache against transformers (the targets of issue 12)."""
     out = {}
     for r in rows:
         if r["cache"] == "contiguous" and r["vs_transformers"] is not None:
-            out[f"{r['arch']}@{r['batch']}"] = round(r["vs_transformers"], 3)
+            out[f"{r['arch']}:{r['weights']}@{r['batch']}"] = round(r["vs_transformers"], 3)
     return {"contiguous_vs_transformers": out}

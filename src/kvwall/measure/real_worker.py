@@ -23,6 +23,7 @@ class Engine:
     """A model mid-generation: its cache (when it keeps one outside), the last token of each row, the step count."""
 
     name = ""
+    key = "transformers"  # unique among the engines of one run
 
     def step(self) -> None:
         raise NotImplementedError
@@ -34,10 +35,11 @@ class Engine:
 
 
 class KvwallEngine(Engine):
-    def __init__(self, model, cache: str, prompt: torch.Tensor, max_len: int):
+    def __init__(self, model, cache: str, prompt: torch.Tensor, max_len: int, weights: str = "fp32"):
         from kvwall.engine.caches import make_cache
 
-        self.name, self.model = f"kvwall:{cache}", model
+        self.name, self.model, self.weights = f"kvwall:{cache}", model, weights
+        self.key = f"{self.name}@{weights}"  # the name twice under two weight formats
         self.cache = make_cache(cache, model.spec, prompt.shape[0], max_len)
         self.cache_name = cache
         logits = model(prompt, None, self.cache, last_only=True)  # (B, 1, V)
@@ -87,12 +89,12 @@ def load_transformers(path: str):
 
 def interleaved(engines: list[Engine], steps: int, warmup: int) -> dict[str, list[float]]:
     """Seconds of each timed step per engine, the engines taking turns step by step."""
-    times: dict[str, list[float]] = {e.name: [] for e in engines}
+    times: dict[str, list[float]] = {e.key: [] for e in engines}
     for i in range(warmup + steps):
         for e in engines:
             t = e.timed_step()
             if i >= warmup:
-                times[e.name].append(t)
+                times[e.key].append(t)
     return times
 
 
@@ -103,19 +105,22 @@ def same_tokens(e: Engine, ref: Engine | None) -> bool | None:
 
 
 @torch.inference_mode()
-def run_batch(model, hf, job: dict, batch: int) -> list[dict]:
+def run_batch(models: dict, hf, job: dict, batch: int) -> list[dict]:
+    """models: --weights value -> the kvwall model holding its weights that way (one engine per cache each)."""
+    spec = next(iter(models.values())).spec
     gen = torch.Generator().manual_seed(batch)
-    prompt = torch.randint(0, model.spec.vocab, (batch, job["prompt"]), generator=gen)  # (B, T)
+    prompt = torch.randint(0, spec.vocab, (batch, job["prompt"]), generator=gen)  # (B, T)
     max_len = job["prompt"] + job["warmup"] + job["steps"] + 1
-    engines: list[Engine] = [KvwallEngine(model, c, prompt, max_len) for c in job["caches"]]
+    engines: list[Engine] = [KvwallEngine(m, c, prompt, max_len, w) for w, m in models.items() for c in job["caches"]]
     ref = TransformersEngine(hf, prompt) if hf is not None else None
     engines += [ref] if ref is not None else []
     times = interleaved(engines, job["steps"], job["warmup"])
     out = []
     for e in engines:
-        med = statistics.median(times[e.name])
+        med = statistics.median(times[e.key])
         out.append({"arch": job["name"], "batch": batch, "engine": e.name, "cache": getattr(e, "cache_name", None),
-                    "step_s": med, "tok_s": batch / med, "step_runs_s": times[e.name],
+                    "weights": getattr(e, "weights", "fp32"), "step_s": med, "tok_s": batch / med,
+                    "step_runs_s": times[e.key],
                     "cache_bytes": e.cache.nbytes() if isinstance(e, KvwallEngine) else None,
                     "same_tokens_as_transformers": None if e is ref else same_tokens(e, ref)})
     return out
@@ -128,7 +133,7 @@ def main(argv: list[str]) -> int:
     from kvwall.errors import KvwallError
 
     try:
-        model = load_model(job["checkpoint"])
+        models = {w: load_model(job["checkpoint"], weights=w) for w in job.get("weights") or ["fp32"]}
     except KvwallError as exc:
         print(json.dumps({"arch": job["name"], "error": str(exc)}), flush=True)
         return 0
@@ -136,7 +141,7 @@ def main(argv: list[str]) -> int:
     if why:
         print(json.dumps({"arch": job["name"], "error": f"transformers side skipped: {why}"}), flush=True)
     for batch in job["batches"]:
-        for line in run_batch(model, hf, job, batch):
+        for line in run_batch(models, hf, job, batch):
             print(json.dumps(line), flush=True)
     return 0
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from kvwall.errors import KvwallError
 from kvwall.predict import mixers
-from kvwall.spec.formats import Format, checkpoint_format, get_format, keep_16bit
+from kvwall.spec.formats import Format, checkpoint_format, get_format, head_format, keep_16bit
 from kvwall.spec.model import Layer, ModelSpec
 
 NEVER = 1 << 40  # a context no model reaches: a layer keeping fewer has a window; a batch fitting it never fills
@@ -41,11 +41,12 @@ class Formats:
         base = checkpoint_format(spec.dtype)
         if base.bits > 16:
             base = get_format("bf16")
-        w = get_format(weights) if weights else base
+        w = get_format(weights, head_ok=True) if weights else base
         return cls(w, get_format(kv) if kv else base, get_format(state) if state else base)
 
     def as_dict(self) -> dict:
-        return {"weights": self.weights.label, "kv": self.kv.label, "state": self.state.label}
+        return {"weights": self.weights.label, "head": head_format(self.weights).label, "kv": self.kv.label,
+                "state": self.state.label}
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,13 @@ def layer_weight_bytes(layer: Layer, spec: ModelSpec, fmt: Format, tp: int = 1) 
 
 
 def embedding_bytes(spec: ModelSpec, fmt: Format, tp: int = 1) -> tuple[int, int]:
-    """(input embedding, LM head + final norm) bytes on one GPU; vocab split tp ways."""
-    f16 = keep_16bit(fmt)
-    emb = _param_bytes(spec.embedding_params() / tp + spec.extra_params, f16)
-    head = _param_bytes(spec.lm_head_params() / tp, f16) + _param_bytes(spec.final_norm_params, f16)
+    """(input embedding, LM head + final norm) bytes on one GPU; vocab split tp ways. The token table and the
+    head are in head_format(fmt); the final norm and extra parameters stay 16-bit."""
+    f16, table = keep_16bit(fmt), head_format(fmt)
+    tokens = spec.vocab * spec.hidden  # the token table; learned positions and extras stay 16-bit
+    emb = _param_bytes(tokens / tp, table) + _param_bytes((spec.embedding_params() - tokens) / tp + spec.extra_params,
+                                                          f16)
+    head = _param_bytes(spec.lm_head_params() / tp, table) + _param_bytes(spec.final_norm_params, f16)
     return emb, head
 
 

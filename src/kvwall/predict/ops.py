@@ -25,7 +25,7 @@ expected number of distinct experts is ``E (1 - (1 - k/E)^T)``.
 from __future__ import annotations
 
 from kvwall.predict import mixers
-from kvwall.spec.formats import keep_16bit
+from kvwall.spec.formats import head_format
 from kvwall.predict.memory import Formats
 from kvwall.predict.step import ACT_BYTES, CACHE, GATHER, LINK, SCAN, Op, Step, matmul
 from kvwall.spec.model import Layer, ModelSpec
@@ -58,14 +58,14 @@ def step_ops(spec: ModelSpec, st: Step, fm: Formats, tp: int = 1, mla_absorbed: 
 
 def embedding(spec: ModelSpec, tokens: int, fm: Formats) -> Op:
     """The embedding lookup: one row of the table read per token."""
-    w16 = keep_16bit(fm.weights)
-    return Op("embedding", None, weight_bytes=tokens * spec.hidden * w16.bytes_per_element(),
+    table = head_format(fm.weights)
+    return Op("embedding", None, weight_bytes=tokens * spec.hidden * table.bytes_per_element(),
               act_bytes=tokens * spec.hidden * ACT_BYTES, kind=GATHER)
 
 
 def lm_head(spec: ModelSpec, seqs: int, fm: Formats, tp: int = 1) -> Op:
     """The LM head on each sequence's last position only."""
-    return matmul("lm_head", None, seqs, spec.hidden, spec.vocab / tp, keep_16bit(fm.weights))
+    return matmul("lm_head", None, seqs, spec.hidden, spec.vocab / tp, head_format(fm.weights))
 
 
 def mixed_ops(spec: ModelSpec, groups: list[Step], fm: Formats, tp: int = 1) -> list[Op]:

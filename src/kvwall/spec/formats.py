@@ -25,6 +25,12 @@ mxfp4       4     32     e8m0 (1 B)   -            0.5 + 1/32  = 0.53125
 Integer formats take a group size suffix: ``int4:g128`` (weights, GPTQ/AWQ
 style), ``int8:g64``; ``int8:sym`` drops the zero point.
 
+A weight format may name a second format after a slash for the embedding table
+and the LM head: ``q4_1/q8_0`` is SmolLM2's GGUF (Q4_1 projections, a Q8_0
+token table that is also its tied head), ``int4:g128/int8``. Without one they
+stay 16-bit when the projections are quantized (``keep_16bit``), as most
+checkpoints ship them; llama.cpp's quantizer does not keep them 16-bit.
+
 llama.cpp's GGUF block formats are fixed layouts in the same terms (block structs
 in ggml-common.h; a "scale" here is every per-block byte that is not a quant):
 
@@ -60,12 +66,13 @@ class Format:
     zero_bytes: int = 0
     torch_dtype: str | None = None  # the element type an engine stores (None: packed integers)
     fixed: bool = False  # a fixed block layout (nvfp4, GGUF blocks): no :gN / :sym options
+    head: "Format | None" = None  # weights only: the embedding table's and LM head's format (None: keep_16bit)
 
     @property
     def label(self) -> str:
-        if self.group is None or self.fixed:
-            return self.name
-        return f"{self.name}:g{self.group}" + ("" if self.zero_bytes else ":sym")
+        own = self.name if self.group is None or self.fixed else (
+            f"{self.name}:g{self.group}" + ("" if self.zero_bytes else ":sym"))
+        return own if self.head is None else f"{own}/{self.head.label}"
 
     def vector_bytes(self, n: int) -> int:
         """Bytes of one vector of n elements: packed data + per-group scale/zero."""
@@ -117,9 +124,22 @@ _ALIASES = {"float32": "fp32", "f32": "fp32", "float16": "fp16", "f16": "fp16", 
 FORMAT_NAMES = sorted(_BASE)
 
 
-def get_format(text: str) -> Format:
-    """'bf16', 'fp8', 'int4', 'int4:g128', 'int8:g64:sym' -> Format."""
-    parts = str(text).strip().lower().split(":")
+def get_format(text: str, head_ok: bool = False) -> Format:
+    """'bf16', 'fp8', 'int4', 'int4:g128', 'int8:g64:sym' -> Format; a weight format (head_ok) may add /HEAD:
+    'q4_1/q8_0' -> q4_1 with a q8_0 embedding table and LM head."""
+    own, slash, head = str(text).strip().lower().partition("/")
+    if slash and not head_ok:
+        raise KvwallError(f"format {text!r}: only a weight format takes a /HEAD part (the embedding table's and "
+                          "LM head's format); drop it")
+    if slash:
+        if not head or "/" in head:
+            raise KvwallError(f"format {text!r}: write WEIGHTS/HEAD with one format each side, e.g. q4_1/q8_0")
+        return replace(_one_format(own), head=_one_format(head))
+    return _one_format(own)
+
+
+def _one_format(text: str) -> Format:
+    parts = text.split(":")
     base = _ALIASES.get(parts[0], parts[0])
     if base not in _BASE:
         raise KvwallError(f"unknown format {text!r}; known formats: {', '.join(FORMAT_NAMES)} "
@@ -139,6 +159,7 @@ def get_format(text: str) -> Format:
 
 NATIVE = "native"  # --weights native: a .gguf's own Q4_0 / Q4_1 / Q8_0 blocks, repacked at load
 ENGINE_WEIGHTS = ("fp32, bf16, fp16, int8[:gN][:sym], int4[:gN][:sym], q4_0, q4_1, q8_0 "
+                  "(each with an optional /HEAD packed format for the embedding table and LM head, e.g. int4/q8_0) "
                   "or native (a .gguf's own blocks)")
 
 
@@ -155,17 +176,26 @@ def engine_weights(text: str) -> Format | None:
     if str(text).strip().lower() == NATIVE:
         return None
     try:
-        fmt = get_format(text)
+        fmt = get_format(text, head_ok=True)
     except KvwallError:
         fmt = None
     if fmt is None or not ((fmt.is_float() and fmt.bits >= 16) or packed_weights(fmt)):
         raise KvwallError(f"{text!r} is not a weight format the engine holds; pick one of {ENGINE_WEIGHTS}")
+    if fmt.head is not None and not packed_weights(fmt.head):
+        raise KvwallError(f"--weights {text}: the engine holds an embedding table / LM head format after '/' only "
+                          "packed (int8, int4, q4_0, q4_1, q8_0); without '/' they stay in the model's dtype")
     return fmt
 
 
 def keep_16bit(fmt: Format) -> Format:
-    """Embeddings, norms and the LM head stay 16-bit when the weights are quantized below 16 bits."""
-    return fmt if fmt.bits >= 16 else _BASE["bf16"]
+    """Norms (and, without a /HEAD format, embeddings and the LM head) stay 16-bit when the weights are
+    quantized below 16 bits."""
+    return replace(fmt, head=None) if fmt.bits >= 16 else _BASE["bf16"]
+
+
+def head_format(fmt: Format) -> Format:
+    """The embedding table's and LM head's format under weight format `fmt`: its /HEAD part, else keep_16bit."""
+    return fmt.head or keep_16bit(fmt)
 
 
 def checkpoint_format(dtype: str | None) -> Format:

@@ -170,6 +170,24 @@ def file_weights(meta: GGUFMeta) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: -r["bytes"])
 
 
+def weight_format(meta: GGUFMeta) -> str | None:
+    """The predictor's --weight-format for the file as stored: the layers' matrices' one GGML type, then
+    /the token table's type (SmolLM2's file: q4_1/q8_0); None when the layers mix types (Q4_K_M mixes
+    Q4_K and Q6_K) or a type has no predictor format."""
+    from kvwall.spec.formats import get_format
+
+    mats = {t.kind for n, t in meta.tensors.items() if n.startswith("blk.") and len(t.shape) == 2}
+    table = meta.tensors.get("token_embd.weight")
+    if len(mats) != 1 or table is None:
+        return None
+    text = f"{mats.pop()}/{table.kind}".lower()
+    try:
+        get_format(text, head_ok=True)
+    except KvwallError:
+        return None
+    return text
+
+
 def spec_from_gguf(path: str | Path, name: str | None = None):
     """A .gguf file's ModelSpec, from its metadata alone."""
     from kvwall.spec.hf import spec_from_config

@@ -153,10 +153,42 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.label}"
 
 
+class PackedEmbedding(nn.Module):
+    """nn.Embedding's contract over a packed (V, D) table; `head` is a PackedLinear over the same buffers, the
+    tied LM head (the table is held once: the predictor's head_format bytes for the table)."""
+
+    def __init__(self, head: PackedLinear, dtype: torch.dtype):
+        super().__init__()
+        self.head, self.dtype = head, dtype
+        self.embedding_dim = head.in_features
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.head
+        zero = None if h.zero is None else h.zero[tokens.flatten()]
+        rows = dequantize(h.q[tokens.flatten()], h.scale[tokens.flatten()], zero, h.bits, h.in_features, h.group)
+        return rows.to(self.dtype).view(*tokens.shape, h.in_features)  # (..., D): only the looked-up rows
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.dequantized().to(self.dtype)  # (V, D): for code that reads the table (slow, rare)
+
+
+def pack_head(model: nn.Module, fmt: Format | None = None, table=None, head=None) -> None:
+    """The embedding table and an untied LM head into packed form, in place: quantized to `fmt`, or the
+    checkpoint's own blocks table / head = (q, scale, zero, Format) (None: that one stays float)."""
+    dtype = model.embed.weight.dtype
+    if fmt is not None or table is not None:
+        got = quantize(model.embed.weight.data, fmt) + (fmt,) if fmt is not None else table
+        model.embed = PackedEmbedding(PackedLinear(*got, model.spec.hidden), dtype)
+    if model.lm_head is not None and (fmt is not None or head is not None):
+        got = quantize(model.lm_head.weight.data, fmt) + (fmt,) if fmt is not None else head
+        model.lm_head = PackedLinear(*got, model.spec.hidden)
+
+
 def pack_model(model: nn.Module, fmt: Format | None = None, source=None) -> nn.Module:
     """Replace every projection (attention qkv/o, MLP and expert MLP matrices: engine.model.projections; the LM
-    head stays, as the predictor keeps it 16-bit) by a PackedLinear, in place: quantized to `fmt`, or taken
-    from source(name, linear) -> (q, scale, zero, Format) | None (a .gguf's own blocks; None leaves it float)."""
+    head and embedding table follow fmt.head, pack_head) by a PackedLinear, in place: quantized to `fmt`, or
+    taken from source(name, linear) -> (q, scale, zero, Format) | None (a .gguf's own blocks; None: float)."""
     from kvwall.engine.model import projections
 
     if fmt is not None and not packed_weights(fmt):
@@ -172,6 +204,8 @@ def pack_model(model: nn.Module, fmt: Format | None = None, source=None) -> nn.M
             elif (got := source(f"{prefix}.{name}" if prefix else name, child)) is not None:
                 bias = None if child.bias is None else child.bias.data
                 setattr(parent, name, PackedLinear(*got, child.in_features, bias))
+    if fmt is not None and fmt.head is not None:
+        pack_head(model, fmt.head)
     return model
 
 
@@ -181,7 +215,8 @@ def packed_bytes(model: nn.Module) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Every weight the model holds: packed matrices at their packed bytes, every other parameter at its dtype
-    (a tied LM head once). Loaded in bf16 with packed projections this is the predictor's total_weight_bytes."""
+    """Every weight the model holds: packed matrices at their packed bytes (a packed table and its tied head
+    once), every other parameter at its dtype (a tied LM head once). Loaded in bf16 with packed projections
+    this is the predictor's total_weight_bytes."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return params + packed_bytes(model)
