@@ -132,7 +132,7 @@ def failed(name: str, fallback: str, exc: BaseException, detail: str) -> None:
     return None
 
 
-def compiled(name: str, function: str | None, fallback: str):
-    """One function of kernel `name`'s module (function None: the module), or None when no build works."""
+def compiled(name: str, function: str, fallback: str):
+    """One function of kernel `name`'s module, or None when no build works."""
     built = build(name, fallback)
-    return None if built is None else built[0] if function is None else getattr(built[0], function)
+    return None if built is None else getattr(built[0], function)

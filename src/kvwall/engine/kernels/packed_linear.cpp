@@ -209,105 +209,6 @@ torch::Tensor run_one(const torch::Tensor &x, const torch::Tensor &q, const torc
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__GNUC__)
-// Batch 1 with integer dot products (AVX512-VNNI, chosen at run time): x quantized to int8 once per call, one
-// scale per weight group (dx = max|x| / 127 over the group's G inputs), so a group's Σ_k x_k q_k is
-// dx Σ_k xq_k q_k, summed four byte pairs a lane by vpdpbusd (unsigned codes x signed xq) with no
-// per-weight conversion. The zero / offset term c Σ_k x_k keeps the exact float sums (xs). llama.cpp
-// quantizes x the same way (Q8 blocks); the result differs from the float path by x's rounding, and the
-// test holds it to a reference that rounds x alike (layers/packed.py int8_x_reference).
-#define KVWALL_VNNI __attribute__((target("avx2,avx512f,avx512bw,avx512vl,avx512vnni")))
-
-inline bool vnni_fits(int bits, int64_t K, int64_t G) { return G % 32 == 0 && K % G == 0 && (bits == 4 || bits == 8); }
-
-// xq in the order the codes are read: per group, 32-byte chunks; a 4-bit chunk c holds the low nibbles of the
-// group's bytes 16c..16c+15 (elements 16c..) then their high nibbles (elements G/2 + 16c..): x in that order.
-template <int BITS>
-void quantize_x(const float *x, int64_t K, int64_t G, int8_t *xq, float *dx) {
-  for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
-    float mx = 0.f;
-    for (int64_t j = 0; j < G; ++j) mx = std::max(mx, std::fabs(x[k0 + j]));
-    const float d = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
-    dx[g] = d;
-    for (int64_t c = 0; c < G / 32; ++c)
-      for (int64_t i = 0; i < 32; ++i) {
-        const int64_t e = BITS == 8 ? 32 * c + i : (i < 16 ? 16 * c + i : G / 2 + 16 * c + i - 16);
-        xq[k0 + 32 * c + i] = int8_t(std::nearbyint(x[k0 + e] * inv));
-      }
-  }
-}
-
-// 32 codes of one chunk as unsigned bytes in xq's order
-template <int BITS>
-KVWALL_VNNI inline __m256i chunk_codes(const uint8_t *q) {
-  if constexpr (BITS == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q));
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(q)), m = _mm_set1_epi8(15);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-}
-
-template <int BITS, int RR>
-KVWALL_VNNI void vnni_rows(const int8_t *xq, const float *dx, const float *xs, const uint8_t *q, int64_t QB,
-                           const float *sf, const float *cf, int64_t NG, int64_t G, float *y) {
-  __m256 acc[RR];
-  for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps();
-  const int64_t chunk_bytes = BITS == 8 ? 32 : 16;
-  for (int64_t g = 0; g < NG; ++g) {
-    __m256i part[RR];
-    for (int r = 0; r < RR; ++r) part[r] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < G / 32; ++c) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq + g * G + 32 * c));
-      const int64_t off = g * G * BITS / 8 + c * chunk_bytes;
-      for (int r = 0; r < RR; ++r) part[r] = _mm256_dpbusd_epi32(part[r], chunk_codes<BITS>(q + r * QB + off), xv);
-    }
-    for (int r = 0; r < RR; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[r]), _mm256_set1_ps(sf[r * NG + g] * dx[g]), acc[r]);
-  }
-  for (int r = 0; r < RR; ++r) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    const __m128 p = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    float t = _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
-    for (int64_t g = 0; g < NG; ++g) t += cf[r * NG + g] * xs[g];
-    y[r] = t;
-  }
-}
-
-template <int BITS>
-torch::Tensor run_vnni(const torch::Tensor &x, const torch::Tensor &q, const torch::Tensor &s, const torch::Tensor &z,
-                       int64_t G) {
-  constexpr float OFF = float(1 << (BITS - 1));
-  const int64_t K = x.size(1), N = q.size(0), NG = s.size(1), QB = q.size(1);
-  auto y = torch::empty({1, N}, x.options());
-  const float *xp = x.data_ptr<float>();
-  const uint8_t *qp = q.data_ptr<uint8_t>();
-  const at::Half *sp = s.data_ptr<at::Half>(), *zp = z.defined() ? z.data_ptr<at::Half>() : nullptr;
-  float *yp = y.data_ptr<float>();
-  std::vector<int8_t> xq(K);
-  std::vector<float> dx(NG), xs(NG, 0.f);
-  quantize_x<BITS>(xp, K, G, xq.data(), dx.data());
-  for (int64_t k = 0; k < K; ++k) xs[k / G] += xp[k];
-  const int64_t tiles = (N + R - 1) / R;
-  at::parallel_for(0, tiles, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * R)), [&](int64_t t0, int64_t t1) {
-    std::vector<float> sf(R * NG), cf(R * NG);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * R, rows = std::min(R, N - n0);
-      halves_to_float(sp + n0 * NG, rows * NG, sf.data());
-      if (zp) halves_to_float(zp + n0 * NG, rows * NG, cf.data());
-      else
-        for (int64_t i = 0; i < rows * NG; ++i) cf[i] = -OFF * sf[i];
-      if (rows == R) {
-        vnni_rows<BITS, R>(xq.data(), dx.data(), xs.data(), qp + n0 * QB, QB, sf.data(), cf.data(), NG, G, yp + n0);
-      } else {
-        for (int64_t r = 0; r < rows; ++r)
-          vnni_rows<BITS, 1>(xq.data(), dx.data(), xs.data(), qp + (n0 + r) * QB, QB, sf.data() + r * NG,
-                             cf.data() + r * NG, NG, G, yp + n0 + r);
-      }
-    }
-  });
-  return y;
-}
-#define KVWALL_HAS_VNNI_PATH 1
-#endif
-
 template <int BITS>
 torch::Tensor run(const torch::Tensor &x, const torch::Tensor &q, const torch::Tensor &s, const torch::Tensor &z,
                   int64_t G) {
@@ -341,30 +242,14 @@ torch::Tensor run(const torch::Tensor &x, const torch::Tensor &q, const torch::T
   return y;
 }
 
-// Whether this build and CPU take run_vnni for (bits, K, G) at batch 1.
-bool int8_x_path(int64_t bits, int64_t K, int64_t G) {
-#ifdef KVWALL_HAS_VNNI_PATH
-  static const bool cpu = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
-  return cpu && vnni_fits(int(bits), K, G);
-#else
-  return false;
-#endif
-}
-
-// x (M, K) float32 contiguous; q (N, K bits/8) uint8; s, z (N, ceil(K/G)) float16 (z undefined: symmetric).
-// int8_x: batch 1 may round x to int8 per group (run_vnni) where int8_x_path says the CPU can.
+// x (M, K) float32 contiguous; q (N, K bits/8) uint8; s, z (N, ceil(K/G)) float16 (z undefined: symmetric)
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, c10::optional<torch::Tensor> z,
-                            int64_t bits, int64_t group, bool int8_x) {
+                            int64_t bits, int64_t group) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x: contiguous (M, K) float32");
   TORCH_CHECK(q.dtype() == torch::kUInt8 && q.is_contiguous(), "q: contiguous uint8");
   TORCH_CHECK(s.dtype() == torch::kFloat16 && s.is_contiguous(), "scales: contiguous float16");
   TORCH_CHECK(q.size(1) * 8 == x.size(1) * bits, "q's row bytes do not match K");
   const torch::Tensor zz = z.has_value() ? z->contiguous() : torch::Tensor();
-#ifdef KVWALL_HAS_VNNI_PATH
-  if (int8_x && x.size(0) == 1 && int8_x_path(bits, x.size(1), group))
-    return bits == 8 ? run_vnni<8>(x, q, s, zz, group) : run_vnni<4>(x, q, s, zz, group);
-#endif
 #ifdef KVWALL_FUSED
   if (x.size(0) == 1 && fused_fits(bits, x.size(1), group)) return bits == 8 ? run_one<8>(x, q, s, zz, group)
                                                                             : run_one<4>(x, q, s, zz, group);
@@ -376,5 +261,4 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, c
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "y = x W^T, W packed int8/int4 with fp16 scale (and zero) per group");
-  m.def("int8_x_path", &int8_x_path, "whether batch 1 rounds x to int8 (AVX512-VNNI) for (bits, K, group)");
 }

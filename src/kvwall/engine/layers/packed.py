@@ -98,19 +98,6 @@ def quantize(w: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor, 
     return q.contiguous(), d.contiguous(), None if zero is None else zero.contiguous()
 
 
-def int8_x_reference(x: torch.Tensor, q, scale, zero, bits: int, K: int, G: int) -> torch.Tensor:
-    """What the kernel's batch-1 integer path computes, in float64: x (1, K) rounded to int8 per group of G
-    (dx = max|x| / 127, xq = round(x / dx)) in the codes' term, the exact x in the zero / offset term:
-    y = Σ_groups d Σ_k (dx xq_k) q_k + c Σ_k x_k."""
-    xg = x.double().view(-1, G)  # (groups, G)
-    dx = xg.abs().amax(-1, keepdim=True) / 127  # (groups, 1)
-    xq = torch.where(dx > 0, torch.round(xg / dx.clamp_min(1e-300)), torch.zeros(())) * dx  # (groups, G)
-    codes = unpack_codes(q, bits, K, G).double().view(q.shape[0], -1, G)  # (N, groups, G)
-    d = scale.double()  # (N, groups)
-    c = zero.double() if zero is not None else -float(1 << (bits - 1)) * d
-    return ((codes * xq).sum(-1) * d + c * xg.sum(-1)).sum(-1)[None].float()  # (1, N)
-
-
 # -- the module ---------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1)
@@ -118,8 +105,7 @@ def packed_kernel():
     """The compiled matmul, or None when it cannot be built (then the reference path runs)."""
     from kvwall.engine.native import compiled
 
-    mod = compiled("packed_linear", None, "dequantize + F.linear (torch)")
-    return mod
+    return compiled("packed_linear", "packed_linear", "dequantize + F.linear (torch)")
 
 
 class PackedLinear(nn.Module):
@@ -135,9 +121,6 @@ class PackedLinear(nn.Module):
         self.register_buffer("zero", zero)  # (N, groups) float16, or None (symmetric)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.eager = False  # True: the reference path (Transformer.set_eager)
-        # batch 1 rounds x to int8 per group where the CPU has AVX512-VNNI (int8_x_reference says exactly how):
-        # SmolLM2's 3072 x 576 Q4_1 matmul took 71 us with float x, XX us so (bench_packed_linear.py)
-        self.int8_x = True
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, fmt: Format) -> "PackedLinear":
@@ -161,7 +144,7 @@ class PackedLinear(nn.Module):
         if kernel is None:
             return self.reference(x)
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
-        y = kernel.packed_linear(x2, self.q, self.scale, self.zero, self.bits, self.group, self.int8_x)  # (M, N)
+        y = kernel(x2, self.q, self.scale, self.zero, self.bits, self.group)  # (M, N)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
