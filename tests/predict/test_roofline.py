@@ -255,3 +255,26 @@ def test_a_matmul_streams_its_weights_at_its_rows_rate():
     assert roof.op_time(mlp1) == pytest.approx(mlp1.bytes / 20e9)
     act = mlp16.bytes - mlp16.weight_bytes  # activations stream at the matrix-vector rate, weights at the 16-row one
     assert roof.op_time(mlp16) == pytest.approx(max(mlp16.flops / 1e12, mlp16.weight_bytes / 5e9 + act / 20e9))
+
+
+def test_a_packed_matmul_streams_at_its_own_kernels_rate():
+    """With the packed kernel's rates calibrated (packed_rows), an int4 model's projections stream at them and
+    the LM head, 16-bit (no /HEAD format), at F.linear's; without them, at F.linear's rates too."""
+    from dataclasses import replace
+
+    from kvwall.predict.memory import Formats
+    from kvwall.spec.formats import get_format
+
+    base = replace(get_device("h100-sxm"), op_bandwidth={"matmul": 20e9}, matmul_rows={1: 20e9, 16: 5e9},
+                   peak_flops={"bf16": 1e12})
+    packed = replace(base, packed_rows={"int4": {1: 4e9, 16: 2e9}})
+    int4 = Formats(get_format("int4"), F16.kv, F16.state)
+    for dev, rate in ((packed, 4e9), (base, 20e9)):
+        roof = Roof(dev)
+        step = decode(TINY, 10, 1, int4, roof)
+        mlp = next(o for o in step.ops if o.name == "mlp")
+        head = next(o for o in step.ops if o.name == "lm_head")
+        assert mlp.kernel == "matmul:int4" and head.kernel == ""
+        act = mlp.bytes - mlp.weight_bytes
+        assert roof.op_time(mlp) == pytest.approx(mlp.weight_bytes / rate + act / 20e9)
+        assert roof.op_time(head) == pytest.approx(head.bytes / 20e9)

@@ -137,6 +137,41 @@ def matmul_rows_bandwidth(total_bytes: int = 512 << 20, runs: int = 3) -> dict[i
     return out
 
 
+PACKED_ROWS = (1, 16)  # the decode batches kvwall bench and bench_real_decode time
+PACKED = {"int4": "int4", "int8": "int8:g32"}  # the predictor's kernel ("matmul:int4") -> the format timed
+
+
+def packed_rows_bandwidth(total_bytes: int = 128 << 20, runs: int = 3) -> dict[str, dict[int, float]]:
+    """Packed weight bytes/s of the engine's PackedLinear (engine/layers/packed.py) at PACKED_ROWS rows over
+    distinct cold (3072 x 768) matrices, per code width: its own rates, not fp32 F.linear's. SmolLM2's packed
+    matmuls read 5-10 GB/s where F.linear reads its fp32 weights at 15-22 (bench_packed_linear.py), so
+    charging packed bytes at F.linear's rate predicted native decode far too fast. {} without the kernel
+    (the reference path dequantizes the whole matrix: not a packed rate)."""
+    import torch
+
+    from kvwall.engine.layers.packed import PackedLinear, packed_kernel
+    from kvwall.spec.formats import get_format
+
+    if packed_kernel() is None:
+        return {}
+    out = {}
+    shape = (3072, 768)
+    with torch.inference_mode():
+        for kind, name in PACKED.items():
+            fmt = get_format(name)
+            one = PackedLinear.from_linear(torch.nn.Linear(shape[1], shape[0], bias=False), fmt)
+            n = max(2, total_bytes // one.weight_bytes())
+            mats = [one] + [PackedLinear(one.q.clone(), one.scale.clone(), None if one.zero is None
+                                         else one.zero.clone(), fmt, shape[1]) for _ in range(n - 1)]
+            nbytes = sum(m.weight_bytes() for m in mats)
+            rates = {}
+            for m in PACKED_ROWS:
+                x = torch.randn(1, m, shape[1])  # (B, T, in)
+                rates[m] = nbytes / _fastest_time(lambda x=x: [p(x) for p in mats], runs)  # (1, m, out) each
+            out[kind] = rates
+    return out
+
+
 DECODE_SHAPE = (4, 3, 64, 8192)  # KV heads, query heads per KV head, head dim, cached tokens: the bench's GQA layer
 
 

@@ -43,6 +43,7 @@ class Device:
     op_flops: dict = field(default_factory=dict)  # kernel -> FLOP/s of its arithmetic, paid on top of its bytes
     op_fixed_s: dict = field(default_factory=dict)  # kernel -> fixed seconds per call beyond bytes and FLOPs
     matmul_rows: dict = field(default_factory=dict)  # matmul rows M -> weight bytes/s reached at M rows
+    packed_rows: dict = field(default_factory=dict)  # "int4" / "int8" -> {rows M -> packed weight bytes/s}
 
     def layer_overhead(self, kind: str | None) -> float:
         return self.mixer_overhead_s.get(kind or "", self.layer_overhead_s)
@@ -86,9 +87,14 @@ def _from_entry(name: str, e: dict) -> Device:
         step_overhead_s=e.get("step_overhead_s"),
         op_flops={k: float(v) for k, v in (e.get("op_flops") or {}).items() if v},
         op_fixed_s={k: float(v) for k, v in (e.get("op_fixed_s") or {}).items()},
-        matmul_rows={int(k): float(v) for k, v in sorted((e.get("matmul_rows_Bps") or {}).items(),
-                                                         key=lambda kv: int(kv[0])) if v},
+        matmul_rows=_rows_table(e.get("matmul_rows_Bps")),
+        packed_rows={f: _rows_table(t) for f, t in (e.get("packed_rows_Bps") or {}).items()},
     )
+
+
+def _rows_table(table: dict | None) -> dict[int, float]:
+    """{"1": bytes/s, "16": ...} -> {1: ..., 16: ...} in row order (a profile's JSON keys are strings)."""
+    return {int(k): float(v) for k, v in sorted((table or {}).items(), key=lambda kv: int(kv[0])) if v}
 
 
 def device_names() -> list[str]:
@@ -143,9 +149,17 @@ def _profile_problem(e: object) -> str | None:
         if not isinstance(table, dict):
             return f"{key!r} is {table!r}, not an object"
         figures += [(f"{key}.{k}", v, above_zero) for k, v in table.items() if v is not None]
-    bad_rows = [k for k in (e.get("matmul_rows_Bps") or {}) if not str(k).isdigit() or int(k) < 1]
-    if bad_rows:
-        return f"'matmul_rows_Bps' has a key {bad_rows[0]!r}, not a row count >= 1"
+    packed = e.get("packed_rows_Bps") or {}
+    if not isinstance(packed, dict) or not all(isinstance(t, dict) for t in packed.values()):
+        return f"'packed_rows_Bps' is {packed!r:.40}, not an object of objects"
+    tables = [("matmul_rows_Bps", e.get("matmul_rows_Bps") or {})]
+    tables += [(f"packed_rows_Bps.{f}", t) for f, t in packed.items()]
+    for key, table in tables:
+        bad_rows = [k for k in table if not str(k).isdigit() or int(k) < 1]
+        if bad_rows:
+            return f"{key!r} has a key {bad_rows[0]!r}, not a row count >= 1"
+        if key != "matmul_rows_Bps":
+            figures += [(f"{key}.{k}", v, True) for k, v in table.items() if v is not None]
     for name, value, above_zero in figures:
         problem = real_problem(value, above_zero)
         if problem:

@@ -62,8 +62,9 @@ class Roof:
         measured = self.device.op_bandwidth
         if op.cache_read:
             bw = measured.get(op.kernel) or measured.get("attention")
-        elif self._by_rows(op):
-            bw = rows_bandwidth(self.device.matmul_rows, op.rows)
+        elif self._by_rows(op):  # a packed matrix at its own kernel's rates where they were measured
+            packed = self.device.packed_rows.get(op.kernel.removeprefix("matmul:")) if op.kernel else None
+            bw = rows_bandwidth(packed or self.device.matmul_rows, op.rows)
         else:
             bw = measured.get("matmul")
         return (bw or self.device.bandwidth) * self.mem_eff

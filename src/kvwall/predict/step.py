@@ -83,7 +83,15 @@ class Step:
 
 def matmul(name: str, layer: int | None, tokens: int, n_in: int, n_out: float, wfmt: Format) -> Op:
     return Op(name, layer, flops=2 * tokens * n_in * n_out, weight_bytes=n_in * n_out * wfmt.bytes_per_element(),
-              act_bytes=tokens * (n_in + n_out) * ACT_BYTES, rows=tokens)
+              act_bytes=tokens * (n_in + n_out) * ACT_BYTES, rows=tokens, kernel=matmul_kernel(wfmt))
+
+
+def matmul_kernel(wfmt: Format) -> str:
+    """The calibrated kernel a matmul's weights stream through: a float matrix (F.linear) or the engine's
+    packed kernel for integer codes of up to 4 or 8 bits ("matmul:int4", "matmul:int8"; `local` only)."""
+    if wfmt.is_float() or wfmt.bits > 8:
+        return ""
+    return "matmul:int4" if wfmt.bits <= 4 else "matmul:int8"
 
 
 def per_head(name: str, layer: int, tokens: int, heads: int, n_in: int, n_out: int, wfmt: Format) -> Op:
