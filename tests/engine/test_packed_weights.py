@@ -206,6 +206,9 @@ def test_gguf_blocks_repack_bit_for_bit(tmp_path, qtype):
         torch.testing.assert_close(mine, ckpt.get(name), rtol=0, atol=1e-6)
         checked += 1
     assert checked == 2 * 7  # q, k, v, o, gate, up, down in 2 layers
+    from kvwall.spec.gguf_meta import read_meta, weight_format
+
+    assert weight_format(read_meta(path)) == f"{qtype.lower()}/{qtype.lower()}"  # layers and table alike
     native, plain = load_model(path, weights="native"), load_model(path)
     assert sum(isinstance(m, PackedLinear) for m in native.modules()) == 2 * 4 + 2  # + the table, the untied head
     assert isinstance(native.embed, packed.PackedEmbedding) and isinstance(native.lm_head, PackedLinear)
@@ -233,7 +236,7 @@ def test_smollm2_file_bytes_equal_the_predictor():
     gg = pytest.importorskip("gguf")
     from kvwall.spec.gguf_meta import packaged_path
     from kvwall.spec.hf import spec_from_config
-    from kvwall.spec.gguf_meta import config_from_meta, read_meta
+    from kvwall.spec.gguf_meta import config_from_meta, read_meta, weight_format
 
     try:
         path = packaged_path("smollm2-135m")
@@ -245,6 +248,7 @@ def test_smollm2_file_bytes_equal_the_predictor():
     norms = sum(int(t.n_elements) for t in reader.tensors if t.tensor_type == f32)
     spec = spec_from_config(config_from_meta(read_meta(path)), name="smollm2")
     assert quant + 2 * norms == total_weight_bytes(spec, get_format("q4_1/q8_0", head_ok=True))
+    assert weight_format(read_meta(path)) == "q4_1/q8_0"  # what `kvwall show` names it
 
 
 # -- bad values ----------------------------------------------------------------------------------------------

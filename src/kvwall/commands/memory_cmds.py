@@ -12,7 +12,7 @@ from kvwall.predict.fit import compare_entry, default_reserve, fit, headroom, pa
 from kvwall.predict.memory import cache_bytes_per_token, memory, state_bytes
 from kvwall.report.tables import console, table
 from kvwall.spec.families import family
-from kvwall.spec.gguf_meta import file_weights, gguf_file, read_meta
+from kvwall.spec.gguf_meta import file_weights, gguf_file, read_meta, weight_format
 from kvwall.spec.resolve import load_spec
 from kvwall.units import fmt_bytes, fmt_count, fmt_tokens, parse_bytes, parse_token_list, parse_tokens, whole
 
@@ -162,7 +162,8 @@ def cmd_show(args) -> int:
     }
     gguf = gguf_file(args.model)
     if gguf is not None:  # the weights as the file stores them, in its own quantized formats
-        data["file_weights"] = file_weights(read_meta(gguf))
+        meta = read_meta(gguf)
+        data["file_weights"], data["file_weight_format"] = file_weights(meta), weight_format(meta)
     return common.emit(args, data, lambda data: _print_show(data, spec, fm))
 
 
@@ -180,6 +181,9 @@ def _print_show(data: dict, spec, fm) -> None:
     c.print(t)
     if "file_weights" in data:
         _print_file_weights(data["file_weights"])
+        if data["file_weight_format"]:
+            c.print(f"as a weight format: --weight-format {data['file_weight_format']} (kvwall memory / roofline / "
+                    "speed predict the file's own bytes with it)")
     for note in data["notes"]:
         c.print(f"note: {note}")
 
