@@ -30,7 +30,7 @@ from torch import nn
 
 from kvwall.engine.layers.mixer import SequenceMixer, ssm_names
 from kvwall.engine.layers.norm import RMSNorm
-from kvwall.engine.layers.scan_kernel import fused_scan
+from kvwall.engine.layers.scan_kernel import fused_scan, fused_scan_backward
 from kvwall.spec.model import Mamba as MambaSpec
 
 
@@ -83,6 +83,13 @@ class _TrainScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, dt, A, Bm, Cm, h0):
+        ctx.fused = None
+        if u.device.type == "cpu" and u.dtype == torch.float32 and fused_scan_backward() is not None:
+            out = fused_scan()(u, dt, A, Bm, Cm, h0)  # None when the channels are not whole SIMD vectors
+            if out is not None:  # the C++ pair: states live in registers, backward recomputes them
+                ctx.fused = fused_scan_backward()
+                ctx.save_for_backward(u, dt, A, Bm, Cm, h0.clone())  # h0 is the cache's, overwritten next
+                return out
         dtT, uT = dt.transpose(0, 1), u.transpose(0, 1)  # (T, B, E): time first, so a token's slice is dense
         CT = Cm.transpose(0, 1)  # (T, B, N)
         dA = torch.exp(dtT[..., None] * A)  # (T, B, E, N)
@@ -96,6 +103,8 @@ class _TrainScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy, gh):
+        if ctx.fused is not None:
+            return ctx.fused(*ctx.saved_tensors, gy, gh)
         u, dt, A, Bm, Cm, h0, dA, states = ctx.saved_tensors
         dtT, uT, BT, CT = dt.transpose(0, 1), u.transpose(0, 1), Bm.transpose(0, 1), Cm.transpose(0, 1)
         gyT = gy.transpose(0, 1)  # (T, B, E)
