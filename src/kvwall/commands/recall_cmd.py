@@ -59,16 +59,25 @@ def _choices(args) -> dict:
     return {name: getattr(args, name) or base[name] for name in DEFAULTS}
 
 
+def request(c: dict, seed: int = 0):
+    """Choices (DEFAULTS' keys) -> the archs, widths, pairs and training plan of the grid, checked (one-line errors).
+    kvwall report reads the default grid's cached results through this too."""
+    from kvwall.measure import recall
+
+    archs = recall.parse_archs(c["archs"], c["seq"])
+    widths = parse_int_list(c["widths"], "--widths")
+    pairs = parse_int_list(c["pairs"], "--pairs")
+    plan = recall.Plan(seq=c["seq"], max_steps=c["steps"], seed=seed)
+    recall.check(archs, widths, pairs, plan)
+    return archs, widths, pairs, plan
+
+
 def cmd_recall(args) -> int:
     from kvwall.measure import recall
 
     c = _choices(args)
     plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
-    archs = recall.parse_archs(c["archs"], c["seq"])
-    widths = parse_int_list(c["widths"], "--widths")
-    pairs = parse_int_list(c["pairs"], "--pairs")
-    plan = recall.Plan(seq=c["seq"], max_steps=c["steps"], seed=args.seed)
-    recall.check(archs, widths, pairs, plan)
+    archs, widths, pairs, plan = request(c, args.seed)
     common.need_torch("kvwall recall trains models with the engine")
     data = _run_with_progress(recall, archs, widths, pairs, plan, args.retrain, quiet=args.json)
     if plot:

@@ -373,8 +373,22 @@ def run(archs: list[Arch], widths: list[int], pairs: list[int], plan: Plan, *, c
         rows.append(dict(row, cached=cached))
         if on_done:
             on_done(label, row)
+    return _result(plan, rows, trained, time.time() - started, cache)
+
+
+def cached(archs: list[Arch], widths: list[int], pairs: list[int], plan: Plan, cache: Path | None = None) -> dict | None:
+    """run()'s result from the cache alone, training nothing (kvwall report); None when any configuration of the
+    grid has no cached result."""
+    cache = cache or cache_dir()
+    rows = [_read(cache / f"{_key(a, w, n, plan)}.json") for a, w, n in grid(archs, widths, pairs)]
+    if any(r is None for r in rows):
+        return None
+    return _result(plan, [dict(r, cached=True) for r in rows], 0, 0.0, cache)
+
+
+def _result(plan: Plan, rows: list[dict], trained: int, seconds: float, cache: Path) -> dict:
     return {"task": task_dict(plan), "plan": asdict(plan), "results": rows, "trained": trained,
-            "cached": len(rows) - trained, "seconds": round(time.time() - started, 1), "cache": str(cache)}
+            "cached": len(rows) - trained, "seconds": round(seconds, 1), "cache": str(cache)}
 
 
 def task_dict(plan: Plan) -> dict:
