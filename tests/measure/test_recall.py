@@ -148,3 +148,14 @@ def test_plateau_waits_for_the_budget_share_and_for_learning():
     assert not recall.plateaued(at_chance, plan)  # flat, but still at chance: keep training
     rising = [(100, 0.1), (200, 0.1), (300, 0.1), (400, 0.1), (500, 0.3)]
     assert not recall.plateaued(rising, plan)  # gained 20 points within the last 3 evaluations
+
+
+def test_json_output(tmp_path, monkeypatch, capsys):
+    """--json prints run()'s result: one row per model with its accuracy in [0, 1] and its kept bytes."""
+    monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
+    rc = main(["recall", "--archs", "attention,mamba", "--widths", "32", "--pairs", "1", "--seq", "8", "--steps", "2",
+               "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [r["arch"] for r in data["results"]] == ["attention", "mamba"]
+    assert all(0 <= r["accuracy"] <= 1 and r["kept_bytes"] > 0 and r["steps"] == 2 for r in data["results"])
+    assert data["trained"] == 2 and list((tmp_path / "recall").glob("*.json"))
