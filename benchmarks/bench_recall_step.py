@@ -48,8 +48,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     for seq in map(int, args.seqs.split(",")):
         for arch in args.archs.split(","):
-            print(f"{arch:10s} width {args.width} seq {seq}: {step_seconds(arch, args.width, seq, args.steps):.3f} s a step",
-                  flush=True)
+            seconds = step_seconds(arch, args.width, seq, args.steps)
+            print(f"{arch:10s} width {args.width} seq {seq}: {seconds:.3f} s a step", flush=True)
 
 
 if __name__ == "__main__":

@@ -179,7 +179,7 @@ def test_trainable_scan_equals_reference_values_and_gradients(dtype, tol, big_dt
 
 @pytest.mark.parametrize("n_state", [16, 5])
 def test_fused_scan_backward_equals_autograd_through_the_loop(n_state):
-    """The C++ backward (training on the CPU) gives the gradients autograd finds through scan_reference in float64."""
+    """The C++ backward (training on the CPU) gives the gradients autograd finds through scan_reference (float64)."""
     from kvwall.engine.layers.scan_kernel import fused_scan_backward
 
     backward = fused_scan_backward()

@@ -381,7 +381,8 @@ def run(archs: list[Arch], widths: list[int], pairs: list[int], plan: Plan, *, c
     return _result(plan, rows, trained, time.time() - started, cache)
 
 
-def cached(archs: list[Arch], widths: list[int], pairs: list[int], plan: Plan, cache: Path | None = None) -> dict | None:
+def cached(archs: list[Arch], widths: list[int], pairs: list[int], plan: Plan,
+           cache: Path | None = None) -> dict | None:
     """run()'s result from the cache alone, training nothing (kvwall report); None when any configuration of the
     grid has no cached result."""
     cache = cache or cache_dir()
