@@ -135,3 +135,27 @@ def test_explicit_options_win_over_quick():
     args = build_parser().parse_args(["recall", "--quick", "--widths", DEFAULTS["widths"], "--seq", "20"])
     assert _choices(args) == dict(QUICK, widths=DEFAULTS["widths"], seq=20)
     assert _choices(build_parser().parse_args(["recall"])) == DEFAULTS
+
+
+def test_plateau_waits_for_the_budget_share_and_for_learning():
+    """By hand: patience 3 evaluations, max 1,000 steps, min share 40 % (step 400), margin 5 points above chance
+    (1/128 = 0.8 %, so the best must reach 5.8 %)."""
+    plan = recall.Plan(seq=16, max_steps=1000, eval_every=100, patience=3)
+    flat_high = [(100 * i, 0.5) for i in range(1, 8)]  # 7 evaluations at 50 %, none better than the first
+    assert recall.plateaued(flat_high, plan)
+    assert not recall.plateaued(flat_high[:3], plan)  # step 300 < 400: too early, whatever the curve
+    at_chance = [(100 * i, 0.01) for i in range(1, 8)]
+    assert not recall.plateaued(at_chance, plan)  # flat, but still at chance: keep training
+    rising = [(100, 0.1), (200, 0.1), (300, 0.1), (400, 0.1), (500, 0.3)]
+    assert not recall.plateaued(rising, plan)  # gained 20 points within the last 3 evaluations
+
+
+def test_json_output(tmp_path, monkeypatch, capsys):
+    """--json prints run()'s result: one row per model with its accuracy in [0, 1] and its kept bytes."""
+    monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
+    rc = main(["recall", "--archs", "attention,mamba", "--widths", "32", "--pairs", "1", "--seq", "8", "--steps", "2",
+               "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [r["arch"] for r in data["results"]] == ["attention", "mamba"]
+    assert all(0 <= r["accuracy"] <= 1 and r["kept_bytes"] > 0 and r["steps"] == 2 for r in data["results"])
+    assert data["trained"] == 2 and list((tmp_path / "recall").glob("*.json"))

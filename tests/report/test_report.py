@@ -146,3 +146,33 @@ def test_measured_section_prints_the_bench_numbers(tmp_path, capsys, monkeypatch
     assert "0 of 2 bandwidth-bound points are within 20% of the prediction. Outside: gqa@1024, gqa@4096." in html
     assert "5.0 ms slower than predicted at 1k (-25%)" in html
     assert "this run read the cache at 10.0 GB/s, the profile 20.0 GB/s" in html
+
+
+def test_recall_section_from_the_cache_or_one_line(tmp_path, monkeypatch):
+    """Without cached results of kvwall recall's default grid the section is one line naming the command (no
+    training); with them (tiny fake rows, written where kvwall recall caches) it holds the figure and the table."""
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    from kvwall.commands.recall_cmd import DEFAULTS, request
+    from kvwall.measure import recall as measure
+    from kvwall.report import recall
+
+    monkeypatch.setenv("KVWALL_HOME", str(tmp_path / "home"))
+    empty = recall.section(tmp_path)
+    assert len(empty.paragraphs) == 1 and "`kvwall recall`" in empty.paragraphs[0]
+    assert not empty.figures and not empty.tables
+    archs, widths, pairs, plan = request(DEFAULTS)
+    cache = measure.cache_dir()
+    cache.mkdir(parents=True)
+    for i, (a, w, n) in enumerate(measure.grid(archs, widths, pairs)):
+        row = {"arch": a.name, "width": w, "pairs": n, "accuracy": i / 1000, "kept_bytes": 1024 * w}
+        (cache / f"{measure._key(a, w, n, plan)}.json").write_text(json.dumps(row))
+    full = recall.section(tmp_path)
+    assert [f.key for f in full.figures] == ["recall"] and (tmp_path / "recall.png").stat().st_size > 0
+    table = full.tables[0]
+    assert table.columns[3:] == [f"{n} pairs" for n in pairs]
+    assert len(table.rows) == len(archs) * len(widths)
+    first = table.rows[0]  # the first arch at the first width: grid order is pairs, then arch, then width
+    assert first[:2] == [archs[0].name, str(widths[0])] and first[2].startswith(str(widths[0]))  # 1,024 x width
+    assert first[3] == "0.0 %" and first[4] == f"{len(archs) * len(widths) / 10:.1f} %"

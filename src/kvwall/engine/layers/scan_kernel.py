@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from kvwall.engine.native import build, simd_width
 
 
@@ -37,3 +39,24 @@ def fused_scan():
         return y, h_out  # (B, T, E), (B, E, N)
 
     return scan
+
+
+@functools.lru_cache(maxsize=1)
+def fused_scan_backward():
+    """The compiled backward of the scan (training, kvwall recall): (u, dt, A, Bm, Cm, h, gy, gh) -> the gradients
+    of u, dt, A, Bm, Cm and h, or None when the kernel cannot be built or serve these shapes."""
+    built = build("selective_scan", "the torch training scan")
+    if built is None:
+        return None
+    mod, flags = built
+    width = simd_width(flags)
+
+    def backward(u, dt, A, Bm, Cm, h, gy, gh):
+        if u.shape[-1] % width or u.dtype != torch.float32:
+            return None
+        dense = [x.float().contiguous() for x in (u, dt, A.t(), Bm, Cm, h, gy, gh)]
+        gu, gdt, gA, gB, gC, gh0 = mod.selective_scan_backward(*dense)
+        # (B, N, E) per batch row -> (E, N); (B, T, blocks, N) per channel block -> (B, T, N)
+        return gu, gdt, gA.sum(0).t(), gB.sum(2), gC.sum(2), gh0
+
+    return backward
