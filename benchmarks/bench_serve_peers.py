@@ -91,31 +91,41 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, limit_s: float = 6
     raise SystemExit(f"server at {url} did not come up in {limit_s:.0f} s; see {log}")
 
 
-def servers(args, gguf: Path) -> list[tuple[str, list[str], dict]]:
-    """(label, argv with {port}, extra environment) per engine."""
-    out = [("kvwall serve (fp32)", [*KVWALL, "serve", str(gguf), "--port", "{port}", "--kv-memory", args.kv_memory,
-                                    "--max-batch", str(args.max_batch), "--dtype", "float32", "--name", args.model],
-            {})]
+# llama-cpp-python's server holds one llama.cpp context behind a lock: one request decodes at a time (no
+# parallel slots, unlike llama.cpp's own C++ llama-server), so its clients queue. interrupt_requests=False,
+# or each new request would cut off the one streaming; n_threads(_batch) 2: both cores for decode and
+# prompt; n_batch 512 = kvwall's --chunk; n_ctx 2048 holds one request (128 + 64 tokens) many times over.
+LLAMA_FLAGS = ["--n_ctx", "2048", "--n_batch", "512", "--n_threads", "2", "--n_threads_batch", "2",
+               "--interrupt_requests", "False", "--verbose", "False"]
+
+
+def servers(args, gguf: Path) -> dict[str, tuple[str, list[str], dict]]:
+    """key -> (label, argv with {port}, extra environment) per engine."""
+    def kvwall(*weights: str) -> list[str]:
+        return [*KVWALL, "serve", str(gguf), "--port", "{port}", "--kv-memory", args.kv_memory, "--max-batch",
+                str(args.max_batch), "--dtype", "float32", "--name", args.model, *weights]
+
+    out = {"kvwall": ("kvwall serve (fp32)", kvwall(), {}),
+           "kvwall-native": ("kvwall serve (Q4_1, --weights native)", kvwall("--weights", "native"), {})}
     if args.vllm_python:
-        ckpt = hf_checkpoint(args.vllm_python, gguf)
         from kvwall.units import parse_bytes
 
         gib = max(1, round(parse_bytes(args.kv_memory) / 2**30))
-        out.append((f"vLLM CPU (fp32, {gib} GiB KV)",
-                    [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
-                     "--served-model-name", args.model, "--host", "127.0.0.1", "--port", "{port}", "--dtype",
-                     "float32", "--max-model-len", "2048", "--max-num-seqs", str(args.max_batch)],
-                    {"VLLM_CPU_KVCACHE_SPACE": str(gib)}))
+        out["vllm"] = (f"vLLM CPU (fp32, {gib} GiB KV)",
+                       [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", "{checkpoint}",
+                        "--served-model-name", args.model, "--host", "127.0.0.1", "--port", "{port}", "--dtype",
+                        "float32", "--max-model-len", "2048", "--max-num-seqs", str(args.max_batch)],
+                       {"VLLM_CPU_KVCACHE_SPACE": str(gib)})
     if args.llama_python:
-        out.append(("llama.cpp server (Q4_1)",
-                    [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", args.model,
-                     "--host", "127.0.0.1", "--port", "{port}", "--n_ctx", "4096"], {}))
+        out["llama"] = ("llama.cpp server (Q4_1)",
+                        [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias",
+                         args.model, "--host", "127.0.0.1", "--port", "{port}", *LLAMA_FLAGS], {})
     return out
 
 
-def loadtest(args, url: str, concurrency: int) -> dict:
+def loadtest(args, url: str, concurrency: int, requests: int | None = None) -> dict:
     argv = [*KVWALL, "loadtest", url, "--model", args.model, "--concurrency", str(concurrency), "--requests",
-            str(args.requests), "--prompt-tokens", str(args.prompt_tokens), "--output-tokens",
+            str(requests or args.requests), "--prompt-tokens", str(args.prompt_tokens), "--output-tokens",
             str(args.output_tokens), "--seed", "1", "--json"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if out.returncode:
@@ -123,19 +133,23 @@ def loadtest(args, url: str, concurrency: int) -> dict:
     return json.loads(out.stdout)
 
 
-def run_engine(args, label: str, argv: list[str], env: dict, logs: Path) -> list[dict]:
+def run_engine(args, key: str, label: str, argv: list[str], env: dict, logs: Path) -> list[dict]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = logs / f"{label.split()[0]}.log"
+    log = logs / f"{key}.log"
+    if "{checkpoint}" in argv:  # vLLM reads the GGUF's weights exported once to a Hugging Face checkpoint
+        argv = [str(hf_checkpoint(args.vllm_python, gguf_path(args.model))) if a == "{checkpoint}" else a for a in argv]
     with log.open("w") as f:
         proc = subprocess.Popen([a.replace("{port}", str(port)) for a in argv], stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, **env})
     rows = []
     try:
         wait_healthy(proc, url, log)
-        loadtest(args, url, 2)  # warm-up: first requests pay one-time compilation and allocation
+        loadtest(args, url, 2, requests=4)  # warm-up: first requests pay one-time compilation and allocation
         for c in (int(x) for x in args.concurrency.split(",")):
-            rows.append({"engine": label, "concurrency": c, "result": loadtest(args, url, c)})
+            load = os.getloadavg()[0]  # the 1-minute load average before this run, our server idle
+            rows.append({"engine": label, "concurrency": c, "load_before": load, "result": loadtest(args, url, c),
+                         "want_tokens": args.requests * args.output_tokens})
             print_row(rows[-1])
     finally:
         proc.terminate()
@@ -159,6 +173,8 @@ def print_row(row: dict) -> None:
     cells = [cell(r, key, sub) for _, key, sub in METRICS]
     print(f"| {row['engine']} | {row['concurrency']} | " + " | ".join(cells) + f" | {r.get('errors', 0)} |",
           flush=True)
+    if r["output_tokens"] < row["want_tokens"]:
+        print(f"  (only {r['output_tokens']} of {row['want_tokens']} output tokens: the server stopped early)")
 
 
 def main() -> None:
@@ -172,7 +188,10 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--kv-memory", default="1GiB")
     p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--engines", default="kvwall,kvwall-native,vllm,llama",
+                   help="which to run, of kvwall, kvwall-native, vllm (needs --vllm-python), llama (--llama-python)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON; rows already there are kept, "
+                   "so engines can be run one lock hold at a time")
     args = p.parse_args()
     gguf = gguf_path(args.model)
     logs = home() / "peers" / "logs"
@@ -181,11 +200,16 @@ def main() -> None:
           f"tokens, closed-loop clients; server logs in {logs}")
     print("| engine | clients | " + " | ".join(m for m, _, _ in METRICS) + " | errors |")
     print("|---|---|" + "---|" * (len(METRICS) + 1))
-    rows = []
-    for label, argv, env in servers(args, gguf):
-        rows += run_engine(args, label, argv, env, logs)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    known = servers(args, gguf)
+    wanted = args.engines.split(",")
+    out = Path(args.json) if args.json else None
+    rows = json.loads(out.read_text()) if out and out.exists() else []
+    for key in (k for k in wanted if k in known):
+        label, argv, env = known[key]
+        rows = [r for r in rows if r["engine"] != label]
+        rows += run_engine(args, key, label, argv, env, logs)
+        if out:
+            out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
