@@ -94,9 +94,11 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, limit_s: float = 6
 # llama-cpp-python's server holds one llama.cpp context behind a lock: one request decodes at a time (no
 # parallel slots, unlike llama.cpp's own C++ llama-server), so its clients queue. interrupt_requests=False,
 # or each new request would cut off the one streaming; n_threads(_batch) 2: both cores for decode and
-# prompt; n_batch 512 = kvwall's --chunk; n_ctx 2048 holds one request (128 + 64 tokens) many times over.
+# prompt; n_batch 512 = kvwall's --chunk; n_ctx 2048 holds one request (128 + 64 tokens) many times over;
+# logits_all off (its default in 0.3.36 is on: a 49k-wide logit row for every prompt token, which no
+# completion without logprobs reads).
 LLAMA_FLAGS = ["--n_ctx", "2048", "--n_batch", "512", "--n_threads", "2", "--n_threads_batch", "2",
-               "--interrupt_requests", "False", "--verbose", "False"]
+               "--interrupt_requests", "False", "--logits_all", "False", "--verbose", "False"]
 
 
 def servers(args, gguf: Path) -> dict[str, tuple[str, list[str], dict]]:
