@@ -13,8 +13,9 @@ decoding requests saw), the largest number of requests running at once, and the 
 The pool is given in fp32 blocks (--blocks); a smaller format gets the same bytes, so more blocks:
 int8 (with its fp16 scale per 32 values) holds about 3.6 times the tokens of fp32, int4 about 6.4 times.
 
---out FILE.json keeps every measured row and skips the (blocks, format) pairs it already holds, so a
-sweep can be split over several runs (each under `flock /work/bench.lock timeout 600`); --plot draws
+Each row records the share of the CPUs other processes took while it ran (measure.machine.OthersWatch).
+--out FILE.json keeps the measured rows and skips the (blocks, format) pairs it already holds, except rows
+measured while others took more than --redo-busy of the machine, so a sweep can be split over several runs (each under `flock /work/bench.lock timeout 600`); --plot draws
 what the file holds: tokens/s and admitted batch against the KV budget, one line per format.
 Timings belong on a quiet machine; the numbers move with load.
 """
@@ -28,6 +29,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from kvwall.measure import machine
 
 
 def model_path(name: str):
@@ -45,6 +48,7 @@ def run(model, kv_memory: int, fmt: str, args) -> dict:
     runner = Runner(model, kv_memory=kv_memory, block_size=16, chunk=args.chunk, max_batch=args.max_batch,
                     kv_dtype=fmt)
     runner.warm_up()
+    watch = machine.OthersWatch()
     g = torch.Generator().manual_seed(0)
     for i in range(args.requests):
         prompt = torch.randint(0, model.spec.vocab, (args.prompt,), generator=g).tolist()
@@ -65,7 +69,7 @@ def run(model, kv_memory: int, fmt: str, args) -> dict:
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
             "tpot_p50_ms": float(np.percentile(per_token, 50) * 1e3),
             "tpot_p99_ms": float(np.percentile(per_token, 99) * 1e3), "batch": widest,
-            "preemptions": runner.sched.preemptions}
+            "preemptions": runner.sched.preemptions, "others_share": watch.share(machine.cpu_count())}
 
 
 def load_rows(path: Path | None) -> list[dict]:
@@ -80,11 +84,11 @@ def save_rows(path: Path, rows: list[dict], setup: dict) -> None:
 def print_row(r: dict) -> None:
     print(f"{r['fp32_blocks']:>11} {r['kv_bytes'] / 2**20:>7.1f} {r['format']:>6} {r['blocks']:>6} "
           f"{r['tok_s']:>7.1f} {r['ttft_p50_s']:>8.2f}s {r['ttft_p99_s']:>8.2f}s {r['tpot_p50_ms']:>8.0f}m "
-          f"{r['tpot_p99_ms']:>8.0f}m {r['batch']:>5} {r['preemptions']:>7}", flush=True)
+          f"{r['tpot_p99_ms']:>8.0f}m {r['batch']:>5} {r['preemptions']:>7} {r['others_share']:>6.0%}", flush=True)
 
 
 HEADER = (f"{'fp32 blocks':>11} {'KV MiB':>7} {'format':>6} {'blocks':>6} {'tok/s':>7} {'TTFT p50':>9} "
-          f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'batch':>5} {'preempt':>7}")
+          f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'batch':>5} {'preempt':>7} {'others':>6}")
 
 
 def plot(rows: list[dict], out: Path, title: str) -> None:
@@ -132,6 +136,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--threads", type=int)
     p.add_argument("--out", type=Path, help="JSON file of rows: read, skipped if present, added to")
     p.add_argument("--plot", type=Path, help="draw the rows of --out to this PNG (no measuring)")
+    p.add_argument("--redo-busy", type=float, default=0.10, metavar="SHARE",
+                   help="measure again the rows of --out during which other processes took more than this share "
+                        "of the CPUs (or that did not record it); default 0.10")
     return p.parse_args()
 
 
@@ -156,13 +163,13 @@ def main() -> None:
           f"all {args.requests} need {need * args.requests}; torch threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(HEADER)
+    rows = [r for r in rows if r.get("others_share", 1.0) <= args.redo_busy]
     done = {(r["fp32_blocks"], r["format"]) for r in rows}
     for n in [int(x) for x in args.blocks.split(",")]:
         for fmt in args.formats.split(","):
             if n < need or (n, fmt) in done:
                 continue  # one request would not fit (the server refuses it), or measured already
-            load = os.getloadavg()[0]  # 1-minute load average before the run (the run itself adds ~2)
-            r = {"fp32_blocks": n, **run(model, n * fp32_block, fmt, args), "load_before": load}
+            r = {"fp32_blocks": n, **run(model, n * fp32_block, fmt, args)}
             print_row(r)
             rows.append(r)
             if args.out:

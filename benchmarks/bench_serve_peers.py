@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from kvwall.files import home
+from kvwall.measure import machine
 
 KVWALL = [sys.executable, "-m", "kvwall"]
 METRICS = [("req/s", "request_throughput", None), ("out tok/s", "output_token_throughput", None),
@@ -135,6 +136,30 @@ def loadtest(args, url: str, concurrency: int, requests: int | None = None) -> d
     return json.loads(out.stdout)
 
 
+class Others:
+    """The share of the CPUs that processes other than this script, its children and the server took
+    between start() and share() (the server still runs, so its CPU time is read from /proc/PID/stat)."""
+
+    def __init__(self, server_pid: int):
+        self.pid = server_pid
+
+    def _reading(self) -> tuple[float, float]:
+        import resource
+
+        busy, own = machine.cpu_seconds()
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        server = sum(int(v) for v in fields[11:15]) * machine.clock_tick()  # utime stime cutime cstime
+        return busy - own - kids.ru_utime - kids.ru_stime - server, time.perf_counter()  # others' CPU s, now
+
+    def start(self) -> None:
+        self._start = self._reading()
+
+    def share(self) -> float:
+        (o0, t0), (o1, t1) = self._start, self._reading()
+        return min(1.0, max(0.0, (o1 - o0) / (max(t1 - t0, 1e-9) * machine.cpu_count())))
+
+
 def run_engine(args, key: str, label: str, argv: list[str], env: dict, logs: Path) -> list[dict]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -148,9 +173,11 @@ def run_engine(args, key: str, label: str, argv: list[str], env: dict, logs: Pat
     try:
         wait_healthy(proc, url, log)
         loadtest(args, url, 2, requests=4)  # warm-up: first requests pay one-time compilation and allocation
+        others = Others(proc.pid)
         for c in (int(x) for x in args.concurrency.split(",")):
-            load = os.getloadavg()[0]  # the 1-minute load average before this run, our server idle
-            rows.append({"engine": label, "concurrency": c, "load_before": load, "result": loadtest(args, url, c),
+            others.start()
+            result = loadtest(args, url, c)
+            rows.append({"engine": label, "concurrency": c, "others_share": others.share(), "result": result,
                          "want_tokens": args.requests * args.output_tokens})
             print_row(rows[-1])
     finally:
@@ -173,8 +200,8 @@ def cell(result: dict, key: str, sub: str | None) -> str:
 def print_row(row: dict) -> None:
     r = row["result"]
     cells = [cell(r, key, sub) for _, key, sub in METRICS]
-    print(f"| {row['engine']} | {row['concurrency']} | " + " | ".join(cells) + f" | {r.get('errors', 0)} |",
-          flush=True)
+    print(f"| {row['engine']} | {row['concurrency']} | " + " | ".join(cells) + f" | {r.get('errors', 0)} | "
+          f"{row['others_share']:.0%} |", flush=True)
     if r["output_tokens"] < row["want_tokens"]:
         print(f"  (only {r['output_tokens']} of {row['want_tokens']} output tokens: the server stopped early)")
 
@@ -200,8 +227,8 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     print(f"{args.model}: {args.requests} requests of {args.prompt_tokens} prompt + {args.output_tokens} output "
           f"tokens, closed-loop clients; server logs in {logs}")
-    print("| engine | clients | " + " | ".join(m for m, _, _ in METRICS) + " | errors |")
-    print("|---|---|" + "---|" * (len(METRICS) + 1))
+    print("| engine | clients | " + " | ".join(m for m, _, _ in METRICS) + " | errors | others' CPU |")
+    print("|---|---|" + "---|" * (len(METRICS) + 2))
     known = servers(args, gguf)
     wanted = args.engines.split(",")
     out = Path(args.json) if args.json else None
