@@ -84,7 +84,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, limit_s: float = 6
         if proc.poll() is not None:
             raise SystemExit(f"server exited ({proc.returncode}); last log lines:\n{log.read_text()[-1500:]}")
         try:
-            urllib.request.urlopen(url + "/health", timeout=2)
+            urllib.request.urlopen(url + "/v1/models", timeout=2)  # llama-cpp-python's server has no /health
             return
         except OSError:
             time.sleep(1)
