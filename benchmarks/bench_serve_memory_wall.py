@@ -15,8 +15,9 @@ int8 (with its fp16 scale per 32 values) holds about 3.6 times the tokens of fp3
 
 Each row records the share of the CPUs other processes took while it ran (measure.machine.OthersWatch).
 --out FILE.json keeps the measured rows and skips the (blocks, format) pairs it already holds, except rows
-measured while others took more than --redo-busy of the machine, so a sweep can be split over several runs (each under `flock /work/bench.lock timeout 600`); --plot draws
-what the file holds: tokens/s and admitted batch against the KV budget, one line per format.
+measured while others took more than --redo-busy of the machine, so a sweep can be split over several
+runs (each under `flock /work/bench.lock timeout 600`); --plot draws what the file holds (tokens/s and
+admitted batch against the KV budget, one line per format), --table prints it as the README's table.
 Timings belong on a quiet machine; the numbers move with load.
 """
 
@@ -91,6 +92,18 @@ HEADER = (f"{'fp32 blocks':>11} {'KV MiB':>7} {'format':>6} {'blocks':>6} {'tok/
           f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'batch':>5} {'preempt':>7} {'others':>6}")
 
 
+def markdown(rows: list[dict]) -> None:
+    """The rows as the README's table, by budget then format."""
+    print("| KV budget | format | blocks | most running | preemptions | output tok/s | TTFT p50 s | TTFT p99 s | "
+          "TPOT p50 ms | TPOT p99 ms | others' CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    order = {f: i for i, f in enumerate(dict.fromkeys(r["format"] for r in rows))}
+    for r in sorted(rows, key=lambda r: (r["kv_bytes"], order[r["format"]])):
+        print(f"| {r['kv_bytes'] / 2**20:.1f} MiB | {r['format']} | {r['blocks']:,} | {r['batch']} | "
+              f"{r['preemptions']} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.1f} | {r['ttft_p99_s']:.1f} | {r['tpot_p50_ms']:,.0f} | "
+              f"{r['tpot_p99_ms']:,.0f} | {r['others_share']:.0%} |")
+
+
 def plot(rows: list[dict], out: Path, title: str) -> None:
     import matplotlib
 
@@ -136,6 +149,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--threads", type=int)
     p.add_argument("--out", type=Path, help="JSON file of rows: read, skipped if present, added to")
     p.add_argument("--plot", type=Path, help="draw the rows of --out to this PNG (no measuring)")
+    p.add_argument("--table", action="store_true", help="print the rows of --out as a markdown table (no measuring)")
     p.add_argument("--redo-busy", type=float, default=0.10, metavar="SHARE",
                    help="measure again the rows of --out during which other processes took more than this share "
                         "of the CPUs (or that did not record it); default 0.10")
@@ -145,6 +159,9 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     args = parse()
     rows = load_rows(args.out)
+    if args.table:
+        markdown(rows)
+        return
     if args.plot:
         plot(rows, args.plot, f"{args.model}: {args.requests} requests of {args.prompt}+{args.output} tokens, "
                               f"all at once, max batch {args.max_batch}")
