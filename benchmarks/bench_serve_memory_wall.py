@@ -100,8 +100,8 @@ def markdown(rows: list[dict]) -> None:
     order = {f: i for i, f in enumerate(dict.fromkeys(r["format"] for r in rows))}
     for r in sorted(rows, key=lambda r: (r["kv_bytes"], order[r["format"]])):
         print(f"| {r['kv_bytes'] / 2**20:.1f} MiB | {r['format']} | {r['blocks']:,} | {r['batch']} | "
-              f"{r['preemptions']} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.1f} | {r['ttft_p99_s']:.1f} | {r['tpot_p50_ms']:,.0f} | "
-              f"{r['tpot_p99_ms']:,.0f} | {r['others_share']:.0%} |")
+              f"{r['preemptions']} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.1f} | {r['ttft_p99_s']:.1f} | "
+              f"{r['tpot_p50_ms']:,.0f} | {r['tpot_p99_ms']:,.0f} | {r['others_share']:.0%} |")
 
 
 def plot(rows: list[dict], out: Path, title: str) -> None:
