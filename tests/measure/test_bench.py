@@ -223,11 +223,19 @@ def test_bench_a_real_model_by_weight_format(tmp_path, local_profile, capsys):
     assert rows["kvwall:contiguous", "fp32"]["same_tokens_as_transformers"] is True
 
 
-def test_bench_native_weights_of_a_safetensors_model_is_one_line(checkpoint, local_profile, capsys):
-    path, _ = checkpoint("llama")
-    assert main(["bench", str(path), "--batch", "1", "--weights", "native", "--steps", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("kvwall: error:") and "native" in err and len(err.strip().splitlines()) == 1
+def test_bench_weights_on_a_model_directory_is_one_line(tmp_path, local_profile, capsys):
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+    from tiny_checkpoints import make_checkpoint
+
+    make_checkpoint("llama", tmp_path / "tiny")
+    capsys.readouterr()  # transformers' progress bar while saving it
+    assert main(["bench", str(tmp_path / "tiny"), "--batch", "1", "--weights", "native", "--steps", "1"]) == 2
+    err = capsys.readouterr().err  # a model directory runs the fp32 context sweep: --weights is refused, not ignored
+    assert err.startswith("kvwall: error:") and "--weights" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("bad", [["--batch", "0"], ["--batch", "1,x"], ["--cache", "int3"], ["--cache", "int4:q"]])

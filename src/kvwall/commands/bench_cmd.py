@@ -12,6 +12,7 @@ from kvwall.files import PLOT_EXTS, check_output, write_text
 from kvwall.report.measured import plot_results
 from kvwall.report.tables import console, table
 from kvwall.engine.caches.registry import CACHE_NAMES
+from kvwall.spec.gguf_meta import PACKAGED
 from kvwall.units import fmt_bytes, fmt_tokens, parse_int_list, parse_token_list, parse_tokens, whole
 
 DEFAULT_CONTEXTS = "1k,4k,16k,32k"
@@ -53,6 +54,10 @@ def cmd_bench(args) -> int:
     real = real_plan(args)  # its options checked before any model is looked up
     archs = bench.resolve_archs(args.archs, args.quick)
     real.archs = [a for a in archs if a.real]
+    if args.weights and len(real.archs) < len(archs):  # the context sweep runs fp32: say so, do not ignore it
+        raise KvwallError(f"--weights applies to real models (a .gguf, {' / '.join(PACKAGED)}); "
+                          f"{', '.join(a.name for a in archs if not a.real)} run the fp32 context sweep: "
+                          "drop --weights or bench them apart")
     contexts = sorted(set(parse_token_list(args.context or (QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS))))
     plan = bench.Plan([a for a in archs if not a.real], contexts, steps=args.steps,
                       prefill_max=parse_tokens(args.prefill_max, "prefill max"), threads=args.threads)
