@@ -7,18 +7,9 @@ import argparse
 
 from kvwall.commands import common
 from kvwall.files import PLOT_EXTS, check_output
+from kvwall.measure.recall import DEFAULTS, QUICK, request
 from kvwall.report.tables import console, table
-from kvwall.units import fmt_bytes, fmt_count, parse_int_list, whole
-
-# Defaults sized for 2 shared CPU cores (30 minutes for the grid). A training step (batch 32, width 64, one
-# thread, 2 busy cores) at 128 / 256 tokens: attention 0.082 / 0.208 s, Mamba 0.099 / 0.220 s (0.83 s at 128
-# before its C++ training scan), hybrid 0.101 / 0.218 s, Mamba-2 0.253 / 0.479 s. The issue's grid (256 tokens,
-# pairs 4-64, widths 64 and 128, 5 archs: 50 models) would leave about 100 steps per model; attention needs far
-# more: width 64, 8 pairs at 64 tokens was at 33 % after 1,500 steps (66 s; lr 1e-3; 3e-3: 28 %, 13 % without
-# weight decay). So 64 tokens, pairs 4 / 8 / 16 (30 models), and a window of 8, well short of the queries.
-DEFAULTS = dict(archs="attention,sliding:8,mamba,mamba2,hybrid", widths="64,128", pairs="4,8,16", seq=64,
-                steps=1000)
-QUICK = dict(archs="attention,sliding:4,mamba,mamba2,hybrid", widths="64", pairs="4", seq=16, steps=500)
+from kvwall.units import fmt_bytes, fmt_count, whole
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -59,19 +50,6 @@ def _choices(args) -> dict:
     so an explicit value equal to a default still wins over --quick)."""
     base = QUICK if args.quick else DEFAULTS
     return {name: getattr(args, name) or base[name] for name in DEFAULTS}
-
-
-def request(c: dict, seed: int = 0):
-    """Choices (DEFAULTS' keys) -> the archs, widths, pairs and training plan of the grid, checked (one-line errors).
-    kvwall report reads the default grid's cached results through this too."""
-    from kvwall.measure import recall
-
-    archs = recall.parse_archs(c["archs"], c["seq"])
-    widths = parse_int_list(c["widths"], "--widths")
-    pairs = parse_int_list(c["pairs"], "--pairs")
-    plan = recall.Plan(seq=c["seq"], max_steps=c["steps"], seed=seed)
-    recall.check(archs, widths, pairs, plan)
-    return archs, widths, pairs, plan
 
 
 def cmd_recall(args) -> int:

@@ -36,6 +36,7 @@ from kvwall.predict.memory import Formats, memory
 from kvwall.spec.formats import get_format
 from kvwall.spec.hf import spec_from_config
 from kvwall.spec.model import ModelSpec
+from kvwall.units import parse_int_list
 
 FILLER, KEYS, VALUES = 0, 128, 128
 VOCAB = 1 + KEYS + VALUES
@@ -419,3 +420,27 @@ def _write(path: Path, row: dict) -> None:
         import sys
 
         print(f"kvwall: warning: could not cache a recall result in {path.parent} ({exc.strerror})", file=sys.stderr)
+
+
+# -- the grid `kvwall recall` trains by default (its options' defaults) --------------------------------------
+
+# Defaults sized for 2 shared CPU cores (30 minutes for the grid). A training step (batch 32, width 64, one
+# thread, 2 busy cores) at 128 / 256 tokens: attention 0.082 / 0.208 s, Mamba 0.099 / 0.220 s (0.83 s at 128
+# before its C++ training scan), hybrid 0.101 / 0.218 s, Mamba-2 0.253 / 0.479 s. The issue's grid (256 tokens,
+# pairs 4-64, widths 64 and 128, 5 archs: 50 models) would leave about 100 steps per model; attention needs far
+# more: width 64, 8 pairs at 64 tokens was at 33 % after 1,500 steps (66 s; lr 1e-3; 3e-3: 28 %, 13 % without
+# weight decay). So 64 tokens, pairs 4 / 8 / 16 (30 models), and a window of 8, well short of the queries.
+DEFAULTS = dict(archs="attention,sliding:8,mamba,mamba2,hybrid", widths="64,128", pairs="4,8,16", seq=64,
+                steps=1000)
+QUICK = dict(archs="attention,sliding:4,mamba,mamba2,hybrid", widths="64", pairs="4", seq=16, steps=500)
+
+
+def request(c: dict, seed: int = 0):
+    """Choices (DEFAULTS' keys) -> the archs, widths, pairs and training plan of the grid, checked (one-line errors).
+    `kvwall recall` and the report (the default grid's cached results) both read the grid through this."""
+    archs = parse_archs(c["archs"], c["seq"])
+    widths = parse_int_list(c["widths"], "--widths")
+    pairs = parse_int_list(c["pairs"], "--pairs")
+    plan = Plan(seq=c["seq"], max_steps=c["steps"], seed=seed)
+    check(archs, widths, pairs, plan)
+    return archs, widths, pairs, plan

@@ -13,10 +13,9 @@ TITLE = "Recall against memory: what a fixed state forgets"
 
 
 def section(out: Path, cache: Path | None = None) -> Section:
-    from kvwall.commands.recall_cmd import DEFAULTS, request
     from kvwall.measure import recall
 
-    data = recall.cached(*request(DEFAULTS), cache=cache)
+    data = recall.cached(*recall.request(recall.DEFAULTS), cache=cache)
     if data is None:
         return Section(TITLE, paragraphs=[
             "No cached results of the default recall grid on this machine: run `kvwall recall` (trains small "
