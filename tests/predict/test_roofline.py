@@ -267,7 +267,7 @@ def test_a_packed_matmul_streams_at_its_own_kernels_rate():
 
     base = replace(get_device("h100-sxm"), op_bandwidth={"matmul": 20e9}, matmul_rows={1: 20e9, 16: 5e9},
                    peak_flops={"bf16": 1e12})
-    packed = replace(base, packed_rows={"int4": {1: 4e9, 16: 2e9}})
+    packed = replace(base, packed_rows={"matmul:int4": {1: 4e9, 16: 2e9}})
     int4 = Formats(get_format("int4"), F16.kv, F16.state)
     for dev, rate in ((packed, 4e9), (base, 20e9)):
         roof = Roof(dev)

@@ -65,8 +65,8 @@ def _op_model(p: dict) -> str:
     rows = p["matmul_rows_Bps"]
     bw, fl = p.get("op_bandwidth_Bps", {}), p.get("op_flops", {})
     parts = ["matmul weights " + " / ".join(f"{g(rows[r])}" for r in rows) + f" GB/s at {' / '.join(rows)} rows"]
-    for kind, table in (p.get("packed_rows_Bps") or {}).items():
-        parts.append(f"packed {kind} " + " / ".join(g(v) for v in table.values()) + f" GB/s at {' / '.join(table)} rows")
+    for kernel, table in (p.get("packed_rows_Bps") or {}).items():
+        parts.append(f"packed {kernel.removeprefix('matmul:')} " + " / ".join(g(v) for v in table.values()) + f" GB/s at {' / '.join(table)} rows")
     if "attention" in bw:
         parts.append(f"decode attention {g(bw['attention'])} GB/s + " + (f"{g(fl['attention'])} GFLOP/s"
                                                                           if "attention" in fl else "no FLOP rate"))

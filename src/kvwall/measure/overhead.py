@@ -138,11 +138,11 @@ def matmul_rows_bandwidth(total_bytes: int = 512 << 20, runs: int = 3) -> dict[i
 
 
 PACKED_ROWS = (1, 16)  # the decode batches kvwall bench and bench_real_decode time
-PACKED = {"int4": "int4", "int8": "int8:g32"}  # the predictor's kernel ("matmul:int4") -> the format timed
+PACKED_FORMATS = ("int4", "int8:g32")  # one format timed per packed kernel (kvwall.predict.step.matmul_kernel)
 
 
 def packed_rows_bandwidth(total_bytes: int = 128 << 20, runs: int = 3) -> dict[str, dict[int, float]]:
-    """Packed weight bytes/s of the engine's PackedLinear (engine/layers/packed.py) at PACKED_ROWS rows over
+    """Per packed kernel ("matmul:int4", "matmul:int8"): packed weight bytes/s of the engine's PackedLinear (engine/layers/packed.py) at PACKED_ROWS rows over
     distinct cold (3072 x 768) matrices, per code width: its own rates, not fp32 F.linear's. SmolLM2's packed
     matmuls read 5-10 GB/s where F.linear reads its fp32 weights at 15-22 (bench_packed_linear.py), so
     charging packed bytes at F.linear's rate predicted native decode far too fast. {} without the kernel
@@ -150,6 +150,7 @@ def packed_rows_bandwidth(total_bytes: int = 128 << 20, runs: int = 3) -> dict[s
     import torch
 
     from kvwall.engine.layers.packed import PackedLinear, packed_kernel
+    from kvwall.predict.step import matmul_kernel
     from kvwall.spec.formats import get_format
 
     if packed_kernel() is None:
@@ -157,7 +158,7 @@ def packed_rows_bandwidth(total_bytes: int = 128 << 20, runs: int = 3) -> dict[s
     out = {}
     shape = (3072, 768)
     with torch.inference_mode():
-        for kind, name in PACKED.items():
+        for name in PACKED_FORMATS:
             fmt = get_format(name)
             one = PackedLinear.from_linear(torch.nn.Linear(shape[1], shape[0], bias=False), fmt)
             n = max(2, total_bytes // one.weight_bytes())
@@ -168,7 +169,7 @@ def packed_rows_bandwidth(total_bytes: int = 128 << 20, runs: int = 3) -> dict[s
             for m in PACKED_ROWS:
                 x = torch.randn(1, m, shape[1])  # (B, T, in)
                 rates[m] = nbytes / _fastest_time(lambda x=x: [p(x) for p in mats], runs)  # (1, m, out) each
-            out[kind] = rates
+            out[matmul_kernel(fmt)] = rates
     return out
 
 

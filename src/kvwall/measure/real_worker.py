@@ -24,6 +24,7 @@ class Engine:
 
     name = ""
     key = "transformers"  # unique among the engines of one run
+    weights = "fp32"  # what --weights the engine holds (transformers: the fp32 load)
 
     def step(self) -> None:
         raise NotImplementedError
@@ -119,7 +120,7 @@ def run_batch(models: dict, hf, job: dict, batch: int) -> list[dict]:
     for e in engines:
         med = statistics.median(times[e.key])
         out.append({"arch": job["name"], "batch": batch, "engine": e.name, "cache": getattr(e, "cache_name", None),
-                    "weights": getattr(e, "weights", "fp32"), "step_s": med, "tok_s": batch / med,
+                    "weights": e.weights, "step_s": med, "tok_s": batch / med,
                     "step_runs_s": times[e.key],
                     "cache_bytes": e.cache.nbytes() if isinstance(e, KvwallEngine) else None,
                     "same_tokens_as_transformers": None if e is ref else same_tokens(e, ref)})

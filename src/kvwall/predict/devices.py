@@ -43,7 +43,7 @@ class Device:
     op_flops: dict = field(default_factory=dict)  # kernel -> FLOP/s of its arithmetic, paid on top of its bytes
     op_fixed_s: dict = field(default_factory=dict)  # kernel -> fixed seconds per call beyond bytes and FLOPs
     matmul_rows: dict = field(default_factory=dict)  # matmul rows M -> weight bytes/s reached at M rows
-    packed_rows: dict = field(default_factory=dict)  # "int4" / "int8" -> {rows M -> packed weight bytes/s}
+    packed_rows: dict = field(default_factory=dict)  # "matmul:int4" / "matmul:int8" -> {rows M -> weight bytes/s}
 
     def layer_overhead(self, kind: str | None) -> float:
         return self.mixer_overhead_s.get(kind or "", self.layer_overhead_s)

@@ -63,7 +63,7 @@ class Roof:
         if op.cache_read:
             bw = measured.get(op.kernel) or measured.get("attention")
         elif self._by_rows(op):  # a packed matrix at its own kernel's rates where they were measured
-            packed = self.device.packed_rows.get(op.kernel.removeprefix("matmul:")) if op.kernel else None
+            packed = self.device.packed_rows.get(op.kernel)
             bw = rows_bandwidth(packed or self.device.matmul_rows, op.rows)
         else:
             bw = measured.get("matmul")
