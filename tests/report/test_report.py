@@ -165,9 +165,11 @@ def test_recall_section_from_the_cache_or_one_line(tmp_path, monkeypatch):
     archs, widths, pairs, plan = request(DEFAULTS)
     cache = measure.cache_dir()
     cache.mkdir(parents=True)
-    for i, (a, w, n) in enumerate(measure.grid(archs, widths, pairs)):
-        row = {"arch": a.name, "width": w, "pairs": n, "accuracy": i / 1000, "kept_bytes": 1024 * w}
-        (cache / f"{measure._key(a, w, n, plan)}.json").write_text(json.dumps(row))
+    models = measure.models(archs, widths)
+    for m, (a, w) in enumerate(models):  # a file per model, a row per pair count; accuracy counts in grid order
+        rows = [{"arch": a.name, "width": w, "pairs": n, "accuracy": (j * len(models) + m) / 1000,
+                 "kept_bytes": 1024 * w} for j, n in enumerate(pairs)]
+        (cache / f"{measure._key(a, w, pairs, plan)}.json").write_text(json.dumps(rows))
     full = recall.section(tmp_path)
     assert [f.key for f in full.figures] == ["recall"] and (tmp_path / "recall.png").stat().st_size > 0
     table = full.tables[0]

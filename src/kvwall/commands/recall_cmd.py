@@ -21,8 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "(attention, sliding:W, mamba, mamba2, hybrid = a Mamba block then an attention block) at each "
                     "width and number of pairs, and sets their held-out accuracy beside the bytes each keeps per "
                     "sequence (kvwall's predictor: K/V for attention, window-bounded for sliding, fixed state for "
-                    "Mamba). Results are cached per configuration under ~/.cache/kvwall/recall, so a re-run only "
-                    "trains what changed.")
+                    "Mamba). As in Zoology, one model per architecture and width trains on the mixture of the pair "
+                    "counts and is evaluated at each. Results are cached per model under ~/.cache/kvwall/recall, so "
+                    "a re-run only trains what changed.")
     p.add_argument("--archs", metavar="LIST",
                    help=f"attention, sliding:W, mamba, mamba2, hybrid (default {d['archs']})")
     p.add_argument("--widths", metavar="LIST",
@@ -72,7 +73,7 @@ def _run_with_progress(recall, archs, widths, pairs, plan, retrain: bool, quiet:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    total = len(recall.grid(archs, widths, pairs))
+    total = len(recall.models(archs, widths))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True, disable=quiet) as progress:
         task = progress.add_task("recall", total=total)
@@ -95,6 +96,7 @@ def print_recall(data: dict) -> None:
                   ["arch", "width", "pairs", "accuracy", "params", "kept bytes", "K/V", "state", "steps", "took"],
                   rows, caption=f"held-out accuracy on {data['plan']['test']} sequences; kept bytes: kvwall's "
                                 f"predictor, one sequence of {t['seq']} tokens in fp32"))
-    c.print(f"{data['trained']} trained, {data['cached']} from the cache ({data['cache']}); took {data['seconds']} s")
+    c.print(f"{data['trained']} models trained, {data['cached']} from the cache ({data['cache']}); took "
+            f"{data['seconds']} s")
     if data.get("plot"):
         c.print(f"plot written to {data['plot']}")
