@@ -123,6 +123,17 @@ def test_results_are_cached_per_model(tmp_path):
     assert other["trained"] == 1  # a changed plan is a new configuration
 
 
+def test_a_model_still_guessing_trains_again_from_the_next_seed(tmp_path):
+    """Two steps leave a model at guessing (mean below 1/N + 5 points), so it trains a second time from seed + 1
+    and says so; one attempt allowed: it keeps the first."""
+    plan = recall.Plan(seq=16, max_steps=2, eval_every=1, val=4, test=4, seed=7)
+    rows = recall.one(recall.Arch("attention"), 32, [2], plan)
+    assert rows[0]["attempts"] == 2 and rows[0]["seed"] == 8
+    once = recall.one(recall.Arch("attention"), 32, [2], recall.Plan(seq=16, max_steps=2, eval_every=1, val=4,
+                                                                        test=4, seed=7, attempts=1))
+    assert once[0]["attempts"] == 1 and once[0]["seed"] == 7
+
+
 @pytest.mark.parametrize("argv,names", [
     (["--widths", "48"], ["--widths", "48"]),
     (["--archs", "attention,rwkv"], ["--archs", "rwkv"]),

@@ -36,7 +36,7 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -190,6 +190,7 @@ class Plan:
     val: int = 128
     test: int = 512
     seed: int = 0
+    attempts: int = 2  # a model whose mean never got past guessing trains again from the next seed (see one())
 
 
 def build(spec: ModelSpec, seed: int):
@@ -303,15 +304,19 @@ def train(model, pairs: list[int], plan: Plan, report: Callable[[int, float], No
 
 def plateaued(curve: list[tuple[int, float]], plan: Plan, pairs: list[int]) -> bool:
     """True when training should stop early: the last `patience` evaluations gained under 1 point over the best
-    before them, at least min_share of max_steps has run, and the best is `margin` above guessing one of the N
-    values in the sequence (1/N, averaged over the pairs). The rule before this one (patience alone) stopped Mamba
-    and Mamba-2 at step 300 while still at chance; models sit at the guessing level before the lookup forms."""
+    before them, at least min_share of max_steps has run, and the best is past guessing (past_guessing). The rule
+    before this one (patience alone) stopped Mamba and Mamba-2 at step 300 while still at chance."""
     if len(curve) <= plan.patience or curve[-1][0] < plan.min_share * plan.max_steps:
         return False
     before = max(a for _, a in curve[:-plan.patience])
     best = max(before, *(a for _, a in curve[-plan.patience:]))
-    guess = sum(1 / n for n in pairs) / len(pairs)
-    return best < before + 0.01 and best >= guess + plan.margin
+    return best < before + 0.01 and past_guessing(best, pairs, plan)
+
+
+def past_guessing(accuracy: float, pairs: list[int], plan: Plan) -> bool:
+    """Whether a mean accuracy over `pairs` is plan.margin above guessing one of the N values in the sequence (1/N,
+    averaged): models sit at that level before the lookup forms."""
+    return accuracy >= sum(1 / n for n in pairs) / len(pairs) + plan.margin
 
 
 def _lr_factor(step: int, plan: Plan) -> float:
@@ -365,24 +370,36 @@ def check(archs: list[Arch], widths: list[int], pairs: list[int], plan: Plan) ->
 def one(arch: Arch, width: int, pairs: list[int], plan: Plan,
         report: Callable[[int, float], None] | None = None) -> list[dict]:
     """Train one model on the mixture of `pairs` and evaluate it at each: a row per pair count with its accuracy,
-    and the parameters, kept bytes and how training went (the same in every row)."""
+    and the parameters, kept bytes and how training went (the same in every row).
+
+    Whether attention's lookup forms within the budget depends on the seed: width 64, 2,000 steps, seeds 1 and 2
+    learned it at steps 700 and 900 (99.7-99.9 %), seed 0 stayed at guessing (and did in six more tries with
+    other rates, batch, warm-up, weight decay or head width). So a model whose mean validation accuracy never got
+    `margin` past guessing one of the N values trains again from the next seed, up to plan.attempts in all; the
+    row says which seed it kept and the seconds of every attempt."""
     import torch
 
     spec = model_spec(arch, width, plan.seq)
-    model = build(spec, plan.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    assert n_params == spec.params(), (n_params, spec.params())  # the spec describes the model that trained
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: at width 64, 128 tokens, a step took 1.49 s on 2 threads and
     try:  # 0.086 s on 1 (2 cores shared, load 5: threads that wait on each other); results are the same
-        with torch.random.fork_rng():
-            done = train(model, pairs, plan, report, rate(arch, plan))
+        seconds = 0.0
+        for attempt in range(plan.attempts):
+            tried = replace(plan, seed=plan.seed + attempt)
+            model = build(spec, tried.seed)
+            with torch.random.fork_rng():
+                done = train(model, pairs, tried, report, rate(arch, plan))
+            seconds += done.seconds
+            if past_guessing(max(a for _, a in done.curve or [(0, 0.0)]), pairs, plan):
+                break
     finally:
         torch.set_num_threads(threads)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params == spec.params(), (n_params, spec.params())  # the spec describes the model that trained
     return [{"arch": arch.name, "kind": arch.kind, "window": arch.window, "width": width, "pairs": n,
              "seq": plan.seq, "accuracy": round(done.accuracy[n], 4), "params": n_params, "lr": rate(arch, plan),
-             **kept_bytes(spec, plan.seq), "trained_on": sorted(pairs), "steps": done.steps, "stopped": done.stopped,
-             "train_seconds": round(done.seconds, 1), "curve": done.curve,
+             **kept_bytes(spec, plan.seq), "trained_on": sorted(pairs), "seed": tried.seed, "attempts": attempt + 1,
+             "steps": done.steps, "stopped": done.stopped, "train_seconds": round(seconds, 1), "curve": done.curve,
              "layers": [l.describe() for l in spec.layers]} for n in pairs]
 
 
