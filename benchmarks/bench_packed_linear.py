@@ -1,5 +1,5 @@
 """One projection at SmolLM2-135M's shapes: y = x W^T with W in fp32 (F.linear, column-major as the engine
-stores it), torch's packed CPU ops (_weight_int8pack_mm, per-channel int8; _weight_int4pack_mm_for_cpu, int4
+stores it; and oneDNN's prepacked layout, which the engine does not use yet), torch's packed CPU ops (_weight_int8pack_mm, per-channel int8; _weight_int4pack_mm_for_cpu, int4
 groups of 32) and kvwall's PackedLinear kernel (int8 / int4, fp16 scales and zeros per group).
 
     .venv/bin/python benchmarks/bench_packed_linear.py [--runs 15] [--rows 1,16]
@@ -40,6 +40,10 @@ def candidates(w: torch.Tensor) -> dict[str, tuple]:
     """name -> (bytes, make() -> step(x) -> y)."""
     N, K = w.shape
     out = {"fp32 F.linear": (w.numel() * 4, lambda: (lambda x, c=column_major(w.clone()): F.linear(x, c)))}
+    if torch.backends.mkldnn.is_available():  # oneDNN's own blocked layout, packed once (what vLLM's CPU build uses)
+        out["fp32 oneDNN prepacked"] = (w.numel() * 4, lambda: (
+            lambda x, p=torch.ops.mkldnn._reorder_linear_weight(w.clone()):
+            torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")))
     scales = w.abs().amax(1) / 127  # (N,)
     w8 = (w / scales[:, None]).round().to(torch.int8)
     out["torch int8pack (per row)"] = (w8.numel() + N * 4, lambda: (
