@@ -221,3 +221,35 @@ def test_a_busy_engine_section_is_warned_about():
     assert cal.others_cpu() == 0.0
     cal.info["engine_others_cpu"] = 0.5
     assert cal.others_cpu() == 0.5
+
+
+def test_a_rate_and_a_fixed_cost_from_two_sizes():
+    """time = fixed + bytes / rate through two points, by hand: 1 MB in 120 us and 4 MB in 420 us are 3 MB per
+    300 us (10 GB/s) and 120 - 100 = 20 us per call; a small size timed slower than a big one, or a line through
+    negative time at 0 bytes, is no fit (None)."""
+    from kvwall.measure.overhead import line_fit
+
+    rate, fixed = line_fit([(4e6, 4.2e-4), (1e6, 1.2e-4)])
+    assert rate == pytest.approx(1e10) and fixed == pytest.approx(2e-5)
+    assert line_fit([(1e6, 5e-4), (4e6, 4e-4)]) is None
+    assert line_fit([(1e6, 0.5e-4), (4e6, 4.2e-4)]) is None
+
+
+def test_a_negative_packed_block_cost_is_a_damaged_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
+    profile = {"memory_bytes": 1 << 30, "memory_bandwidth_Bps": 1e10, "peak_flops": {"fp32": 1e11},
+               "packed_overhead_s": {"matmul:int4": 2e-4}}
+    (tmp_path / "local-device.json").write_text(json.dumps(profile))
+    assert get_device("local").packed_overhead_s == {"matmul:int4": 2e-4}
+    profile["packed_overhead_s"]["matmul:int4"] = -1
+    (tmp_path / "local-device.json").write_text(json.dumps(profile))
+    with pytest.raises(KvwallError, match="packed_overhead_s.matmul:int4"):
+        get_device("local")
+
+
+def test_the_packed_kernels_fixed_costs_are_printed():
+    from kvwall.commands.calibrate_cmd import _op_model
+
+    p = {"matmul_rows_Bps": {"1": 20e9}, "packed_rows_Bps": {"matmul:int4": {"1": 9e9, "16": 2e9}},
+         "op_fixed_s": {"matmul:int4": 2.1e-5}, "packed_overhead_s": {"matmul:int4": 2.5e-4}, "layer_overhead_s": 1e-3}
+    assert "packed int4 9.0 / 2.0 GB/s at 1 / 16 rows + 21 us per call, 0.25 ms per block" in _op_model(p)

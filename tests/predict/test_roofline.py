@@ -278,3 +278,25 @@ def test_a_packed_matmul_streams_at_its_own_kernels_rate():
         act = mlp.bytes - mlp.weight_bytes
         assert roof.op_time(mlp) == pytest.approx(mlp.weight_bytes / rate + act / 20e9)
         assert roof.op_time(head) == pytest.approx(head.bytes / 20e9)
+
+
+def test_a_packed_model_pays_its_kernels_fixed_costs():
+    """A packed kernel's fixed cost per call (op_fixed_s) is added to each of its matmuls, and an attention block
+    whose projections run it costs packed_overhead_s instead of the fp32 block's layer_overhead_s. Hand numbers:
+    TINY's qkv_proj is 64 -> 128 (4 x 16 + 2 x 2 x 16); int4 g32 holds 64 x 128 / 2 = 4,096 code bytes +
+    128 rows x 2 groups x (2 + 2) = 1,024 scale and zero bytes; its 1-row activations 1 x (64 + 128) x 2 B."""
+    from dataclasses import replace
+
+    base = replace(get_device("h100-sxm"), op_bandwidth={"matmul": 20e9}, matmul_rows={1: 20e9, 16: 5e9},
+                   peak_flops={"bf16": 1e12}, layer_overhead_s=1e-3, step_overhead_s=5e-4)
+    dev = replace(base, packed_rows={"matmul:int4": {1: 4e9, 16: 2e9}}, op_fixed_s={"matmul:int4": 2e-5},
+                  packed_overhead_s={"matmul:int4": 3e-4})
+    int4 = Formats(get_format("int4"), F16.kv, F16.state)
+    step = decode(TINY, 10, 1, int4, Roof(dev))
+    qkv = next(o for o in step.ops if o.name == "qkv_proj")
+    assert qkv.weight_bytes == 5120 and qkv.bytes - qkv.weight_bytes == 384
+    assert Roof(dev).op_time(qkv) == pytest.approx(2e-5 + 5120 / 4e9 + 384 / 20e9)
+    assert step.overhead_s == pytest.approx(5e-4 + 3e-4)  # one attention block on the int4 path
+    assert decode(TINY, 10, 1, F16, Roof(dev)).overhead_s == pytest.approx(5e-4 + 1e-3)  # fp16: F.linear's path
+    int8 = Formats(get_format("int8"), F16.kv, F16.state)  # no int8 figure measured: the fp32 block's cost
+    assert decode(TINY, 10, 1, int8, Roof(dev)).overhead_s == pytest.approx(5e-4 + 1e-3)

@@ -66,7 +66,8 @@ def _op_model(p: dict) -> str:
     bw, fl = p.get("op_bandwidth_Bps", {}), p.get("op_flops", {})
     parts = ["matmul weights " + " / ".join(f"{g(rows[r])}" for r in rows) + f" GB/s at {' / '.join(rows)} rows"]
     for kernel, table in (p.get("packed_rows_Bps") or {}).items():
-        parts.append(f"packed {kernel.removeprefix('matmul:')} " + " / ".join(g(v) for v in table.values()) + f" GB/s at {' / '.join(table)} rows")
+        parts.append(f"packed {kernel.removeprefix('matmul:')} " + " / ".join(g(v) for v in table.values())
+                     + f" GB/s at {' / '.join(table)} rows" + _packed_fixed(p, kernel))
     if "attention" in bw:
         parts.append(f"decode attention {g(bw['attention'])} GB/s + " + (f"{g(fl['attention'])} GFLOP/s"
                                                                           if "attention" in fl else "no FLOP rate"))
@@ -77,6 +78,13 @@ def _op_model(p: dict) -> str:
     parts.append("dispatch " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in mixers.items() if v is not None)
                  + f" ms per block, {p.get('step_overhead_s', 0) * 1e3:.2f} ms per step")
     return "; ".join(parts)
+
+
+def _packed_fixed(p: dict, kernel: str) -> str:
+    """A packed kernel's fixed costs where calibrate measured them: per call, and per block on that path."""
+    call, block = (p.get("op_fixed_s") or {}).get(kernel), (p.get("packed_overhead_s") or {}).get(kernel)
+    return ((f" + {call * 1e6:.0f} us per call" if call is not None else "")
+            + (f", {block * 1e3:.2f} ms per block" if block is not None else ""))
 
 
 def _ms(seconds: float) -> str:

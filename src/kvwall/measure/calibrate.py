@@ -118,6 +118,7 @@ class Calibration:
             "step_overhead_s": info.get("step_overhead_s"), "mixer_overhead_s": info.get("mixer_overhead_s", {}),
             "op_flops": info.get("op_flops", {}), "op_fixed_s": info.get("op_fixed_s", {}),
             "matmul_rows_Bps": info.get("matmul_rows_Bps", {}), "packed_rows_Bps": info.get("packed_rows_Bps", {}),
+            "packed_overhead_s": info.get("packed_overhead_s", {}),
             "source": f"measured by `kvwall calibrate` on {info['hostname']} at {self.started}",
             "unconfirmed": [], "notes": self.notes(),
             "measured": {
@@ -180,13 +181,15 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
         cal.info["op_flops"] = {k: v for k, v in flops.items() if v}
         cal.info["op_fixed_s"] = fixed
         cal.info["matmul_rows_Bps"] = {str(m): v for m, v in rows.items()}
-        packed = overhead.packed_rows_bandwidth(size // 4)
+        packed, packed_fixed = overhead.packed_rates(size // 4)
         cal.info["packed_rows_Bps"] = {f: {str(m): v for m, v in t.items()} for f, t in packed.items()}
+        fixed.update(packed_fixed)
         rates = _from_entry("local", cal.profile())  # the rates just measured, for the op model
         costs = overhead.engine_overheads(rates, steps=20 if quick else 30)
         cal.info["layer_overhead_s"] = costs["attention"]
         cal.info["step_overhead_s"] = costs["step"]
         cal.info["mixer_overhead_s"] = {k: v for k, v in costs.items() if k not in ("attention", "step")}
+        cal.info["packed_overhead_s"] = overhead.packed_layer_overheads(rates, steps=20 if quick else 30)
         cal.info["engine_others_cpu"] = watch.share(s.threads)
     cal.elapsed_s = time.perf_counter() - t0
     return cal

@@ -28,15 +28,19 @@ def _arch_spec(arch: str, layers: int):
     return spec_from_config(config, name=f"{arch}-{layers}")
 
 
-def _decoder(spec, context: int = 64):
-    """A decode step of `spec` (random weights) after a `context`-token prefill: call it with a step index."""
+def _decoder(spec, context: int = 64, weights=None):
+    """A decode step of `spec` (random weights; projections packed to Format `weights` when given) after a
+    `context`-token prefill: call it with a step index."""
     import torch
 
     from kvwall.engine.caches import make_cache
+    from kvwall.engine.layers.packed import pack_model
     from kvwall.engine.model import Transformer
 
     torch.manual_seed(0)
     model = Transformer(spec).eval()
+    if weights is not None:
+        pack_model(model, weights)
     cache = make_cache("contiguous", spec, 1, context + 1024)
     with torch.inference_mode():
         model(torch.ones(1, context, dtype=torch.long), torch.arange(context)[None], cache)
@@ -139,37 +143,98 @@ def matmul_rows_bandwidth(total_bytes: int = 512 << 20, runs: int = 3) -> dict[i
 
 PACKED_ROWS = (1, 16)  # the decode batches kvwall bench and bench_real_decode time
 PACKED_FORMATS = ("int4", "int8:g32")  # one format timed per packed kernel (kvwall.predict.step.matmul_kernel)
+PACKED_SHAPES = ((3072, 768), (768, 768))  # (out, in): two sizes, for a rate (the slope) and a cost per call
 
 
-def packed_rows_bandwidth(total_bytes: int = 128 << 20, runs: int = 3) -> dict[str, dict[int, float]]:
-    """Per packed kernel ("matmul:int4", "matmul:int8"): packed weight bytes/s of the engine's PackedLinear (engine/layers/packed.py) at PACKED_ROWS rows over
-    distinct cold (3072 x 768) matrices, per code width: its own rates, not fp32 F.linear's. SmolLM2's packed
-    matmuls read 5-10 GB/s where F.linear reads its fp32 weights at 15-22 (bench_packed_linear.py), so
-    charging packed bytes at F.linear's rate predicted native decode far too fast. {} without the kernel
-    (the reference path dequantizes the whole matrix: not a packed rate)."""
+def _packed_copies(fmt, shape: tuple[int, int], total_bytes: int) -> list:
+    """Distinct PackedLinear matrices of `shape` in `fmt`, together about `total_bytes` (cold when called in turn)."""
     import torch
 
-    from kvwall.engine.layers.packed import PackedLinear, packed_kernel
+    from kvwall.engine.layers.packed import PackedLinear
+
+    one = PackedLinear.from_linear(torch.nn.Linear(shape[1], shape[0], bias=False), fmt)
+    n = max(2, total_bytes // one.weight_bytes())
+    return [one] + [PackedLinear(one.q.clone(), one.scale.clone(), None if one.zero is None else one.zero.clone(),
+                                 fmt, shape[1]) for _ in range(n - 1)]
+
+
+def _packed_call(mats: list, rows: int, runs: int) -> tuple[float, int]:
+    """(seconds per call, packed bytes per matrix) of `rows` rows through each of `mats` in turn, the fastest sweep."""
+    import torch
+
+    x = torch.randn(1, rows, mats[0].in_features)  # (B, T, in)
+    t = _fastest_time(lambda: [p(x) for p in mats], runs)  # (1, rows, out) each
+    return t / len(mats), mats[0].weight_bytes()
+
+
+def line_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """(bytes/s, fixed seconds) of time = fixed + bytes / rate through two (bytes, seconds) points; None when they
+    give no positive slope and intercept (a busy spell timed the small one slow)."""
+    (b0, t0), (b1, t1) = sorted(points)
+    if t1 <= t0:
+        return None
+    rate = (b1 - b0) / (t1 - t0)
+    fixed = t0 - b0 / rate
+    return (rate, fixed) if fixed >= 0 else None
+
+
+def packed_rates(total_bytes: int = 128 << 20, runs: int = 3) -> tuple[dict, dict]:
+    """Per packed kernel ("matmul:int4", "matmul:int8"): ({rows: packed weight bytes/s}, fixed seconds per call) of
+    the engine's PackedLinear (engine/layers/packed.py) over distinct cold matrices of two PACKED_SHAPES: time =
+    fixed + bytes / rate at each of PACKED_ROWS rows, the fixed cost from 1 row (the Python wrapper and the
+    kernel's setup, whatever the rows). One rate at 3072 x 768 alone folded that cost into the rate: SmolLM2's
+    576-wide projections at batch 1 took 21 us + bytes / 9.3 GB/s each (benchmarks/profile_step_ops.py), 43 us
+    for o_proj's 207 KB. Without the kernel: ({}, {}) (the reference path dequantizes the whole matrix)."""
+    import torch
+
+    from kvwall.engine.layers.packed import packed_kernel
     from kvwall.predict.step import matmul_kernel
     from kvwall.spec.formats import get_format
 
     if packed_kernel() is None:
-        return {}
-    out = {}
-    shape = (3072, 768)
+        return {}, {}
+    rates, fixed = {}, {}
     with torch.inference_mode():
         for name in PACKED_FORMATS:
-            fmt = get_format(name)
-            one = PackedLinear.from_linear(torch.nn.Linear(shape[1], shape[0], bias=False), fmt)
-            n = max(2, total_bytes // one.weight_bytes())
-            mats = [one] + [PackedLinear(one.q.clone(), one.scale.clone(), None if one.zero is None
-                                         else one.zero.clone(), fmt, shape[1]) for _ in range(n - 1)]
-            nbytes = sum(m.weight_bytes() for m in mats)
-            rates = {}
+            fmt, table = get_format(name), {}
+            sets = [_packed_copies(fmt, shape, total_bytes) for shape in PACKED_SHAPES]
             for m in PACKED_ROWS:
-                x = torch.randn(1, m, shape[1])  # (B, T, in)
-                rates[m] = nbytes / _fastest_time(lambda x=x: [p(x) for p in mats], runs)  # (1, m, out) each
-            out[matmul_kernel(fmt)] = rates
+                points = [_packed_call(mats, m, runs)[::-1] for mats in sets]  # (bytes, seconds) per shape
+                fit = line_fit(points)
+                big_bytes, big_s = max(points)
+                table[m] = fit[0] if fit else big_bytes / big_s
+                if m == PACKED_ROWS[0]:
+                    fixed[matmul_kernel(fmt)] = fit[1] if fit else 0.0
+            rates[matmul_kernel(fmt)] = table
+    return rates, fixed
+
+
+def packed_layer_overheads(rates, steps: int = 30) -> dict[str, float]:
+    """Per packed kernel ("matmul:int4", "matmul:int8"): the per-layer cost beyond the op model of a GQA block
+    whose projections are packed (one PACKED_FORMATS format each), fitted as engine_overheads fits the fp32
+    block (two depths timed in turn ROUNDS times, the median round's slope less the op model's), on device
+    `rates` carrying the packed kernels' rates and fixed costs. The fp32 block's cost does not carry over:
+    fitted on fp32 it was 1.0 ms per block, where SmolLM2's packed blocks spent 0.23 ms per block outside
+    their projections and attention (benchmarks/profile_step_ops.py) and were predicted 62 % too slow."""
+    from kvwall.predict.memory import Formats
+    from kvwall.predict.roofline import Roof, decode
+    from kvwall.predict.step import matmul_kernel
+    from kvwall.spec.formats import get_format
+
+    bare = Roof(dataclasses.replace(rates, layer_overhead_s=0.0, mixer_overhead_s={}, step_overhead_s=0.0,
+                                    packed_overhead_s={}), dtype="fp32")
+    fp32, (lo, hi), out = get_format("fp32"), DEPTHS, {}
+    specs = [_arch_spec(OVERHEAD_ARCHS["attention"], n) for n in DEPTHS]
+    for name in PACKED_FORMATS:
+        fmt = get_format(name)
+        if matmul_kernel(fmt) not in rates.packed_rows:
+            continue  # no kernel: the reference path runs, at no packed rate
+        p_lo, p_hi = (decode(s, 64 + 1, 1, Formats(dataclasses.replace(fmt, head=fp32), fp32, fp32), bare).time_s for s in specs)
+        step_lo, step_hi = (_decoder(s, weights=fmt) for s in specs)
+        rounds = [(_median_step(step_lo, r * (steps + 4), steps), _median_step(step_hi, r * (steps + 4), steps))
+                  for r in range(ROUNDS)]
+        t_lo, t_hi = sorted(rounds, key=lambda t: t[1] - t[0])[ROUNDS // 2]
+        out[matmul_kernel(fmt)] = max(((t_hi - t_lo) - (p_hi - p_lo)) / (hi - lo), 0.0)
     return out
 
 

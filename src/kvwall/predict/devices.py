@@ -44,8 +44,13 @@ class Device:
     op_fixed_s: dict = field(default_factory=dict)  # kernel -> fixed seconds per call beyond bytes and FLOPs
     matmul_rows: dict = field(default_factory=dict)  # matmul rows M -> weight bytes/s reached at M rows
     packed_rows: dict = field(default_factory=dict)  # "matmul:int4" / "matmul:int8" -> {rows M -> weight bytes/s}
+    packed_overhead_s: dict = field(default_factory=dict)  # "matmul:int4" ... -> per attention block, weights packed
 
-    def layer_overhead(self, kind: str | None) -> float:
+    def layer_overhead(self, kind: str | None, weights_kernel: str = "") -> float:
+        """Fixed cost per layer of this mixer kind; an attention block whose projections run a packed kernel
+        (`weights_kernel`, "matmul:int4" ...) at the cost measured for that path, where it was."""
+        if kind == "attention" and weights_kernel in self.packed_overhead_s:
+            return self.packed_overhead_s[weights_kernel]
         return self.mixer_overhead_s.get(kind or "", self.layer_overhead_s)
 
     def flops(self, dtype: str = "bf16") -> float:
@@ -89,6 +94,7 @@ def _from_entry(name: str, e: dict) -> Device:
         op_fixed_s={k: float(v) for k, v in (e.get("op_fixed_s") or {}).items()},
         matmul_rows=_rows_table(e.get("matmul_rows_Bps")),
         packed_rows={f: _rows_table(t) for f, t in (e.get("packed_rows_Bps") or {}).items()},
+        packed_overhead_s={k: float(v) for k, v in (e.get("packed_overhead_s") or {}).items()},
     )
 
 
@@ -144,7 +150,8 @@ def _profile_problem(e: object) -> str | None:
         if e.get(key) is not None:
             figures.append((key, e[key], False))
     for key, above_zero in (("peak_flops", True), ("op_bandwidth_Bps", True), ("mixer_overhead_s", False),
-                            ("op_flops", True), ("op_fixed_s", False), ("matmul_rows_Bps", True)):
+                            ("op_flops", True), ("op_fixed_s", False), ("matmul_rows_Bps", True),
+                            ("packed_overhead_s", False)):
         table = e.get(key) or {}
         if not isinstance(table, dict):
             return f"{key!r} is {table!r}, not an object"

@@ -200,7 +200,7 @@ def time_ops(spec: ModelSpec, step: Step, ops: list[Op], roof: Roof, par: Parall
     """The step's ops on the roofline, one after another, plus the device's fixed cost per step."""
     par = par or Parallel()
     ops.extend(pipeline_sends(spec, step.tokens, par))
-    overhead = step_overhead(spec, roof.device)
+    overhead = step_overhead(spec, roof.device, weights_kernel(ops))
     per_op, total = [], overhead
     for op in ops:
         t = roof.op_time(op)
@@ -227,11 +227,17 @@ def _check_finite(phase: str, per_op: list[dict], total: float, roof: Roof) -> N
                       "figures and the options")
 
 
-def step_overhead(spec: ModelSpec, device: Device) -> float:
-    """The device's fixed dispatch cost of one step: per layer by its mixer kind, plus the rest."""
+def step_overhead(spec: ModelSpec, device: Device, kernel: str = "") -> float:
+    """The device's fixed dispatch cost of one step: per layer by its mixer kind (and the packed `kernel` its
+    projections run, Device.layer_overhead), plus the rest."""
     rest = device.step_overhead_s if device.step_overhead_s is not None else device.layer_overhead_s
     kinds = (layer.mixer.kind if layer.mixer is not None else None for layer in spec.layers)
-    return rest + sum(device.layer_overhead(k) for k in kinds)
+    return rest + sum(device.layer_overhead(k, kernel) for k in kinds)
+
+
+def weights_kernel(ops: list[Op]) -> str:
+    """The kernel the layers' projections run ("matmul:int4" ...; "" for float weights: F.linear)."""
+    return next((o.kernel for o in ops if o.kind == MATMUL and o.layer is not None and o.kernel), "")
 
 
 def prefill(spec, prompt: int, batch: int, fm: Formats, roof: Roof, par: Parallel | None = None) -> PhaseResult:
@@ -269,8 +275,9 @@ def pipelined(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Paralle
         stages[stage_of.get(op.layer, 0 if k == 0 else pp - 1)] += roof.op_time(op)
     send = roof.op_time(Op("pipeline send", None, link_bytes=micro.tokens * spec.hidden * ACT_BYTES, kind=LINK))
     slowest = max(stages) + (send if pp > 1 else 0.0)
-    total = (m + pp - 1) * slowest + step_overhead(spec, roof.device)
-    steady = max(m, pp) * slowest + step_overhead(spec, roof.device)
+    fixed = step_overhead(spec, roof.device, weights_kernel(ops))
+    total = (m + pp - 1) * slowest + fixed
+    steady = max(m, pp) * slowest + fixed
     if not (math.isfinite(total) and total >= 0):
         raise KvwallError(f"pipelined step: {total} s is not a finite time; does {roof.device.name!r} have a link?")
     return {"micro_batches": m, "micro_batch": micro.batch, "stage_s": stages, "send_s": send, "time_s": total,

@@ -14,7 +14,7 @@ from kvwall.errors import KvwallError
 from kvwall.predict.devices import Device, get_device
 from kvwall.predict.memory import Formats
 from kvwall.predict.ops import step_ops
-from kvwall.predict.roofline import Roof, step_overhead
+from kvwall.predict.roofline import Roof, step_overhead, weights_kernel
 from kvwall.predict.step import Op, Step
 from kvwall.spec.model import ModelSpec
 from kvwall.spec.resolve import load_spec
@@ -80,7 +80,8 @@ def _grouped(ops: list[Op]) -> list[tuple[Op, int]]:
 
 def phase_time(prep: Prepared, ops: list[tuple[Op, int]], roof: Roof, is_prefill: bool) -> float:
     """What run_step (and prefill) give for these ops: fixed costs + the sum of each op's time."""
-    t = step_overhead(prep.spec, roof.device) + sum(n * roof.op_time(op) for op, n in ops)
+    t = step_overhead(prep.spec, roof.device, weights_kernel([op for op, _ in ops]))
+    t += sum(n * roof.op_time(op) for op, n in ops)
     return t + roof.request_overhead_s if is_prefill else t
 
 

@@ -1,0 +1,126 @@
+"""Where one decode step of a real model goes, measured per op next to the roofline's per-op prediction.
+
+    python benchmarks/profile_step_ops.py [MODEL] [--weights native,fp32] [--batch 1,16] [--steps 16]
+
+For each weight format and batch: load MODEL (a short name or a .gguf) as `kvwall bench --weights` does,
+prefill 16 random tokens into a contiguous cache, then time `--steps` decode steps twice: bare (the median
+step, what `kvwall bench` reports), and with a timer around every projection, the cache's attention and the
+embedding, summed per op group (qkv_proj, attention, o_proj, mlp, lm_head, embedding). What the timers do not
+cover (norms, rotary, activations, residual adds, Python) is "rest". The prediction is `kvwall bench`'s
+(kvwall.measure.real_bench.predict) on the `local` profile, split the same way; its fixed per-layer and per-step
+costs are its "rest".
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+import torch
+
+GROUPS = {"wqkv": "qkv_proj", "wo": "o_proj", "w13": "mlp", "w2": "mlp", "w1": "mlp"}
+
+
+class Timers:
+    """Seconds per op group, summed over the calls made while `on`."""
+
+    def __init__(self):
+        self.on, self.total = False, collections.Counter()
+
+    def wrap(self, obj, attr: str, group: str) -> None:
+        inner = getattr(obj, attr)
+
+        def timed(*a, **kw):
+            if not self.on:
+                return inner(*a, **kw)
+            t0 = time.perf_counter()
+            out = inner(*a, **kw)
+            self.total[group] += time.perf_counter() - t0
+            return out
+        setattr(obj, attr, timed)
+
+
+def instrument(model, cache) -> Timers:
+    t = Timers()
+    for name, mod in model.named_modules():
+        group = GROUPS.get(name.rsplit(".", 1)[-1])
+        if group:
+            t.wrap(mod, "forward", group)
+    t.wrap(model, "logits", "lm_head")  # a tied fp32 head is a plain x @ W^T there, no module call
+    t.wrap(model.embed, "forward", "embedding")
+    t.wrap(cache, "attend", "attention")
+    return t
+
+
+def measure(path: str, weights: str, batch: int, steps: int) -> tuple[float, dict[str, float]]:
+    """(median bare step, {group: median seconds per step}) of one model at one batch."""
+    from kvwall.engine.caches import make_cache
+    from kvwall.engine.load import load_model
+
+    model = load_model(path, weights=weights)
+    cache = make_cache("contiguous", model.spec, batch, 16 + 2 * steps + 8)
+    tok = torch.randint(0, 10000, (batch, 16), generator=torch.Generator().manual_seed(batch))  # (B, T)
+    tok = model(tok, None, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+    timers, pos = instrument(model, cache), 16
+    bare, per = [], collections.defaultdict(list)
+    for i in range(2 * steps + 2):
+        timers.on, timers.total = i % 2 == 1, collections.Counter()  # timed and bare steps in turn
+        t0 = time.perf_counter()
+        tok = model(tok, torch.full((batch, 1), pos), cache)[:, -1].argmax(-1, keepdim=True)
+        took, pos = time.perf_counter() - t0, pos + 1
+        if i < 2:
+            continue
+        if timers.on:
+            for g, s in list(timers.total.items()) + [("(step, timed)", took)]:
+                per[g].append(s)
+        else:
+            bare.append(took)
+    return statistics.median(bare), {g: statistics.median(v) for g, v in per.items()}
+
+
+def predicted(arch, weights: str, batch: int, context: int) -> tuple[float, dict[str, float]]:
+    from kvwall.measure.real_bench import held_format, kv_format
+    from kvwall.predict.devices import local_device
+    from kvwall.predict.memory import Formats
+    from kvwall.predict.roofline import Roof, decode
+    from kvwall.spec.formats import get_format
+    from kvwall.spec.hf import spec_from_config
+
+    spec = spec_from_config(arch.config, name=arch.name, where=arch.checkpoint).with_window(None)
+    fp32 = get_format("fp32")
+    fm = Formats(held_format(arch, weights), get_format(kv_format("contiguous")), fp32)
+    d = decode(spec, context, batch, fm, Roof(local_device(), dtype="fp32"))
+    groups = collections.Counter()
+    for op in d.per_op:
+        groups[op["group"]] += op["time_s"]
+    groups["rest"] = d.overhead_s
+    return d.time_s, dict(groups)
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", default="smollm2-135m")
+    ap.add_argument("--weights", default="native,fp32")
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--steps", type=int, default=16)
+    a = ap.parse_args()
+    from kvwall.measure.archs import gguf_arch
+
+    arch = gguf_arch(a.model)
+    for w in a.weights.split(","):
+        for b in (int(x) for x in a.batch.split(",")):
+            step, got = measure(arch.checkpoint, w, b, a.steps)
+            got["rest"] = got.pop("(step, timed)") - sum(got.values())
+            p_step, want = predicted(arch, w, b, 16 + a.steps)
+            print(f"\n{a.model} --weights {w}, batch {b}: measured {step * 1e3:.2f} ms/step (bare median), "
+                  f"predicted {p_step * 1e3:.2f} ms ({p_step / step - 1:+.0%})")
+            print(f"  {'op group':<12}{'measured ms':>12}{'predicted ms':>14}")
+            for g in sorted(set(got) | set(want), key=lambda g: -got.get(g, 0)):
+                print(f"  {g:<12}{got.get(g, 0) * 1e3:>12.2f}{want.get(g, 0) * 1e3:>14.2f}")
+
+
+if __name__ == "__main__":
+    main()
