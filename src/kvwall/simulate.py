@@ -43,6 +43,8 @@ ASSUMPTIONS = {
     "step_time": "roofline of the step's exact mix (run_mix): per op max(compute, memory) (a calibrated `local` "
                  "profile: its measured rates), plus links and the device's fixed step cost",
     "kv_pool": "one GPU's memory - reserve - its share of the weights, in blocks over every attention layer",
+    "pool_cost": "a calibrated `local` profile's paged pool cost (scatter, gather of each row's blocks padded to "
+                 "the longest row, mask) per attention layer per forward, fixed + per byte gathered; 0 elsewhere",
     "prefix_cache": "no shared prefixes; every request runs to its output length",
 }
 MAX_STEPS = 50_000_000  # a stuck scheduler is a bug, not an endless loop
@@ -54,8 +56,12 @@ class StepClock:
     row, added up over the rows with numpy. Equals `run_mix` on the same rows (a test holds it), plus the roof's
     fixed cost per request (expected mode) on each request's first chunk."""
 
-    def __init__(self, spec: ModelSpec, fm: Formats, roof: Roof, par: Parallel | None = None):
+    def __init__(self, spec: ModelSpec, fm: Formats, roof: Roof, par: Parallel | None = None, block_size: int = 16):
         self.spec, self.fm, self.roof, self.par = spec, fm, roof, par or Parallel()
+        self.block_size = block_size
+        # per attention layer kind: one token's K and V bytes in the pool, and how many such layers
+        self._pooled = [(b, n) for layer, n in Counter(spec.layers).items()
+                        if (b := token_bytes(layer, fm.kv, self.par.tp))]
         self._mixers = list(Counter(layer.mixer for layer in spec.layers if layer.mixer is not None).items())
         self._layers = list(Counter(spec.layers).items())
         self._token_part: dict[tuple[int, bool], float] = {}
@@ -64,8 +70,26 @@ class StepClock:
         self._fixed: dict[tuple[bool, bool], tuple[list, list]] = {}  # (absorbed, prefill): layer counts, ops
 
     def time(self, rows: list[tuple[int, int]]) -> float:
-        """Seconds for one forward over rows of (past, new) tokens: the token part plus the per-sequence ops,
-        whose work adds up over the rows before each op's max(compute, memory)."""
+        """Seconds for one forward over rows of (past, new) tokens over the paged pool: the roofline's mixed step
+        (`roofline_time`) plus the pool's own cost (`pool_time`)."""
+        return self.roofline_time(rows) + self.pool_time(rows)
+
+    def pool_time(self, rows: list[tuple[int, int]]) -> float:
+        """The paged pool's cost beyond a contiguous cache, where the device measured it (`kvwall calibrate`:
+        Device.paged_pool; 0 otherwise): per attention layer, fixed + bytes gathered x s/byte. The runner gathers
+        every row padded to the longest row's blocks (one block table per forward), so a 16-token row beside a
+        1,000-token one gathers 1,008 tokens."""
+        cost = self.roof.device.paged_pool
+        if not cost or not rows:
+            return 0.0
+        width = max(-(-(p + n) // self.block_size) for p, n in rows) * self.block_size  # tokens per row
+        gathered = len(rows) * width
+        return sum(n * (cost.get("fixed_s", 0.0) + gathered * b * cost.get("s_per_byte", 0.0))
+                   for b, n in self._pooled)
+
+    def roofline_time(self, rows: list[tuple[int, int]]) -> float:
+        """Seconds for one forward over rows of (past, new) tokens on the roofline: the token part plus the
+        per-sequence ops, whose work adds up over the rows before each op's max(compute, memory)."""
         absorbed = all(n == 1 for _, n in rows)
         total = self._per_token(sum(n for _, n in rows), len(rows), absorbed)
         total += self.roof.request_overhead_s * sum(1 for p, _ in rows if p == 0)  # once per request (its TTFT)

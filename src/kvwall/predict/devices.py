@@ -44,6 +44,9 @@ class Device:
     op_fixed_s: dict = field(default_factory=dict)  # kernel -> fixed seconds per call beyond bytes and FLOPs
     matmul_rows: dict = field(default_factory=dict)  # matmul rows M -> weight bytes/s reached at M rows
     packed_rows: dict = field(default_factory=dict)  # "matmul:int4" / "matmul:int8" -> {rows M -> weight bytes/s}
+    # kvwall serve's paged pool per attention layer per forward, beyond a contiguous cache: {"fixed_s",
+    # "s_per_byte"} of the bytes it gathers (measure.overhead.paged_pool_cost); empty: not charged
+    paged_pool: dict = field(default_factory=dict)
 
     def layer_overhead(self, kind: str | None) -> float:
         return self.mixer_overhead_s.get(kind or "", self.layer_overhead_s)
@@ -89,6 +92,7 @@ def _from_entry(name: str, e: dict) -> Device:
         op_fixed_s={k: float(v) for k, v in (e.get("op_fixed_s") or {}).items()},
         matmul_rows=_rows_table(e.get("matmul_rows_Bps")),
         packed_rows={f: _rows_table(t) for f, t in (e.get("packed_rows_Bps") or {}).items()},
+        paged_pool={k: float(v) for k, v in (e.get("paged_pool") or {}).items()},
     )
 
 
@@ -144,7 +148,8 @@ def _profile_problem(e: object) -> str | None:
         if e.get(key) is not None:
             figures.append((key, e[key], False))
     for key, above_zero in (("peak_flops", True), ("op_bandwidth_Bps", True), ("mixer_overhead_s", False),
-                            ("op_flops", True), ("op_fixed_s", False), ("matmul_rows_Bps", True)):
+                            ("op_flops", True), ("op_fixed_s", False), ("matmul_rows_Bps", True),
+                            ("paged_pool", False)):
         table = e.get(key) or {}
         if not isinstance(table, dict):
             return f"{key!r} is {table!r}, not an object"
