@@ -287,6 +287,7 @@ PROFILE_CASES = [  # (file content, what the message must name)
     ({**GOOD_PROFILE, "op_fixed_s": {"attention:int8": -1e-4}}, "op_fixed_s"),
     ({**GOOD_PROFILE, "paged_pool": {"s_per_byte": -1e-9}}, "paged_pool"),
     ({**GOOD_PROFILE, "paged_pool": [1e-4]}, "paged_pool"),
+    ({**GOOD_PROFILE, "runner_step": {"per_row_s": float("nan")}}, "runner_step"),
 ]
 
 

@@ -36,6 +36,9 @@ class Constant:
     def time(self, rows):
         return self.dt
 
+    def runner_time(self, rows):
+        return 0.0
+
 
 POOL = Pool(block_size=16, block_bytes=1, n_blocks=10_000, available_bytes=10_000)
 
@@ -231,3 +234,21 @@ def test_a_profile_without_the_pool_cost_is_todays_clock(tmp_path, monkeypatch, 
         outputs[name] = sim["tpot_s"]["p50"], capsys.readouterr().out
     assert outputs["new"][0] > outputs["old"][0]
     assert outputs["new"][1] == outputs["old"][1]
+
+
+def test_runner_cost_once_per_step_by_hand():
+    """1 ms + 0.2 ms a row, once per scheduler step even when decode rows and chunks run as two forwards:
+    3 rows -> 1.6 ms on top of the forwards."""
+    from dataclasses import replace
+
+    from kvwall.simulate import _step_time
+
+    spec = load_spec("llama-3-8b")
+    fm = Formats.for_spec(spec)
+    clock = StepClock(spec, fm, Roof(replace(get_device("h100"), runner_step={"fixed_s": 1e-3, "per_row_s": 2e-4})))
+    rows = [(5, 1), (0, 10), (7, 1)]
+    assert clock.runner_time(rows) == pytest.approx(1.6e-3, rel=1e-12)
+    split = clock.time([(5, 1), (7, 1)]) + clock.time([(0, 10)]) + 1.6e-3
+    assert _step_time(clock, rows, True) == pytest.approx(split, rel=1e-12)
+    assert _step_time(clock, rows, False) == pytest.approx(clock.time(rows) + 1.6e-3, rel=1e-12)
+    assert StepClock(spec, fm, Roof(get_device("h100"))).runner_time(rows) == 0.0  # not measured: not charged

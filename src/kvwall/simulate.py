@@ -43,6 +43,8 @@ ASSUMPTIONS = {
     "step_time": "roofline of the step's exact mix (run_mix): per op max(compute, memory) (a calibrated `local` "
                  "profile: its measured rates), plus links and the device's fixed step cost",
     "kv_pool": "one GPU's memory - reserve - its share of the weights, in blocks over every attention layer",
+    "runner_cost": "a calibrated `local` profile's serving runner cost per step (scheduling, tables, sampling), "
+                   "fixed + per row; 0 elsewhere",
     "pool_cost": "a calibrated `local` profile's paged pool cost (scatter, gather of each row's blocks padded to "
                  "the longest row, mask) per attention layer per forward, fixed + per byte gathered; 0 elsewhere",
     "prefix_cache": "no shared prefixes; every request runs to its output length",
@@ -86,6 +88,12 @@ class StepClock:
         gathered = len(rows) * width
         return sum(n * (cost.get("fixed_s", 0.0) + gathered * b * cost.get("s_per_byte", 0.0))
                    for b, n in self._pooled)
+
+    def runner_time(self, rows: list[tuple[int, int]]) -> float:
+        """kvwall serve's runner around a step's forwards (scheduling, tables, sampling), where the device measured
+        it (Device.runner_step; 0 otherwise): fixed + per row, once per scheduler step."""
+        cost = self.roof.device.runner_step
+        return cost.get("fixed_s", 0.0) + cost.get("per_row_s", 0.0) * len(rows) if cost and rows else 0.0
 
     def roofline_time(self, rows: list[tuple[int, int]]) -> float:
         """Seconds for one forward over rows of (past, new) tokens on the roofline: the token part plus the
@@ -279,10 +287,12 @@ def _job(r: Request) -> Job:
 
 
 def _step_time(clock: StepClock, rows: list[tuple[int, int]], split_prefill: bool) -> float:
+    """One scheduler step: its forward (two with `split_prefill`), plus the runner's cost around them."""
+    runner = clock.runner_time(rows)
     if not split_prefill:
-        return clock.time(rows)
+        return clock.time(rows) + runner
     parts = [[r for r in rows if r[1] == 1], [r for r in rows if r[1] > 1]]
-    return sum(clock.time(p) for p in parts if p)
+    return sum(clock.time(p) for p in parts if p) + runner
 
 
 def report(run: dict, slo_ttft: float | None = None, slo_tpot: float | None = None, points: int = 200) -> dict:

@@ -233,5 +233,8 @@ def test_paged_pool_cost_measured(calibrated, monkeypatch):
     assert set(cost) == {"fixed_s", "s_per_byte"}
     assert 0 <= cost["fixed_s"] < 0.01, cost
     assert cost["s_per_byte"] == 0 or 1 / cost["s_per_byte"] < 3 * printed["memory_bandwidth_Bps"], cost
+    runner = printed["runner_step"]  # the serving runner around a step: under 50 ms fixed, 10 ms a row
+    assert set(runner) == {"fixed_s", "per_row_s"}
+    assert 0 <= runner["fixed_s"] < 0.05 and 0 <= runner["per_row_s"] < 0.01, runner
     monkeypatch.setenv("KVWALL_HOME", str(home))
-    assert get_device("local").paged_pool == cost
+    assert get_device("local").paged_pool == cost and get_device("local").runner_step == runner

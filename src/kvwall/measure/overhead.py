@@ -384,3 +384,44 @@ def paged_pool_cost(runs: int = 7) -> dict[str, float]:
     slope = max(float(slope), 0.0)
     fixed = max(float(np.mean(np.array(y) - slope * np.array(x))), 0.0) if fixed < 0 else float(fixed)
     return {"fixed_s": fixed, "s_per_byte": slope}
+
+
+RUNNER_ROWS = (1, 32)  # decode rows a step of the runner is timed at (its cost grows with the rows: per-row Python)
+
+
+def _runner_decoding(model, rows: int):
+    """A serving runner (fp32 pool) whose `rows` requests have prefilled and now decode, for many more steps."""
+    from kvwall.serve.runner import Runner
+    from kvwall.serve.scheduler import Request
+
+    runner = Runner(model, n_blocks=rows * 32 + 8, chunk=512, max_batch=max(RUNNER_ROWS), kv_dtype="fp32")
+    for i in range(rows):
+        runner.add(Request(i, [1 + i % 7] * 16, 400))
+    runner.step()  # the prefills
+    runner.step()
+    return runner
+
+
+def runner_step_cost(runs: int = 7) -> dict[str, float]:
+    """{"fixed_s", "per_row_s"}: what kvwall serve's runner adds to a decode step beyond its forward over the
+    pool (scheduling, the block tables, the row tensors, the logit check, sampling): runner.step() less
+    runner.forward() of the same rows, on a 2-layer GQA model of width 768 (random weights), at RUNNER_ROWS
+    rows (fastest of `runs` each), fixed + per row through the two points. SmolLM2's served batch-1 step
+    spent 2.4 ms outside its forward (74.8 against 72.4 ms, benchmarks/profile_serve_step.py)."""
+    import torch
+
+    from kvwall.engine.model import Transformer
+    from kvwall.serve.scheduler import Chunk
+
+    torch.manual_seed(0)
+    model = Transformer(_arch_spec("gqa", 2)).eval()
+    costs = []
+    with torch.inference_mode():
+        for rows in RUNNER_ROWS:
+            runner = _runner_decoding(model, rows)
+            step = _fastest_time(runner.step, runs)
+            chunks = [Chunk(r, r.computed - 1, 1) for r in runner.sched.running]  # rewrites each row's last slot
+            costs.append(max(step - _fastest_time(lambda: runner.forward(chunks), runs), 0.0))
+    (lo, hi), (c_lo, c_hi) = RUNNER_ROWS, costs
+    per_row = max((c_hi - c_lo) / (hi - lo), 0.0)
+    return {"fixed_s": max(c_lo - lo * per_row, 0.0), "per_row_s": per_row}

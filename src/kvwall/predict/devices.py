@@ -47,6 +47,8 @@ class Device:
     # kvwall serve's paged pool per attention layer per forward, beyond a contiguous cache: {"fixed_s",
     # "s_per_byte"} of the bytes it gathers (measure.overhead.paged_pool_cost); empty: not charged
     paged_pool: dict = field(default_factory=dict)
+    # and its runner around the forwards, per step: {"fixed_s", "per_row_s"} (overhead.runner_step_cost)
+    runner_step: dict = field(default_factory=dict)
 
     def layer_overhead(self, kind: str | None) -> float:
         return self.mixer_overhead_s.get(kind or "", self.layer_overhead_s)
@@ -93,6 +95,7 @@ def _from_entry(name: str, e: dict) -> Device:
         matmul_rows=_rows_table(e.get("matmul_rows_Bps")),
         packed_rows={f: _rows_table(t) for f, t in (e.get("packed_rows_Bps") or {}).items()},
         paged_pool={k: float(v) for k, v in (e.get("paged_pool") or {}).items()},
+        runner_step={k: float(v) for k, v in (e.get("runner_step") or {}).items()},
     )
 
 
@@ -149,7 +152,7 @@ def _profile_problem(e: object) -> str | None:
             figures.append((key, e[key], False))
     for key, above_zero in (("peak_flops", True), ("op_bandwidth_Bps", True), ("mixer_overhead_s", False),
                             ("op_flops", True), ("op_fixed_s", False), ("matmul_rows_Bps", True),
-                            ("paged_pool", False)):
+                            ("paged_pool", False), ("runner_step", False)):
         table = e.get(key) or {}
         if not isinstance(table, dict):
             return f"{key!r} is {table!r}, not an object"
