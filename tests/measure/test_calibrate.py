@@ -210,6 +210,11 @@ def test_the_engine_op_model_is_printed_in_one_line():
     assert line.startswith("matmul weights 20.0 / 5.0 GB/s at 1 / 16 rows; decode attention 25.0 GB/s + 70.0 GFLOP/s")
     assert "prefill attention 120.0 GFLOP/s" in line and "int8 cache attention 6.0 GB/s" in line
     assert line.endswith("dispatch attention 0.75, mamba 0.31 ms per block, 0.50 ms per step")
+    serving = _op_model({**p, "paged_pool": {"fixed_s": 2.4e-4, "s_per_byte": 2.5e-10},
+                         "runner_step": {"fixed_s": 1.5e-3, "per_row_s": 1e-4}})
+    # 2.5e-10 s a byte = 250 ms per GB
+    assert serving.endswith("0.50 ms per step; serving pool 0.24 ms + 250 ms/GB gathered per layer; "
+                            "serving runner 1.50 ms + 0.10 ms a row per step")
 
 
 def test_a_busy_engine_section_is_warned_about():
