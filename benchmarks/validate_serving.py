@@ -118,8 +118,8 @@ def main() -> None:
     rows, seed = [], 0
     with tempfile.TemporaryDirectory() as tmp:
         if args.replay:
-            for run in sorted(Path(args.replay).glob("*.json"), key=lambda f: (len(f.stem), f.stem)):
-                saved = json.loads(run.read_text())
+            runs = [json.loads(f.read_text()) for f in Path(args.replay).glob("*.json")]
+            for saved in sorted(runs, key=lambda r: (r["kv"], r["rate"])):
                 kv, rate, m = saved["kv"], saved["rate"], saved["measured"]
                 rows.append(row(kv, rate, m, simulated(args, m, kv, rate, Path(tmp) / "trace.jsonl")))
                 print_row(rows[-1])
