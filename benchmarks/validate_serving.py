@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/validate_serving.py [--model smollm2-135m] [--rates 0.5,2,8]
         [--kv-memory 16MiB,256MiB] [--requests 48] [--prompt-tokens 128] [--output-tokens 32] [--json out.json]
+        [--save DIR]    (then, after a new `kvwall calibrate`: --replay DIR, which simulates the saved runs again)
 
 For each KV budget it starts `kvwall serve` on a free loopback port (fp32 weights and pool), and for each
 offered rate it runs `kvwall loadtest` (Poisson arrivals, streamed, ignore_eos). The requests the server
@@ -67,16 +68,23 @@ def measured_and_simulated(args, url: str, kv: str, rate: float, seed: int, trac
     m = kvwall_json(["loadtest", url, "--model", args.model, "--rate", str(rate), "--requests", str(args.requests),
                      "--prompt-tokens", str(args.prompt_tokens), "--output-tokens", str(args.output_tokens),
                      "--seed", str(seed)])
+    if args.save:  # the measured side kept, so --replay can simulate it again with a later profile
+        Path(args.save).mkdir(parents=True, exist_ok=True)
+        (Path(args.save) / f"{kv}-{rate:g}.json").write_text(json.dumps({"kv": kv, "rate": rate, "measured": m}))
+    return m, simulated(args, m, kv, rate, trace)
+
+
+def simulated(args, m: dict, kv: str, rate: float, trace: Path) -> dict:
+    """`kvwall simulate --device local` over the requests the server saw (loadtest's samples), its settings."""
     with trace.open("w") as f:  # what the server saw, replayed by the simulator
         for s in m["samples"]:
             if s["ok"]:
                 f.write(json.dumps({"arrival_s": s["start"], "prompt_tokens": s["prompt_tokens"],
                                     "output_tokens": s["output_tokens"]}) + "\n")
-    sim = kvwall_json(["simulate", args.model, "--device", "local", "--dataset", str(trace), "--requests",
+    return kvwall_json(["simulate", args.model, "--device", "local", "--dataset", str(trace), "--requests",
                        str(args.requests), "--weight-format", "fp32", "--kv-format", "fp32", "--kv-memory", kv,
                        "--chunk", str(args.chunk), "--max-batch", str(args.max_batch), "--split-prefill",
                        "--rate", str(rate)])["points"][0]
-    return m, sim
 
 
 def value(d: dict, key: str, sub: str | None):
@@ -103,9 +111,21 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--save", metavar="DIR", help="keep each run's measured side (loadtest's JSON) in DIR")
+    p.add_argument("--replay", metavar="DIR", help="no server: simulate the runs saved in DIR again (after a new "
+                   "`kvwall calibrate`)")
     args = p.parse_args()
     rows, seed = [], 0
     with tempfile.TemporaryDirectory() as tmp:
+        if args.replay:
+            runs = [json.loads(f.read_text()) for f in Path(args.replay).glob("*.json")]
+            for saved in sorted(runs, key=lambda r: (r["kv"], r["rate"])):
+                kv, rate, m = saved["kv"], saved["rate"], saved["measured"]
+                rows.append(row(kv, rate, m, simulated(args, m, kv, rate, Path(tmp) / "trace.jsonl")))
+                print_row(rows[-1])
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=1))
+            return
         for kv in args.kv_memory.split(","):
             proc, url = start_server(args, kv)
             try:

@@ -285,6 +285,9 @@ PROFILE_CASES = [  # (file content, what the message must name)
     ({**GOOD_PROFILE, "matmul_rows_Bps": {"16": float("nan")}}, "matmul_rows_Bps"),
     ({**GOOD_PROFILE, "matmul_rows_Bps": {"sixteen": 7e9}}, "matmul_rows_Bps"),
     ({**GOOD_PROFILE, "op_fixed_s": {"attention:int8": -1e-4}}, "op_fixed_s"),
+    ({**GOOD_PROFILE, "paged_pool": {"s_per_byte": -1e-9}}, "paged_pool"),
+    ({**GOOD_PROFILE, "paged_pool": [1e-4]}, "paged_pool"),
+    ({**GOOD_PROFILE, "runner_step": {"per_row_s": float("nan")}}, "runner_step"),
 ]
 
 

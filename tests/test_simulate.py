@@ -36,6 +36,9 @@ class Constant:
     def time(self, rows):
         return self.dt
 
+    def runner_time(self, rows):
+        return 0.0
+
 
 POOL = Pool(block_size=16, block_bytes=1, n_blocks=10_000, available_bytes=10_000)
 
@@ -174,3 +177,78 @@ def test_clock_equals_the_mixed_roofline_on_a_measured_cpu():
                      [(0, 16), (0, 40)]):
             want = run_mix(spec, [Step(1, p, n) for p, n in rows], fm, roof).time_s
             assert clock.time(rows) == pytest.approx(want, rel=1e-12)
+
+
+POOL_COST = {"fixed_s": 1e-4, "s_per_byte": 1e-9}
+
+
+def test_paged_pool_cost_by_hand():
+    """Llama-3-8B, bf16 KV: 32 attention layers, 8 KV heads x 128 x (K, V) x 2 bytes = 4,096 bytes a token per
+    layer. Rows (99, 1), (5000, 1), (0, 300) in blocks of 16 hold 100, 5,001 and 300 tokens: the widest is 313
+    blocks, so every row gathers 313 x 16 = 5,008 tokens: 3 x 5,008 x 4,096 = 61,538,304 bytes a layer.
+    Per layer 1e-4 + 61,538,304 x 1e-9 = 0.061638304 s; 32 layers: 1.972425728 s, on top of the roofline."""
+    from dataclasses import replace
+
+    spec = load_spec("llama-3-8b")
+    fm = Formats.for_spec(spec)
+    roof = Roof(replace(get_device("h100"), paged_pool=POOL_COST))
+    clock = StepClock(spec, fm, roof, block_size=16)
+    rows = [(99, 1), (5000, 1), (0, 300)]
+    assert clock.pool_time(rows) == pytest.approx(1.972425728, rel=1e-12)
+    want = run_mix(spec, [Step(1, p, n) for p, n in rows], fm, roof).time_s + 1.972425728
+    assert clock.time(rows) == pytest.approx(want, rel=1e-12)
+    # block size 32: widths 4, 157, 10 blocks -> 157 x 32 = 5,024 tokens a row
+    by_32 = StepClock(spec, fm, roof, block_size=32).pool_time(rows)
+    assert by_32 == pytest.approx(32 * (1e-4 + 3 * 5024 * 4096 * 1e-9), rel=1e-12)
+
+
+def test_pool_cost_skips_layers_without_a_cache():
+    """Jamba keeps K/V in 4 of its 32 layers (1 attention : 7 Mamba), 8 KV heads x 128, bf16: only those pay."""
+    from dataclasses import replace
+
+    spec = load_spec("jamba-v0.1")
+    fm = Formats.for_spec(spec)
+    roof = Roof(replace(get_device("h100"), paged_pool=POOL_COST))
+    assert StepClock(spec, fm, roof).pool_time([(15, 1)]) == pytest.approx(4 * (1e-4 + 16 * 4096 * 1e-9))
+
+
+def test_a_profile_without_the_pool_cost_is_todays_clock(tmp_path, monkeypatch, capsys):
+    """An older `local` profile (no "paged_pool" key) loads, charges no pool cost, and `simulate` runs on it;
+    with the key, `roofline` (a contiguous cache) is unchanged and `simulate` is slower."""
+    monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
+    old = {"memory_bytes": 64 * 2**30, "memory_bandwidth_Bps": 20e9, "peak_flops": {"fp32": 5e11, "bf16": 5e11},
+           "layer_overhead_s": 1e-5, "step_overhead_s": 2e-5, "op_bandwidth_Bps": {"matmul": 18e9}}
+    profile = tmp_path / "local-device.json"
+    argv = ["simulate", "llama-3.2-1b", "--device", "local", "--rate", "4", "--requests", "20", "--json"]
+    outputs = {}
+    for name, entry in (("old", old), ("new", {**old, "paged_pool": POOL_COST})):
+        profile.write_text(json.dumps(entry))
+        dev = get_device("local")
+        assert dev.paged_pool == ({} if name == "old" else POOL_COST)
+        spec = load_spec("llama-3.2-1b")
+        clock = StepClock(spec, Formats.for_spec(spec), Roof(dev))
+        assert (clock.pool_time([(99, 1)]) == 0.0) == (name == "old")
+        assert main(argv) == 0
+        sim = json.loads(capsys.readouterr().out)["points"][0]
+        assert main(["roofline", "llama-3.2-1b", "--device", "local", "--json"]) == 0
+        outputs[name] = sim["tpot_s"]["p50"], capsys.readouterr().out
+    assert outputs["new"][0] > outputs["old"][0]
+    assert outputs["new"][1] == outputs["old"][1]
+
+
+def test_runner_cost_once_per_step_by_hand():
+    """1 ms + 0.2 ms a row, once per scheduler step even when decode rows and chunks run as two forwards:
+    3 rows -> 1.6 ms on top of the forwards."""
+    from dataclasses import replace
+
+    from kvwall.simulate import _step_time
+
+    spec = load_spec("llama-3-8b")
+    fm = Formats.for_spec(spec)
+    clock = StepClock(spec, fm, Roof(replace(get_device("h100"), runner_step={"fixed_s": 1e-3, "per_row_s": 2e-4})))
+    rows = [(5, 1), (0, 10), (7, 1)]
+    assert clock.runner_time(rows) == pytest.approx(1.6e-3, rel=1e-12)
+    split = clock.time([(5, 1), (7, 1)]) + clock.time([(0, 10)]) + 1.6e-3
+    assert _step_time(clock, rows, True) == pytest.approx(split, rel=1e-12)
+    assert _step_time(clock, rows, False) == pytest.approx(clock.time(rows) + 1.6e-3, rel=1e-12)
+    assert StepClock(spec, fm, Roof(get_device("h100"))).runner_time(rows) == 0.0  # not measured: not charged

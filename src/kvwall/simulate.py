@@ -31,7 +31,7 @@ from kvwall.predict import mixers
 from kvwall.predict.memory import Formats, Parallel, memory, pipeline_stages, state_bytes, token_bytes
 from kvwall.predict.ops import PER_SEQUENCE, embedding, layer_ops, lm_head
 from kvwall.predict.roofline import Roof, pipeline_sends, step_overhead
-from kvwall.predict.step import Step
+from kvwall.predict.step import Step, matmul_kernel
 from kvwall.serve.scheduler import Request as Job
 from kvwall.serve.scheduler import Scheduler
 from kvwall.spec.model import ModelSpec
@@ -43,6 +43,10 @@ ASSUMPTIONS = {
     "step_time": "roofline of the step's exact mix (run_mix): per op max(compute, memory) (a calibrated `local` "
                  "profile: its measured rates), plus links and the device's fixed step cost",
     "kv_pool": "one GPU's memory - reserve - its share of the weights, in blocks over every attention layer",
+    "runner_cost": "a calibrated `local` profile's serving runner cost per step (scheduling, tables, sampling), "
+                   "fixed + per row; 0 elsewhere",
+    "pool_cost": "a calibrated `local` profile's paged pool cost (scatter, gather of each row's blocks padded to "
+                 "the longest row, mask) per attention layer per forward, fixed + per byte gathered; 0 elsewhere",
     "prefix_cache": "no shared prefixes; every request runs to its output length",
 }
 MAX_STEPS = 50_000_000  # a stuck scheduler is a bug, not an endless loop
@@ -54,8 +58,12 @@ class StepClock:
     row, added up over the rows with numpy. Equals `run_mix` on the same rows (a test holds it), plus the roof's
     fixed cost per request (expected mode) on each request's first chunk."""
 
-    def __init__(self, spec: ModelSpec, fm: Formats, roof: Roof, par: Parallel | None = None):
+    def __init__(self, spec: ModelSpec, fm: Formats, roof: Roof, par: Parallel | None = None, block_size: int = 16):
         self.spec, self.fm, self.roof, self.par = spec, fm, roof, par or Parallel()
+        self.block_size = block_size
+        # per attention layer kind: one token's K and V bytes in the pool, and how many such layers
+        self._pooled = [(b, n) for layer, n in Counter(spec.layers).items()
+                        if (b := token_bytes(layer, fm.kv, self.par.tp))]
         self._mixers = list(Counter(layer.mixer for layer in spec.layers if layer.mixer is not None).items())
         self._layers = list(Counter(spec.layers).items())
         self._token_part: dict[tuple[int, bool], float] = {}
@@ -64,8 +72,32 @@ class StepClock:
         self._fixed: dict[tuple[bool, bool], tuple[list, list]] = {}  # (absorbed, prefill): layer counts, ops
 
     def time(self, rows: list[tuple[int, int]]) -> float:
-        """Seconds for one forward over rows of (past, new) tokens: the token part plus the per-sequence ops,
-        whose work adds up over the rows before each op's max(compute, memory)."""
+        """Seconds for one forward over rows of (past, new) tokens over the paged pool: the roofline's mixed step
+        (`roofline_time`) plus the pool's own cost (`pool_time`)."""
+        return self.roofline_time(rows) + self.pool_time(rows)
+
+    def pool_time(self, rows: list[tuple[int, int]]) -> float:
+        """The paged pool's cost beyond a contiguous cache, where the device measured it (`kvwall calibrate`:
+        Device.paged_pool; 0 otherwise): per attention layer, fixed + bytes gathered x s/byte. The runner gathers
+        every row padded to the longest row's blocks (one block table per forward), so a 16-token row beside a
+        1,000-token one gathers 1,008 tokens."""
+        cost = self.roof.device.paged_pool
+        if not cost or not rows:
+            return 0.0
+        width = max(-(-(p + n) // self.block_size) for p, n in rows) * self.block_size  # tokens per row
+        gathered = len(rows) * width
+        return sum(n * (cost.get("fixed_s", 0.0) + gathered * b * cost.get("s_per_byte", 0.0))
+                   for b, n in self._pooled)
+
+    def runner_time(self, rows: list[tuple[int, int]]) -> float:
+        """kvwall serve's runner around a step's forwards (scheduling, tables, sampling), where the device measured
+        it (Device.runner_step; 0 otherwise): fixed + per row, once per scheduler step."""
+        cost = self.roof.device.runner_step
+        return cost.get("fixed_s", 0.0) + cost.get("per_row_s", 0.0) * len(rows) if cost and rows else 0.0
+
+    def roofline_time(self, rows: list[tuple[int, int]]) -> float:
+        """Seconds for one forward over rows of (past, new) tokens on the roofline: the token part plus the
+        per-sequence ops, whose work adds up over the rows before each op's max(compute, memory)."""
         absorbed = all(n == 1 for _, n in rows)
         total = self._per_token(sum(n for _, n in rows), len(rows), absorbed)
         total += self.roof.request_overhead_s * sum(1 for p, _ in rows if p == 0)  # once per request (its TTFT)
@@ -103,7 +135,9 @@ class StepClock:
         key = (tokens, absorbed)
         if key not in self._token_part:
             st, tp = Step(1, 0, tokens), self.par.tp
-            t = step_overhead(self.spec, self.roof.device) + self.roof.op_time(embedding(self.spec, tokens, self.fm))
+            kernel = matmul_kernel(self.fm.weights)  # packed weights pay the packed block's fixed cost (roofline's)
+            t = step_overhead(self.spec, self.roof.device, kernel)
+            t += self.roof.op_time(embedding(self.spec, tokens, self.fm))
             for layer, count in self._layers:
                 ops = layer_ops(0, layer, self.spec, st, self.fm, tp, absorbed)
                 t += count * sum(self.roof.op_time(o) for o in ops if o.kind not in PER_SEQUENCE)
@@ -255,10 +289,12 @@ def _job(r: Request) -> Job:
 
 
 def _step_time(clock: StepClock, rows: list[tuple[int, int]], split_prefill: bool) -> float:
+    """One scheduler step: its forward (two with `split_prefill`), plus the runner's cost around them."""
+    runner = clock.runner_time(rows)
     if not split_prefill:
-        return clock.time(rows)
+        return clock.time(rows) + runner
     parts = [[r for r in rows if r[1] == 1], [r for r in rows if r[1] > 1]]
-    return sum(clock.time(p) for p in parts if p)
+    return sum(clock.time(p) for p in parts if p) + runner
 
 
 def report(run: dict, slo_ttft: float | None = None, slo_tpot: float | None = None, points: int = 200) -> dict:

@@ -210,6 +210,11 @@ def test_the_engine_op_model_is_printed_in_one_line():
     assert line.startswith("matmul weights 20.0 / 5.0 GB/s at 1 / 16 rows; decode attention 25.0 GB/s + 70.0 GFLOP/s")
     assert "prefill attention 120.0 GFLOP/s" in line and "int8 cache attention 6.0 GB/s" in line
     assert line.endswith("dispatch attention 0.75, mamba 0.31 ms per block, 0.50 ms per step")
+    serving = _op_model({**p, "paged_pool": {"fixed_s": 2.4e-4, "s_per_byte": 2.5e-10},
+                         "runner_step": {"fixed_s": 1.5e-3, "per_row_s": 1e-4}})
+    # 2.5e-10 s a byte = 250 ms per GB
+    assert serving.endswith("0.50 ms per step; serving pool 0.24 ms + 250 ms/GB gathered per layer; "
+                            "serving runner 1.50 ms + 0.10 ms a row per step")
 
 
 def test_a_busy_engine_section_is_warned_about():
@@ -253,3 +258,20 @@ def test_the_packed_kernels_fixed_costs_are_printed():
     p = {"matmul_rows_Bps": {"1": 20e9}, "packed_rows_Bps": {"matmul:int4": {"1": 9e9, "16": 2e9}},
          "op_fixed_s": {"matmul:int4": 2.1e-5}, "packed_overhead_s": {"matmul:int4": 2.5e-4}, "layer_overhead_s": 1e-3}
     assert "packed int4 9.0 / 2.0 GB/s at 1 / 16 rows + 21 us per call, 0.25 ms per block" in _op_model(p)
+
+
+def test_paged_pool_cost_measured(calibrated, monkeypatch):
+    """The serving pool's cost per attention layer: saved under "paged_pool", read back by the local device,
+    a fixed part between 0 and 50 ms (0.24-0.36 ms measured here on a quiet machine) and a gather no faster than 3x the streaming read
+    (bytes through aten::index, a copy and attention cannot beat one plain read by that much)."""
+    pytest.importorskip("torch")
+    printed, home = calibrated
+    cost = printed["paged_pool"]
+    assert set(cost) == {"fixed_s", "s_per_byte"}
+    assert 0 <= cost["fixed_s"] < 0.05, cost  # 21.7 ms under load 5 on 2 cores: a sanity bound, not a rate
+    assert cost["s_per_byte"] == 0 or 1 / cost["s_per_byte"] < 3 * printed["memory_bandwidth_Bps"], cost
+    runner = printed["runner_step"]  # the serving runner around a step: under 50 ms fixed, 10 ms a row
+    assert set(runner) == {"fixed_s", "per_row_s"}
+    assert 0 <= runner["fixed_s"] < 0.05 and 0 <= runner["per_row_s"] < 0.01, runner
+    monkeypatch.setenv("KVWALL_HOME", str(home))
+    assert get_device("local").paged_pool == cost and get_device("local").runner_step == runner

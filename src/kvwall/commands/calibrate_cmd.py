@@ -77,6 +77,13 @@ def _op_model(p: dict) -> str:
     mixers = {"attention": p.get("layer_overhead_s"), **p.get("mixer_overhead_s", {})}
     parts.append("dispatch " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in mixers.items() if v is not None)
                  + f" ms per block, {p.get('step_overhead_s', 0) * 1e3:.2f} ms per step")
+    pool, runner = p.get("paged_pool") or {}, p.get("runner_step") or {}
+    if pool:  # what `simulate` adds for kvwall serve: its paged pool per attention layer, its runner per step
+        parts.append(f"serving pool {pool['fixed_s'] * 1e3:.2f} ms + {pool['s_per_byte'] * 1e12:.0f} ms/GB gathered "
+                     "per layer")
+    if runner:
+        parts.append(f"serving runner {runner['fixed_s'] * 1e3:.2f} ms + {runner['per_row_s'] * 1e3:.2f} ms a row "
+                     "per step")
     return "; ".join(parts)
 
 

@@ -119,7 +119,7 @@ def _point(args) -> dict:
     kv = parse_bytes(args.kv_memory, "--kv-memory") if args.kv_memory else None
     pool = sim.kv_pool(spec, fm, par, memory_bytes, parse_reserve(args.reserve, memory_bytes), args.block_size,
                        args.max_batch, kv)
-    clock = sim.StepClock(spec, fm, roof, par)
+    clock = sim.StepClock(spec, fm, roof, par, args.block_size)
 
     def requests(rate):
         if args.dataset:

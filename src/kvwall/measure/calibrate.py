@@ -119,6 +119,7 @@ class Calibration:
             "op_flops": info.get("op_flops", {}), "op_fixed_s": info.get("op_fixed_s", {}),
             "matmul_rows_Bps": info.get("matmul_rows_Bps", {}), "packed_rows_Bps": info.get("packed_rows_Bps", {}),
             "packed_overhead_s": info.get("packed_overhead_s", {}),
+            "paged_pool": info.get("paged_pool", {}), "runner_step": info.get("runner_step", {}),
             "source": f"measured by `kvwall calibrate` on {info['hostname']} at {self.started}",
             "unconfirmed": [], "notes": self.notes(),
             "measured": {
@@ -190,6 +191,8 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
         cal.info["step_overhead_s"] = costs["step"]
         cal.info["mixer_overhead_s"] = {k: v for k, v in costs.items() if k not in ("attention", "step")}
         cal.info["packed_overhead_s"] = overhead.packed_layer_overheads(rates, steps=20 if quick else 30)
+        cal.info["paged_pool"] = overhead.paged_pool_cost()  # kvwall serve's pool, charged by `simulate`
+        cal.info["runner_step"] = overhead.runner_step_cost()  # and its runner around the forward
         cal.info["engine_others_cpu"] = watch.share(s.threads)
     cal.elapsed_s = time.perf_counter() - t0
     return cal

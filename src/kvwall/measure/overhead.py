@@ -380,3 +380,113 @@ def quantized_attention_rates(fmt: str, total_bytes: int = 512 << 20, runs: int 
         bw = (b_hi - b_lo) / (t_hi - t_lo)
         return bw, t_lo - b_lo / bw
     return b_hi / t_hi, 0.0
+
+
+# -- the serving pool's own cost -------------------------------------------------------------------
+#
+# kvwall serve keeps K/V in a paged pool (serve.runner.ScheduledPages): every attention layer of every
+# forward scatters the new tokens into their blocks and gathers each row's blocks into a (B, H, S, D)
+# tensor for attention (aten::index, then a copy). The per-layer cost above is timed on a contiguous
+# cache, which returns a slice, so it never sees this: SmolLM2's served batch-1 step took 72.4 ms
+# over the pool against 55.5 over a contiguous cache, 0.56 ms per layer (benchmarks/profile_serve_step.py).
+
+POOL_LAYERS = 8  # attention layers per timed forward: the per-forward block table and mask shared by them
+POOL_BLOCK = 16  # tokens per block, kvwall serve's default
+# (rows, tokens each) decode steps timed: 0.2-20 MB gathered per layer, SmolLM2's serving range (64 rows
+# of 160 tokens: 16 MB); contexts off the block edge, so the runner's mask over padded slots is paid too
+POOL_POINTS = ((1, 100), (1, 1000), (8, 300), (32, 300))
+
+
+def _pool_pass(spec, rows: int, tokens: int, paged: bool):
+    """One decode forward's cache work over every attention layer of `spec`: `rows` rows each holding `tokens`
+    tokens once its new one is written, through the serving pool (or a contiguous cache)."""
+    import torch
+
+    from kvwall.engine.caches import make_cache
+    from kvwall.serve.runner import make_pool
+
+    a = spec.layers[0].mixer
+    q = torch.randn(rows, a.n_q_heads, 1, a.head_dim)  # (B, Hq, 1, D)
+    k, v = torch.randn(rows, a.n_kv_heads, 1, a.head_dim), torch.randn(rows, a.n_kv_heads, 1, a.v_head_dim)
+    width = -(-tokens // POOL_BLOCK)
+    if paged:
+        cache = make_pool(spec, POOL_BLOCK, rows * width, torch.float32, "cpu")
+        tables = [list(range(r * width, (r + 1) * width)) for r in range(rows)]
+    else:
+        cache = make_cache("contiguous", spec, rows, tokens + 1)
+
+    def run() -> None:
+        pos = torch.full((rows, 1), tokens - 1)  # (B, 1): a new object per pass, as a forward makes
+        if paged:
+            cache.plan(tables, [tokens] * rows)
+        cache.step(pos)
+        for layer in range(spec.n_layers):
+            cache.attend(layer, q, k, v, pos, a.head_dim ** -0.5, None, None)  # (B, Hq, 1, Dv)
+    return run
+
+
+def paged_pool_cost(runs: int = 7) -> dict[str, float]:
+    """{"fixed_s", "s_per_byte"}: what one attention layer pays per forward for the serving pool beyond a
+    contiguous cache (the scatter, the gather of each row's blocks padded to the longest row, the mask),
+    as fixed + bytes gathered x s/byte, fitted by least squares over the decode steps of POOL_POINTS
+    (fastest of `runs` each; about 2 s in all). Bytes gathered = rows x the longest row's blocks x block
+    tokens x one token's K and V in the layer. Measured here under the bench lock: 0.24 ms a layer beyond
+    the contiguous cache at 0.2 MB gathered, 0.38 at 2 MB, 2.3 at 5 MB (8 rows), 5.0 at 20 MB (32 rows);
+    73 ms at 67 MB (64 rows of 512, out of the last-level cache). A busy machine doubled single points."""
+    import numpy as np
+    import torch
+
+    spec = _arch_spec("gqa", POOL_LAYERS)
+    a = spec.layers[0].mixer
+    per_token = a.n_kv_heads * (a.head_dim + a.v_head_dim) * 4  # fp32 K and V of one token in one layer
+    x, y = [], []
+    with torch.inference_mode():
+        for rows, tokens in POOL_POINTS:
+            paged, flat = (_fastest_time(_pool_pass(spec, rows, tokens, p), runs) for p in (True, False))
+            x.append(rows * -(-tokens // POOL_BLOCK) * POOL_BLOCK * per_token)
+            y.append((paged - flat) / spec.n_layers)
+    slope, fixed = np.polyfit(x, y, 1)
+    slope = max(float(slope), 0.0)
+    fixed = max(float(np.mean(np.array(y) - slope * np.array(x))), 0.0) if fixed < 0 else float(fixed)
+    return {"fixed_s": fixed, "s_per_byte": slope}
+
+
+RUNNER_ROWS = (1, 32)  # decode rows a step of the runner is timed at (its cost grows with the rows: per-row Python)
+
+
+def _runner_decoding(model, rows: int):
+    """A serving runner (fp32 pool) whose `rows` requests have prefilled and now decode, for many more steps."""
+    from kvwall.serve.runner import Runner
+    from kvwall.serve.scheduler import Request
+
+    runner = Runner(model, n_blocks=rows * 32 + 8, chunk=512, max_batch=max(RUNNER_ROWS), kv_dtype="fp32")
+    for i in range(rows):
+        runner.add(Request(i, [1 + i % 7] * 16, 400))
+    runner.step()  # the prefills
+    runner.step()
+    return runner
+
+
+def runner_step_cost(runs: int = 7) -> dict[str, float]:
+    """{"fixed_s", "per_row_s"}: what kvwall serve's runner adds to a decode step beyond its forward over the
+    pool (scheduling, the block tables, the row tensors, the logit check, sampling): runner.step() less
+    runner.forward() of the same rows, on a 2-layer GQA model of width 768 (random weights), at RUNNER_ROWS
+    rows (fastest of `runs` each), fixed + per row through the two points. SmolLM2's served batch-1 step
+    spent 2.4 ms outside its forward (74.8 against 72.4 ms, benchmarks/profile_serve_step.py)."""
+    import torch
+
+    from kvwall.engine.model import Transformer
+    from kvwall.serve.scheduler import Chunk
+
+    torch.manual_seed(0)
+    model = Transformer(_arch_spec("gqa", 2)).eval()
+    costs = []
+    with torch.inference_mode():
+        for rows in RUNNER_ROWS:
+            runner = _runner_decoding(model, rows)
+            step = _fastest_time(runner.step, runs)
+            chunks = [Chunk(r, r.computed - 1, 1) for r in runner.sched.running]  # rewrites each row's last slot
+            costs.append(max(step - _fastest_time(lambda: runner.forward(chunks), runs), 0.0))
+    (lo, hi), (c_lo, c_hi) = RUNNER_ROWS, costs
+    per_row = max((c_hi - c_lo) / (hi - lo), 0.0)
+    return {"fixed_s": max(c_lo - lo * per_row, 0.0), "per_row_s": per_row}

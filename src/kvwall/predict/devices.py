@@ -45,6 +45,11 @@ class Device:
     matmul_rows: dict = field(default_factory=dict)  # matmul rows M -> weight bytes/s reached at M rows
     packed_rows: dict = field(default_factory=dict)  # "matmul:int4" / "matmul:int8" -> {rows M -> weight bytes/s}
     packed_overhead_s: dict = field(default_factory=dict)  # "matmul:int4" ... -> per attention block, weights packed
+    # kvwall serve's paged pool per attention layer per forward, beyond a contiguous cache: {"fixed_s",
+    # "s_per_byte"} of the bytes it gathers (measure.overhead.paged_pool_cost); empty: not charged
+    paged_pool: dict = field(default_factory=dict)
+    # and its runner around the forwards, per step: {"fixed_s", "per_row_s"} (overhead.runner_step_cost)
+    runner_step: dict = field(default_factory=dict)
 
     def layer_overhead(self, kind: str | None, weights_kernel: str = "") -> float:
         """Fixed cost per layer of this mixer kind; an attention block whose projections run a packed kernel
@@ -95,6 +100,8 @@ def _from_entry(name: str, e: dict) -> Device:
         matmul_rows=_rows_table(e.get("matmul_rows_Bps")),
         packed_rows={f: _rows_table(t) for f, t in (e.get("packed_rows_Bps") or {}).items()},
         packed_overhead_s={k: float(v) for k, v in (e.get("packed_overhead_s") or {}).items()},
+        paged_pool={k: float(v) for k, v in (e.get("paged_pool") or {}).items()},
+        runner_step={k: float(v) for k, v in (e.get("runner_step") or {}).items()},
     )
 
 
@@ -151,7 +158,8 @@ def _profile_problem(e: object) -> str | None:
             figures.append((key, e[key], False))
     for key, above_zero in (("peak_flops", True), ("op_bandwidth_Bps", True), ("mixer_overhead_s", False),
                             ("op_flops", True), ("op_fixed_s", False), ("matmul_rows_Bps", True),
-                            ("packed_overhead_s", False)):
+                            ("packed_overhead_s", False),
+                            ("paged_pool", False), ("runner_step", False)):
         table = e.get(key) or {}
         if not isinstance(table, dict):
             return f"{key!r} is {table!r}, not an object"
