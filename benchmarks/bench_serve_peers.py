@@ -267,12 +267,19 @@ def cell(result: dict, key: str, sub: str | None) -> str:
     return f"{v * 1e3:,.0f}" if sub else f"{v:,.2f}"
 
 
+def header() -> None:
+    print("| engine | clients | requests | " + " | ".join(m for m, _, _ in METRICS) +
+          " | errors | prefix hits | others' CPU |")
+    print("|---|---|---|" + "---|" * (len(METRICS) + 3))
+
+
 def print_row(row: dict) -> None:
     r = row["result"]
     cells = [cell(r, key, sub) for _, key, sub in METRICS]
     hits = "-" if row.get("prefix_hits") is None else f"{row['prefix_hits']:.0f}"
-    print(f"| {row['engine']} | {row['concurrency']} | " + " | ".join(cells) + f" | {r.get('errors', 0)} | {hits} | "
-          f"{row['others_share']:.0%} |", flush=True)
+    engine = f"{row['engine']} {row['version']}" if "version" in row else row["engine"]
+    print(f"| {engine} | {row['concurrency']} | {r['requests']} | " + " | ".join(cells) +
+          f" | {r.get('errors', 0)} | {hits} | {row['others_share']:.0%} |", flush=True)
     if r["output_tokens"] < row["want_tokens"]:
         print(f"  (only {r['output_tokens']} of {row['want_tokens']} output tokens: the server stopped early)")
 
@@ -299,17 +306,25 @@ def main() -> None:
                    help="which to run, of kvwall, kvwall-native, vllm (needs --vllm-python), llama (--llama-python)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON; rows already there are kept, "
                    "so engines can be run one lock hold at a time")
+    p.add_argument("--table", action="store_true", help="print the rows of --json as a table and stop")
     args = p.parse_args()
+    out = Path(args.json) if args.json else None
+    if args.table:
+        rows = json.loads(out.read_text()) if out and out.exists() else []
+        header()
+        for row in sorted(rows, key=lambda r: (r["engine"], r["concurrency"])):
+            print_row(row)
+        dates = sorted(r["date"] for r in rows if "date" in r)
+        print(f"measured {dates[0]} .. {dates[-1]}" if dates else "no dates recorded")
+        return
     gguf = gguf_path(args.model)
     logs = home() / "peers" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"{args.model}: {args.requests} requests of {args.prompt_tokens} prompt + {args.output_tokens} output "
           f"tokens, closed-loop clients; server logs in {logs}")
-    print("| engine | clients | " + " | ".join(m for m, _, _ in METRICS) + " | errors | prefix hits | others' CPU |")
-    print("|---|---|" + "---|" * (len(METRICS) + 3))
+    header()
     known = servers(args, gguf)
     wanted = args.engines.split(",")
-    out = Path(args.json) if args.json else None
     rows = json.loads(out.read_text()) if out and out.exists() else []
     for key in (k for k in wanted if k in known):
         label, argv, env = known[key]
