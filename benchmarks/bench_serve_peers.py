@@ -11,7 +11,11 @@ transformers into kvwall's home, ~/.cache/kvwall/peers/; its venv needs `gguf` a
 with the same KV memory (vLLM: VLLM_CPU_KVCACHE_SPACE, whole GiB) and the same batch limit; llama.cpp serves
 the GGUF file in its own Q4_1, and so does kvwall serve --weights native (the "kvwall-native" engine). Each
 server starts on a free loopback port, is driven by `kvwall loadtest` (closed-loop clients, streamed,
-ignore_eos and min_tokens, prompts seeded per concurrency), and is stopped. Peer engines live in their own
+ignore_eos and min_tokens, prompts seeded per concurrency, each run after a warm-up of one request per client
+on prompts of another seed), and is stopped. Each row records the server's prefix-cache hits during the
+measured run (its /metrics counter: kvwall counts KV blocks, vLLM tokens; 0 proves the prompts were distinct),
+the engine's version, and the share of the CPUs other processes took. `--json` adds to one file: a rerun
+replaces only the (engine, concurrency) rows it ran. Peer engines live in their own
 virtual environments (vLLM pins its own torch); none is a kvwall requirement. Run it on a quiet machine.
 """
 
@@ -142,9 +146,30 @@ def loadtest(args, url: str, concurrency: int, requests: int | None = None, seed
     return json.loads(out.stdout)
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds that process `pid` and its live descendants have run (vLLM's API server runs its engine in
+    a child process that is only reaped at exit, so the child's cutime alone would miss it)."""
+    kids: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended between the glob and the read
+            continue
+        p = int(stat.parent.name)
+        kids.setdefault(int(fields[1]), []).append(p)  # fields[1]: the parent's pid
+        times[p] = sum(int(v) for v in fields[11:15]) * machine.clock_tick()  # utime stime cutime cstime
+    todo, total = [pid], 0.0
+    while todo:
+        p = todo.pop()
+        total += times.get(p, 0.0)
+        todo += kids.get(p, [])
+    return total
+
+
 class Others:
-    """The share of the CPUs that processes other than this script, its children and the server took
-    between start() and share() (the server still runs, so its CPU time is read from /proc/PID/stat)."""
+    """The share of the CPUs that processes other than this script, its children and the server (with its
+    own children) took between start() and share()."""
 
     def __init__(self, server_pid: int):
         self.pid = server_pid
@@ -154,8 +179,7 @@ class Others:
 
         busy, own = machine.cpu_seconds()
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        server = sum(int(v) for v in fields[11:15]) * machine.clock_tick()  # utime stime cutime cstime
+        server = tree_cpu_s(self.pid)
         return busy - own - kids.ru_utime - kids.ru_stime - server, time.perf_counter()  # others' CPU s, now
 
     def start(self) -> None:
@@ -166,7 +190,27 @@ class Others:
         return min(1.0, max(0.0, (o1 - o0) / (max(t1 - t0, 1e-9) * machine.cpu_count())))
 
 
+def prefix_hits(url: str) -> float | None:
+    """The server's prefix-cache hit counter from /metrics (kvwall: KV blocks; vLLM: tokens), or None where
+    it has none (llama-cpp-python's server has no /metrics)."""
+    try:
+        text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    except OSError:
+        return None
+    return hits_in(text)
+
+
+def hits_in(text: str) -> float | None:
+    """Sum of the samples of a `*prefix_cache_hits_total` counter in Prometheus text (None: no such counter;
+    a counter's `_created` sample is a timestamp, so only `_total` is read)."""
+    values = [float(line.rsplit(None, 1)[1]) for line in text.splitlines()
+              if line.strip() and not line.startswith("#")
+              and line.split("{")[0].split()[0].endswith("prefix_cache_hits_total")]
+    return sum(values) if values else None
+
+
 def run_engine(args, key: str, label: str, argv: list[str], env: dict, logs: Path) -> list[dict]:
+    version = engine_version(argv[0] if key in ("vllm", "llama") else sys.executable, key)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = logs / f"{key}.log"
@@ -178,14 +222,21 @@ def run_engine(args, key: str, label: str, argv: list[str], env: dict, logs: Pat
     rows = []
     try:
         wait_healthy(proc, url, log)
-        loadtest(args, url, 2, requests=4, seed=1)  # warm-up: first requests pay one-time builds and allocation
         others = Others(proc.pid)
         for c in (int(x) for x in args.concurrency.split(",")):
+            # warm-up at this concurrency (first requests pay one-time builds, and batch shapes their first
+            # run), on prompts of its own seed: no measured prompt is in any prefix cache before it is measured
+            loadtest(args, url, c, requests=c, seed=2000 + c)
+            hits0 = prefix_hits(url)
             others.start()
             result = loadtest(args, url, c)
+            share = others.share()
+            hits1 = prefix_hits(url)
             result.pop("samples", None)  # per-request timings: 0.7 MB for six runs; the summary is what is kept
-            rows.append({"engine": label, "concurrency": c, "others_share": others.share(), "result": result,
-                         "want_tokens": args.requests * args.output_tokens})
+            rows.append({"engine": label, "concurrency": c, "others_share": share, "result": result,
+                         "want_tokens": args.requests * args.output_tokens, "version": version,
+                         "prefix_hits": None if hits0 is None or hits1 is None else hits1 - hits0,
+                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
             print_row(rows[-1])
     finally:
         proc.terminate()
@@ -196,6 +247,18 @@ def run_engine(args, key: str, label: str, argv: list[str], env: dict, logs: Pat
     return rows
 
 
+def engine_version(python: str, key: str) -> str:
+    """The peer's version as its own interpreter reports it; kvwall's: the commit it runs from."""
+    if key in ("vllm", "llama"):
+        module = {"vllm": "vllm", "llama": "llama_cpp"}[key]
+        out = subprocess.run([python, "-c", f"import {module}; print({module}.__version__)"], capture_output=True,
+                             text=True, timeout=300)
+    else:
+        out = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=60)
+    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "unknown"
+
+
 def cell(result: dict, key: str, sub: str | None) -> str:
     v = result.get(key)
     v = (v or {}).get(sub) if sub else v
@@ -204,13 +267,28 @@ def cell(result: dict, key: str, sub: str | None) -> str:
     return f"{v * 1e3:,.0f}" if sub else f"{v:,.2f}"
 
 
+def header() -> None:
+    print("| engine | clients | requests | " + " | ".join(m for m, _, _ in METRICS) +
+          " | errors | prefix hits | others' CPU |")
+    print("|---|---|---|" + "---|" * (len(METRICS) + 3))
+
+
 def print_row(row: dict) -> None:
     r = row["result"]
     cells = [cell(r, key, sub) for _, key, sub in METRICS]
-    print(f"| {row['engine']} | {row['concurrency']} | " + " | ".join(cells) + f" | {r.get('errors', 0)} | "
-          f"{row['others_share']:.0%} |", flush=True)
+    hits = "-" if row.get("prefix_hits") is None else f"{row['prefix_hits']:.0f}"
+    engine = f"{row['engine']} {row['version']}" if "version" in row else row["engine"]
+    print(f"| {engine} | {row['concurrency']} | {r['requests']} | " + " | ".join(cells) +
+          f" | {r.get('errors', 0)} | {hits} | {row['others_share']:.0%} |", flush=True)
     if r["output_tokens"] < row["want_tokens"]:
         print(f"  (only {r['output_tokens']} of {row['want_tokens']} output tokens: the server stopped early)")
+
+
+def merge(rows: list[dict], new: list[dict]) -> list[dict]:
+    """`rows` with each (engine, concurrency) of `new` replaced by the new run: engines and concurrencies can
+    be run one lock hold at a time into one JSON file."""
+    fresh = {(r["engine"], r["concurrency"]) for r in new}
+    return [r for r in rows if (r["engine"], r["concurrency"]) not in fresh] + new
 
 
 def main() -> None:
@@ -228,22 +306,30 @@ def main() -> None:
                    help="which to run, of kvwall, kvwall-native, vllm (needs --vllm-python), llama (--llama-python)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON; rows already there are kept, "
                    "so engines can be run one lock hold at a time")
+    p.add_argument("--table", action="store_true", help="print the rows of --json as a table and stop")
     args = p.parse_args()
+    out = Path(args.json) if args.json else None
+    if args.table:
+        rows = json.loads(out.read_text()) if out and out.exists() else []
+        header()
+        for row in sorted(rows, key=lambda r: (r["engine"], r["concurrency"])):
+            print_row(row)
+        dates = sorted(r["date"] for r in rows if "date" in r)
+        print(f"measured {dates[0]} .. {dates[-1]}" if dates else "no dates recorded")
+        return
     gguf = gguf_path(args.model)
     logs = home() / "peers" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"{args.model}: {args.requests} requests of {args.prompt_tokens} prompt + {args.output_tokens} output "
           f"tokens, closed-loop clients; server logs in {logs}")
-    print("| engine | clients | " + " | ".join(m for m, _, _ in METRICS) + " | errors | others' CPU |")
-    print("|---|---|" + "---|" * (len(METRICS) + 2))
+    header()
     known = servers(args, gguf)
     wanted = args.engines.split(",")
-    out = Path(args.json) if args.json else None
     rows = json.loads(out.read_text()) if out and out.exists() else []
     for key in (k for k in wanted if k in known):
         label, argv, env = known[key]
-        rows = [r for r in rows if r["engine"] != label]
-        rows += run_engine(args, key, label, argv, env, logs)
+        new = run_engine(args, key, label, argv, env, logs)
+        rows = merge(rows, new)
         if out:
             out.write_text(json.dumps(rows, indent=1))
 

@@ -1,9 +1,11 @@
 """Where a served decode step's time goes, op by op, next to what the op model predicts for it.
 
     .venv/bin/python benchmarks/profile_serve_step.py [--model smollm2-135m] [--prompt 128] [--steps 20]
+        [--batch 1]
 
-One request (a `--prompt`-token random prompt) through kvwall.serve.runner with an fp32 pool, then batch-1
-decode steps timed four ways: the runner's whole step (schedule, forward over the paged pool, sampling);
+`--batch` requests (each a `--prompt`-token random prompt) through kvwall.serve.runner with an fp32 pool,
+then decode steps of all of them together timed four ways (at a batch above 1 the forward-only and
+contiguous timings are of the first request alone): the runner's whole step (schedule, forward over the paged pool, sampling);
 the model's forward alone over the same pool; the forward over a contiguous cache (what `kvwall calibrate`
 times its per-layer cost on); and torch.profiler's self time per aten op over the runner's steps (matmuls
 split by weight shape, so the LM head shows apart from the projections). The prediction is `kvwall roofline
@@ -36,17 +38,21 @@ def median_ms(fn, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def decoding_runner(model, prompt: int, steps: int) -> tuple[Runner, Request]:
-    """A runner holding one request that has prefilled and decodes for at least `steps` * 4 more steps."""
-    runner = Runner(model, kv_memory=64 << 20, chunk=512, max_batch=8, kv_dtype="fp32")
+def decoding_runner(model, prompt: int, steps: int, batch: int = 1) -> tuple[Runner, Request]:
+    """A runner holding `batch` requests that have prefilled and decode together for at least `steps` * 4
+    more steps; returns the runner and the first request."""
+    runner = Runner(model, kv_memory=(64 << 20) * batch, chunk=512 * batch, max_batch=max(8, batch),
+                    kv_dtype="fp32")
     runner.warm_up()
     g = torch.Generator().manual_seed(0)
-    r = Request(0, torch.randint(0, model.spec.vocab, (prompt,), generator=g).tolist(), 4 * steps + 8)
-    runner.add(r)
-    runner.step()  # the prefill
+    rs = [Request(i, torch.randint(0, model.spec.vocab, (prompt,), generator=g).tolist(), 4 * steps + 8)
+          for i in range(batch)]
+    for r in rs:
+        runner.add(r)
+    runner.step()  # the prefills (one chunk budget holds them all)
     for _ in range(3):
         runner.step()  # the first decode steps build what they build once
-    return runner, r
+    return runner, rs[0]
 
 
 def forward_only(runner: Runner, r: Request):
@@ -98,13 +104,14 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--batch", type=int, default=1, help="requests decoding together (default 1)")
     args = p.parse_args()
     model = load_model(gguf_file(args.model) or args.model)
     print(f"{args.model} fp32, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"load average {os.getloadavg()[0]:.2f}")
-    runner, r = decoding_runner(model, args.prompt, args.steps)
+    runner, r = decoding_runner(model, args.prompt, args.steps, args.batch)
     context = r.computed
-    print(f"batch-1 decode at context ~{context}, median of {args.steps} steps:")
+    print(f"batch-{args.batch} decode at context ~{context}, median of {args.steps} steps:")
     print(f"  runner.step (schedule + paged forward + sampling): {median_ms(runner.step, args.steps):6.1f} ms")
     print(f"  forward over the paged pool alone:                 "
           f"{median_ms(forward_only(runner, r), args.steps):6.1f} ms")

