@@ -144,3 +144,31 @@ def test_without_onednn_a_loaded_model_keeps_column_major_projections(checkpoint
     path, _ = checkpoint("llama")
     lins = projections(load_model(path))
     assert all(type(lin) is nn.Linear and lin.weight.stride() == (1, lin.weight.shape[0]) for lin in lins)
+
+
+@needs_onednn
+def test_a_tied_head_gets_a_counted_onednn_copy_that_follows_the_table(checkpoint):
+    """Gemma 3's head is its token table: the fast path multiplies by a oneDNN copy (V x D x 4 more bytes, held
+    besides the table), the state dict holds the table once, and a loaded state dict refreshes the copy."""
+    path, _ = checkpoint("gemma3_text")
+    model = load_model(path)
+    spec = model.spec
+    assert spec.tied_embeddings and isinstance(model.head_copy, OneDnnLinear)
+    x = ids(2, 10)
+    with torch.inference_mode():
+        fast = model(x)
+        eager_bytes = weight_bytes(model.set_eager(True))
+        eager_state = model.state_dict()
+        eager = model(x)
+    assert model.head_copy is None
+    model.set_eager(False)
+    assert weight_bytes(model) == eager_bytes + spec.vocab * spec.hidden * 4
+    assert set(model.state_dict()) == set(eager_state)  # no key for the copy
+    assert (fast - eager).abs().max().item() <= 1e-5 * max(1.0, eager.abs().max().item())
+    eager_state["embed.weight"] = eager_state["embed.weight"].flip(0)  # another table: the copy must follow
+    model.load_state_dict(eager_state)
+    assert torch.equal(model.head_copy.dense_weight(), eager_state["embed.weight"])
+    with torch.inference_mode():
+        got = model(x)
+        want = model.set_eager(True)(x)
+    assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())

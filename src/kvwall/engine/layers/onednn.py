@@ -36,8 +36,11 @@ def available(dtype: torch.dtype) -> bool:
 class OneDnnLinear(nn.Module):
     """nn.Linear's contract (y = x W^T + b) over W reordered into oneDNN's layout (see the module doc)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, shadow: bool = False):
+        """shadow: a copy of a matrix the model holds elsewhere (a tied head's token table), kept out of the
+        state dict, which holds that matrix once under its own name."""
         super().__init__()
+        self.shadow = shadow
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())  # (N, K) opaque
@@ -68,12 +71,16 @@ class OneDnnLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # (..., N): one op
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.shadow:
+            return
         destination[prefix + "weight"] = self.dense_weight()
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        if self.shadow:  # rebuilt from the table by its owner (Transformer.set_eager) after a load
+            return
         for name in ("weight",) + (("bias",) if self.bias is not None else ()):
             if prefix + name not in state_dict:
                 missing_keys.append(prefix + name)

@@ -215,6 +215,6 @@ def weight_bytes(model: nn.Module) -> int:
     """Every weight the model holds: packed matrices at their packed bytes (a packed table and its tied head
     once), every other parameter at its dtype (a tied LM head once). Loaded in bf16 with packed projections
     this is the predictor's total_weight_bytes. A float matrix in oneDNN's layout (OneDnnLinear) counts its
-    float bytes."""
+    float bytes, and a tied head's oneDNN copy (Transformer.head_copy) counts too: it is held besides the table."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return params + sum(m.weight_bytes() for m in model.modules() if isinstance(m, (PackedLinear, OneDnnLinear)))
