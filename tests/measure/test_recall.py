@@ -199,7 +199,7 @@ def test_json_output(tmp_path, monkeypatch, capsys):
     ("attention", 64, 1e-3),  # the rate picked at width 64
     ("attention", 128, 5e-4),  # 1e-3 x 64 / 128
     ("attention", 256, 2.5e-4),  # 1e-3 x 64 / 256
-    ("sliding:8", 128, 5e-4),  # the same layers, the same rule
+    ("sliding:8", 128, 1e-3),  # not scaled: at 5e-4 the window's copy trained slower (51 % against 88 % at 4 pairs)
     ("mamba", 128, 1e-2),  # not scaled: one rate at every width
     ("mamba2", 32, 1e-2),
     ("hybrid", 128, 3e-3),
