@@ -66,8 +66,8 @@ HEAD_DIM = 32  # attention head width; Mamba-2 head width too
 # keeps 1e-3, so its models and cache keys are unchanged. The other kinds keep one rate at every width: sliding:8
 # at width 128 scored 88 / 63 / 37 % at 1e-3 (its reach's ceiling, 87 / 61 / 36 % by hand) but 51 / 31 / 17 % at
 # 5e-4 (1,000 steps, still rising: a window of 8 never forms the lookup, it learns a short copy); Mamba-2
-# (95-99 %) and the hybrid (99.6-99.9 %) learned at width 128 with theirs; Mamba at 128 did worse than at 64 in
-# both default runs (45 / 27 / 14 % and 60 / 34 / 17 %) and may want the rule: not measured.
+# (95-99 %) and the hybrid (99.6-99.9 %) learned at width 128 with theirs; Mamba at 128 (45 / 27 / 14 % and
+# 60 / 34 / 17 % in two default runs: its training is not deterministic) may want the rule: not measured.
 KINDS = {"attention": (1e-3, True), "sliding": (1e-3, False), "mamba": (1e-2, False), "mamba2": (1e-2, False),
          "hybrid": (3e-3, False)}  # kind -> (peak rate at RATE_WIDTH, scaled)
 RATE_WIDTH = 64
