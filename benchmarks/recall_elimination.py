@@ -50,15 +50,10 @@ def main() -> None:
     torch.set_num_threads(1)
     plan = recall.Plan(seq=args.seq, max_steps=args.steps, min_share=1.0)  # no early stop: the same budget
     arch = recall.Arch("attention")
-    original = recall.mqar
-    for name, data in (("each key asked once (version 2)", once), ("with replacement, every slot (now)", original)):
-        recall.mqar = data  # train() draws its batches through recall.mqar
-        try:
-            model = recall.build(recall.model_spec(arch, 64, args.seq), 0)
-            done = recall.train(model, [args.pairs], plan, lr=recall.KINDS["attention"])
-            ranks = by_rank(model, *data(512, args.seq, args.pairs, seed=123), args.pairs)
-        finally:
-            recall.mqar = original
+    for name, data in (("each key asked once (version 2)", once), ("with replacement, every slot (now)", recall.mqar)):
+        model = recall.build(recall.model_spec(arch, 64, args.seq), 0)
+        done = recall.train(model, [args.pairs], plan, lr=recall.rate(arch, 64, plan), data=data)
+        ranks = by_rank(model, *data(512, args.seq, args.pairs, seed=123), args.pairs)
         print(f"{name}: {done.accuracy[args.pairs] * 100:.1f} % after {done.steps} steps; by the query's rank: "
               + " ".join(f"{a * 100:.0f}%" for a in ranks))
 

@@ -193,3 +193,33 @@ def test_json_output(tmp_path, monkeypatch, capsys):
     assert rc == 0 and [r["arch"] for r in data["results"]] == ["attention", "mamba"]
     assert all(0 <= r["accuracy"] <= 1 and r["kept_bytes"] > 0 and r["steps"] == 2 for r in data["results"])
     assert data["trained"] == 2 and list((tmp_path / "recall").glob("*.json"))
+
+
+@pytest.mark.parametrize("name,width,expected", [
+    ("attention", 64, 1e-3),  # the rate picked at width 64
+    ("attention", 128, 5e-4),  # 1e-3 x 64 / 128
+    ("attention", 256, 2.5e-4),  # 1e-3 x 64 / 256
+    ("sliding:8", 128, 1e-3),  # not scaled: at 5e-4 the window's copy trained slower (51 % against 88 % at 4 pairs)
+    ("mamba", 128, 1e-2),  # not scaled: one rate at every width
+    ("mamba2", 32, 1e-2),
+    ("hybrid", 128, 3e-3),
+])
+def test_learning_rate_by_kind_and_width(name, width, expected):
+    arch = recall.parse_archs(name, 64)[0]
+    assert recall.rate(arch, width, recall.Plan(seq=64)) == pytest.approx(expected, rel=1e-12)
+    assert recall.rate(arch, width, recall.Plan(seq=64, lr=2e-3)) == 2e-3  # a plan's own rate wins everywhere
+
+
+
+def test_train_draws_every_batch_from_its_data_function():
+    """train(data=...) is how another task trains through the same loop (benchmarks/recall_elimination.py): the
+    validation set (4 sequences), each of the 2 steps' batches (5) and the test set (6) all come from it."""
+    sizes = []
+
+    def data(n, seq, pairs, seed):
+        sizes.append(n)
+        return recall.mqar(n, seq, pairs, seed)
+
+    plan = recall.Plan(seq=16, batch=5, max_steps=2, eval_every=1, val=4, test=6)
+    recall.train(recall.build(recall.model_spec(recall.Arch("attention"), 32, 16), 0), [2], plan, data=data)
+    assert sizes == [4, 5, 5, 6]

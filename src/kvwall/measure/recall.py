@@ -58,7 +58,19 @@ HEAD_DIM = 32  # attention head width; Mamba-2 head width too
 #   mamba     1e-3: 24 / 12 / 6 %;        3e-3: 18 / 9 / 4 %;  1e-2: 31 / 19 / 9 % (still rising)
 #   mamba2    1e-2: 98.7 / 95.5 / 92 %
 # Zoology sweeps the rate per model and keeps the best; on 2 cores this is the sweep there was time for.
-KINDS = {"attention": 1e-3, "sliding": 1e-3, "mamba": 1e-2, "mamba2": 1e-2, "hybrid": 3e-3}
+# `scaled`: the rate is KINDS' at RATE_WIDTH and scales as RATE_WIDTH / width elsewhere (muP's rule for Adam: a
+# step moves each weight by about lr, so a hidden matrix's output moves by lr x fan-in, twice as far at twice the
+# width). Measured for attention at width 128 (mixture, 1,000 steps, test accuracy at 4 / 8 / 16 pairs): at 1e-3
+# both seeds stayed at guessing (26 / 14 / 9 %, the default run of 2026-12-02); at 5e-4 seed 0 reached
+# 99.9 / 99.9 / 99.8 % (target at step 900) and seed 1 98.5 / 98.1 / 96.9 % (step 1,000), one attempt each. Width 64
+# keeps 1e-3, so its models and cache keys are unchanged. The other kinds keep one rate at every width: sliding:8
+# at width 128 scored 88 / 63 / 37 % at 1e-3 (its reach's ceiling, 87 / 61 / 36 % by hand) but 51 / 31 / 17 % at
+# 5e-4 (1,000 steps, still rising: a window of 8 never forms the lookup, it learns a short copy); Mamba-2
+# (95-99 %) and the hybrid (99.6-99.9 %) learned at width 128 with theirs; Mamba at 128 (45 / 27 / 14 % and
+# 60 / 34 / 17 % in two default runs: its training is not deterministic) may want the rule: not measured.
+KINDS = {"attention": (1e-3, True), "sliding": (1e-3, False), "mamba": (1e-2, False), "mamba2": (1e-2, False),
+         "hybrid": (3e-3, False)}  # kind -> (peak rate at RATE_WIDTH, scaled)
+RATE_WIDTH = 64
 VERSION = 3  # bump when training or data change, so cached results of the old code are not reused
 
 
@@ -255,15 +267,21 @@ class Trained:
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, mean validation accuracy over the pairs)
 
 
-def rate(arch: Arch, plan: Plan) -> float:
-    """The peak learning rate arch trains at: the plan's when it sets one, else the architecture's (KINDS)."""
-    return plan.lr or KINDS[arch.kind]
+def rate(arch: Arch, width: int, plan: Plan) -> float:
+    """The peak learning rate arch trains at, at `width`: the plan's when it sets one, else the architecture's
+    (KINDS), times RATE_WIDTH / width where it scales."""
+    if plan.lr:
+        return plan.lr
+    lr, scaled = KINDS[arch.kind]
+    return lr * (RATE_WIDTH / width) if scaled else lr  # 1e-3 at width 64, 5e-4 at 128
 
 
 def train(model, pairs: list[int], plan: Plan, report: Callable[[int, float], None] | None = None,
-          lr: float = 1e-3) -> Trained:
+          lr: float = 1e-3, data: Callable = mqar) -> Trained:
     """Train on fresh MQAR batches, the pair counts taking turns a step each, until every count's validation
-    accuracy reaches plan.target or their mean plateaus; lr is the peak rate."""
+    accuracy reaches plan.target or their mean plateaus; lr is the peak rate. `data` draws every batch (training,
+    validation and test) with mqar's signature, (n, seq, pairs, seed) -> tokens, targets: another task's data
+    (benchmarks/recall_elimination.py's) trains through the same loop."""
     import torch
     import torch.nn.functional as F
 
@@ -271,11 +289,11 @@ def train(model, pairs: list[int], plan: Plan, report: Callable[[int, float], No
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=plan.weight_decay,
                             betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, plan))
-    val = {n: mqar(plan.val, plan.seq, n, seed=_seed(plan.seed, "val", n)) for n in pairs}
+    val = {n: data(plan.val, plan.seq, n, seed=_seed(plan.seed, "val", n)) for n in pairs}
     curve, stopped, step = [], "max steps", 0
     for step in range(1, plan.max_steps + 1):
         n = pairs[step % len(pairs)]
-        tokens, targets = mqar(plan.batch, plan.seq, n, seed=_seed(plan.seed, "train", n, step))
+        tokens, targets = data(plan.batch, plan.seq, n, seed=_seed(plan.seed, "train", n, step))
         logits = model(tokens)  # (B, seq, V)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
         opt.zero_grad(set_to_none=True)
@@ -298,7 +316,7 @@ def train(model, pairs: list[int], plan: Plan, report: Callable[[int, float], No
             stopped = "plateau"
             break
     model.eval()
-    test = {n: accuracy(model, *mqar(plan.test, plan.seq, n, seed=_seed(plan.seed, "test", n))) for n in pairs}
+    test = {n: accuracy(model, *data(plan.test, plan.seq, n, seed=_seed(plan.seed, "test", n))) for n in pairs}
     return Trained(test, step, stopped, time.time() - started, curve)
 
 
@@ -344,7 +362,8 @@ def cache_dir() -> Path:
 def _key(arch: Arch, width: int, pairs: list[int], plan: Plan) -> str:
     """The configuration a model belongs to: architecture, width, the pairs it trains on, its learning rate, the
     whole plan and VERSION."""
-    text = json.dumps([VERSION, arch.name, width, sorted(pairs), rate(arch, plan), asdict(plan)], sort_keys=True)
+    text = json.dumps([VERSION, arch.name, width, sorted(pairs), rate(arch, width, plan), asdict(plan)],
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -388,7 +407,7 @@ def one(arch: Arch, width: int, pairs: list[int], plan: Plan,
             tried = replace(plan, seed=plan.seed + attempt)
             model = build(spec, tried.seed)
             with torch.random.fork_rng():
-                done = train(model, pairs, tried, report, rate(arch, plan))
+                done = train(model, pairs, tried, report, rate(arch, width, plan))
             seconds += done.seconds
             if past_guessing(max(a for _, a in done.curve or [(0, 0.0)]), pairs, plan):
                 break
@@ -397,7 +416,7 @@ def one(arch: Arch, width: int, pairs: list[int], plan: Plan,
     n_params = sum(p.numel() for p in model.parameters())
     assert n_params == spec.params(), (n_params, spec.params())  # the spec describes the model that trained
     return [{"arch": arch.name, "kind": arch.kind, "window": arch.window, "width": width, "pairs": n,
-             "seq": plan.seq, "accuracy": round(done.accuracy[n], 4), "params": n_params, "lr": rate(arch, plan),
+             "seq": plan.seq, "accuracy": round(done.accuracy[n], 4), "params": n_params, "lr": rate(arch, width, plan),
              **kept_bytes(spec, plan.seq), "trained_on": sorted(pairs), "seed": tried.seed, "attempts": attempt + 1,
              "steps": done.steps, "stopped": done.stopped, "train_seconds": round(seconds, 1), "curve": done.curve,
              "layers": [l.describe() for l in spec.layers]} for n in pairs]
