@@ -104,6 +104,11 @@ def test_measured_section_says_how(calibrated):
     assert m["read_method"] in {r["method"] for r in m["results"] if r["kind"] == "read"}
     kinds = {r["kind"] for r in m["results"]}
     assert kinds == {"read", "copy", "gemv", "gemm"}
+    from kvwall.measure.calibrate import ENGINE_STEPS
+
+    # every step's seconds: one per streaming measurement and ENGINE_STEPS for the engine's op model (torch here)
+    assert len(m["step_s"]) == len(m["results"]) + (ENGINE_STEPS if m["versions"]["torch"] else 0), m["step_s"]
+    assert all(v >= 0 for v in m["step_s"].values()) and sum(m["step_s"].values()) <= m["seconds"]
 
 
 def test_unwritable_out_fails_before_measuring(tmp_path, capsys):

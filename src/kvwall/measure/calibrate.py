@@ -138,8 +138,6 @@ class Calibration:
                 "copy_bandwidth_Bps": copy.bandwidth if copy else None, "copy_method": copy.method if copy else None,
                 "gemv_bandwidth_Bps": gemv.bandwidth, "gemv_flops": gemv.flops,
                 "gemv_method": f"{gemv.method}, {gemv.dtype}", "others_cpu_share_max": round(self.others_cpu(), 3),
-                "others_cpu_share": round(info.get("others_cpu_share", 0.0), 3),
-                "load_average_max": info.get("load_average_max"), "step_s": info.get("step_s", {}),
                 "results": [m.as_dict() for m in self.measurements],
             },
         }
@@ -199,7 +197,8 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
     del buf, dst
     if has_torch:
         _engine(cal, s, run)
-    cal.info["others_cpu_share"] = whole.share(s.threads)
+    cal.info["others_cpu_share"] = round(whole.share(s.threads), 3)  # over the whole run; with the busiest step's
+    # share and the highest load average seen, what busy_warning names
     loads = [x for x in run.loads if x is not None]
     cal.info["load_average_max"] = round(max(loads), 2) if loads else None
     cal.elapsed_s = time.perf_counter() - t0

@@ -73,14 +73,10 @@ ROUNDS = 3  # depth pairs timed in turn; the median round's slope is kept
 
 
 def _rounds(step_lo, step_hi, steps: int) -> tuple[float, float]:
-    """(2-block, 10-block) median steps of the median round by slope, of ROUNDS rounds timed in turn. The first
-    round warms each model up (4 steps: allocator, oneDNN's primitives); later rounds take 1 step each, the model
-    already warm (the 4 of every round were 12 of 68 untimed steps a round)."""
-    rounds, pos = [], 0
-    for r in range(ROUNDS):
-        warmup = 4 if r == 0 else 1
-        rounds.append((_median_step(step_lo, pos, steps, warmup), _median_step(step_hi, pos, steps, warmup)))
-        pos += steps + warmup
+    """(2-block, 10-block) median steps of the median round by slope, of ROUNDS rounds timed in turn, each step
+    after 4 warm-up ones."""
+    rounds = [(_median_step(step_lo, r * (steps + 4), steps), _median_step(step_hi, r * (steps + 4), steps))
+              for r in range(ROUNDS)]
     return sorted(rounds, key=lambda t: t[1] - t[0])[ROUNDS // 2]
 
 
@@ -267,7 +263,9 @@ def _attention_time(hkv: int, total_bytes: int, runs: int) -> tuple[float, float
     heads = 12
     per = 2 * hkv * s * d * 4
     k0, v0 = torch.randn(1, hkv, s, d), torch.randn(1, hkv, s, d)  # (B, Hkv, S, D)
-    caches = [(k0, v0)] + [(k0.clone(), v0.clone()) for _ in range(max(2, total_bytes // per) - 1)]  # distinct memory
+    # distinct memory, cold when swept in turn; copies, not fresh randn: 512 MiB of randn took 1.9 s here under
+    # load 6, a clone of it 0.9 s (the same values do not change an fp32 kernel's time)
+    caches = [(k0, v0)] + [(k0.clone(), v0.clone()) for _ in range(max(2, total_bytes // per) - 1)]
     q = torch.randn(1, heads, 1, d)  # (B, Hq, T, D)
     mask = torch.ones(1, 1, 1, s, dtype=torch.bool)
 
