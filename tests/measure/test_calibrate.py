@@ -104,6 +104,11 @@ def test_measured_section_says_how(calibrated):
     assert m["read_method"] in {r["method"] for r in m["results"] if r["kind"] == "read"}
     kinds = {r["kind"] for r in m["results"]}
     assert kinds == {"read", "copy", "gemv", "gemm"}
+    from kvwall.measure.calibrate import ENGINE_STEPS
+
+    # every step's seconds: one per streaming measurement and ENGINE_STEPS for the engine's op model (torch here)
+    assert len(m["step_s"]) == len(m["results"]) + (ENGINE_STEPS if m["versions"]["torch"] else 0), m["step_s"]
+    assert all(v >= 0 for v in m["step_s"].values()) and sum(m["step_s"].values()) <= m["seconds"]
 
 
 def test_unwritable_out_fails_before_measuring(tmp_path, capsys):
@@ -275,3 +280,65 @@ def test_paged_pool_cost_measured(calibrated, monkeypatch):
     assert 0 <= runner["fixed_s"] < 0.05 and 0 <= runner["per_row_s"] < 0.01, runner
     monkeypatch.setenv("KVWALL_HOME", str(home))
     assert get_device("local").paged_pool == cost and get_device("local").runner_step == runner
+
+
+def _fake_steps(s, buf, dst, has_torch):
+    """Three instant streaming steps (1 MB read in 1 ms, 2 MB copied in 1 ms, a 1 MB GEMV in 1 ms) in place of
+    the real kernels: what the busy-machine tests need is the bookkeeping around them, not the rates."""
+    from kvwall.measure.kernels import Measurement
+
+    def fake(kind, nbytes, flops=0):
+        return lambda: Measurement(kind, "fake", "fp32", "1 MB", [1e-3], bytes_per_run=nbytes, flops_per_run=flops)
+    return [("read", fake("read", 10**6)), ("copy", fake("copy", 2 * 10**6)), ("gemv", fake("gemv", 10**6, 5 * 10**5))]
+
+
+def _fake_machine(monkeypatch, share: float, load: float) -> None:
+    """Other processes take `share` of the CPUs during every watched spell and the load average reads `load`
+    (no real load needed); no torch, so no engine section; no pauses."""
+    from kvwall.measure import calibrate as calibrate_module
+
+    class Watch:
+        def __init__(self, children: bool = False):
+            pass
+
+        def share(self, cpus: float) -> float:
+            return share
+
+    monkeypatch.setattr(machine, "OthersWatch", Watch)
+    monkeypatch.setattr(machine, "load_average", lambda: load)
+    monkeypatch.setattr(machine, "versions", lambda: {"python": "3", "numpy": "2", "torch": None})
+    monkeypatch.setattr(calibrate_module, "_steps", _fake_steps)
+    monkeypatch.setattr(calibrate_module.time, "sleep", lambda s: None)
+
+
+def test_a_busy_machine_gets_one_warning_line_naming_the_load(tmp_path, monkeypatch, capsys):
+    """Others at 35 % of the CPUs, load average 3.1: one warning line in the text output naming both, the same
+    line as `busy_warning` in --json; the first busy step is measured again once, and when that redo comes back
+    busy too the machine is steadily busy, so no later step is redone (attempts 2, 1, 1)."""
+    import os
+
+    _fake_machine(monkeypatch, share=0.35, load=3.1)
+    cpus = len(os.sched_getaffinity(0))
+    want = (f"other processes took 35 % of the CPUs during calibrate (up to 35 % in one step; load average up to 3.1 "
+            f"on {cpus} CPUs); rates may read low: rerun `kvwall calibrate` on a quiet machine")
+    assert main(["calibrate", "--quick", "--out", str(tmp_path / "text.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if "warning" in line] == [f"warning: {want}"], lines
+    assert main(["calibrate", "--quick", "--json", "--out", str(tmp_path / "p.json")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["busy_warning"] == want
+    assert printed["measured"]["others_cpu_share"] == 0.35 and printed["measured"]["load_average_max"] == 3.1
+    assert [r["attempts"] for r in printed["measured"]["results"]] == [2, 1, 1]
+    assert not any("other processes" in note for note in printed["notes"])  # said once, not again as a note
+    assert set(printed["measured"]["step_s"]) == {"read", "copy", "gemv"}
+
+
+def test_a_quiet_machine_gets_no_warning(tmp_path, monkeypatch, capsys):
+    """Others at 5 % (under the 10 % line) during every step: no warning line, busy_warning null, no redo."""
+    _fake_machine(monkeypatch, share=0.05, load=0.4)
+    assert main(["calibrate", "--quick", "--json", "--out", str(tmp_path / "p.json")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["busy_warning"] is None
+    assert [r["attempts"] for r in printed["measured"]["results"]] == [1, 1, 1]
+    assert main(["calibrate", "--quick", "--out", str(tmp_path / "p.json")]) == 0
+    assert "warning" not in capsys.readouterr().out

@@ -54,8 +54,9 @@ def _print_calibration(cal, profile: dict, path: Path) -> None:
     if profile.get("matmul_rows_Bps"):
         c.print(f"engine op model: {_op_model(profile)}")
     for note in profile["notes"][2:]:  # the first two are in the line above
-        warn = note.startswith("other processes")
-        c.print(f"[yellow]warning[/yellow]: {note}" if warn else f"note: {note}")
+        c.print(f"note: {note}")
+    if profile["busy_warning"]:
+        c.print(f"[yellow]warning[/yellow]: {profile['busy_warning']}")
     c.print(f"took {cal.elapsed_s:.1f} s; saved to {path}; use it with [bold]--device local[/bold]")
 
 
@@ -121,7 +122,9 @@ def _progress():
         return
 
     def report(done, total, label, result):
-        if result is not None:
+        if isinstance(result, float):  # an engine step: its seconds
+            print(f"kvwall calibrate [{done}/{total}] {label}: {result:.1f} s", file=sys.stderr, flush=True)
+        elif result is not None:
             rates = []
             if result.bandwidth:
                 rates.append(f"{result.bandwidth / 1e9:.1f} GB/s")

@@ -80,6 +80,19 @@ class Calibration:
         """The largest share of the CPUs other processes took during any one measurement."""
         return max([m.others_cpu for m in self.measurements] + [self.info.get("engine_others_cpu", 0.0)])
 
+    def busy_warning(self) -> str | None:
+        """One line naming the load when other processes took more than BUSY_WARN of the CPUs during any step,
+        else None: the share over the whole run, the busiest step's, and the highest 1-minute load average seen
+        (calibrate's own threads count in it: about 1-2 here)."""
+        peak = self.others_cpu()
+        if peak <= BUSY_WARN:
+            return None
+        whole, load = self.info.get("others_cpu_share", peak), self.info.get("load_average_max")
+        seen = f"up to {peak * 100:.0f} % in one step" + (f"; load average up to {load:.1f} on {self.settings.threads} "
+                                                          "CPUs" if load is not None else "")
+        return (f"other processes took {whole * 100:.0f} % of the CPUs during calibrate ({seen}); rates may read "
+                "low: rerun `kvwall calibrate` on a quiet machine")
+
     def notes(self) -> list[str]:
         s, llc = self.settings, self.info.get("llc_bytes")
         read, gemv = self.best("read"), self.best("gemv")
@@ -92,10 +105,6 @@ class Calibration:
         if llc and s.buffer_bytes < 2 * llc:
             out.append(f"the read buffer ({s.buffer_bytes / MiB:.0f} MiB) is not well past the last-level cache the "
                        f"OS reports ({llc / MiB:.0f} MiB): cache hits may inflate it; run without --quick")
-        busy = self.others_cpu()
-        if busy > BUSY_WARN:
-            out.append(f"other processes used up to {busy:.0%} of the CPUs during a measurement: the numbers may be "
-                       "low; run `kvwall calibrate` again on an idle machine")
         env = self.info.get("blas", {}).get("env")
         if env:
             out.append("BLAS environment variables were set and change the GEMM/GEMV numbers: "
@@ -121,7 +130,7 @@ class Calibration:
             "packed_overhead_s": info.get("packed_overhead_s", {}),
             "paged_pool": info.get("paged_pool", {}), "runner_step": info.get("runner_step", {}),
             "source": f"measured by `kvwall calibrate` on {info['hostname']} at {self.started}",
-            "unconfirmed": [], "notes": self.notes(),
+            "unconfirmed": [], "notes": self.notes(), "busy_warning": self.busy_warning(),
             "measured": {
                 "date": self.started, "seconds": round(self.elapsed_s, 2), "quick": self.settings.quick,
                 "settings": dataclasses.asdict(self.settings), **info,
@@ -134,7 +143,35 @@ class Calibration:
         }
 
 
-Progress = Callable[[int, int, str, object], None]  # (steps done, steps in all, label, Measurement or None)
+Progress = Callable[[int, int, str, object], None]  # (steps done, steps in all, label, Measurement, seconds or None)
+
+
+class _Run:
+    """What calibrate notes around every step: its seconds, the highest 1-minute load average, and whether the
+    machine has shown itself steadily busy (a redo that came back busy too: then no more redos)."""
+
+    def __init__(self, cal: Calibration, total: int, progress: Progress | None):
+        self.cal, self.total, self.progress, self.done = cal, total, progress, 0
+        self.steady_busy = False
+        self.loads = [machine.load_average()]
+        cal.info["step_s"] = {}
+
+    def step(self, label: str, fn, *args, **kwargs):
+        """Run one step, noting its seconds; the progress callback hears its label before and its result after."""
+        if self.progress:
+            self.progress(self.done, self.total, label, None)
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        seconds = time.perf_counter() - t0
+        self.cal.info["step_s"][label] = round(seconds, 2)
+        self.loads.append(machine.load_average())
+        self.done += 1
+        if self.progress:
+            self.progress(self.done, self.total, label, out if hasattr(out, "others_cpu") else seconds)
+        return out
+
+
+ENGINE_STEPS = 12  # the engine section's steps below, for the progress bar's total
 
 
 def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibration:
@@ -146,56 +183,67 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
     s = Settings.choose(quick)
     cal = Calibration(settings=s, started=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
     t0 = time.perf_counter()
+    whole = machine.OthersWatch()
     cal.info = _machine_info(s)
     has_torch = cal.info["versions"]["torch"] is not None
 
     buf = np.ones(s.buffer_bytes // 4, dtype=np.float32)  # touched now, so page faults are not timed
     dst = np.empty_like(buf)
     steps = _steps(s, buf, dst, has_torch)
+    run = _Run(cal, len(steps) + (ENGINE_STEPS if has_torch else 0), progress)
     deadline = t0 + (RETRY_BUDGET_QUICK_S if quick else RETRY_BUDGET_S)
-    for i, (label, run) in enumerate(steps):
-        if progress:
-            progress(i, len(steps), label, None)
-        cal.measurements.append(_measure_quietly(run, s, deadline))
-        if progress:
-            progress(i + 1, len(steps), label, cal.measurements[-1])
+    for label, kernel in steps:
+        cal.measurements.append(run.step(label, _measure_quietly, kernel, s, deadline, run))
     del buf, dst
     if has_torch:
-        from kvwall.measure import overhead
-        from kvwall.predict.devices import _from_entry
-
-        if progress:
-            progress(len(steps), len(steps), "engine dispatch overhead and op bandwidths", None)
-        size = (128 << 20) if quick else (512 << 20)
-        # the op model is fitted as a whole (dispatch = measured step - the ops at the rates just measured), so
-        # a busy spell skews it silently: a run beside a pip install gave 0 ms per attention block, 14.6 per Mamba
-        watch = machine.OthersWatch()
-        rows = overhead.matmul_rows_bandwidth(size // 4)  # 128 MiB is 4x the last-level cache; 512 took 9 s
-        attention, attention_flops = overhead.attention_rates(size)
-        bandwidth = {"matmul": rows[1], "attention": attention}
-        flops = {"attention": attention_flops, "attention:prefill": overhead.prefill_attention_rate(),
-                 "latent": overhead.latent_rate(attention, size)}
-        fixed = {}
-        for f in ("int8", "int4", "int2"):
-            bandwidth[f"attention:{f}"], fixed[f"attention:{f}"] = overhead.quantized_attention_rates(f, size)
-        cal.info["op_bandwidth_Bps"] = bandwidth
-        cal.info["op_flops"] = {k: v for k, v in flops.items() if v}
-        cal.info["op_fixed_s"] = fixed
-        cal.info["matmul_rows_Bps"] = {str(m): v for m, v in rows.items()}
-        packed, packed_fixed = overhead.packed_rates(size // 4)
-        cal.info["packed_rows_Bps"] = {f: {str(m): v for m, v in t.items()} for f, t in packed.items()}
-        fixed.update(packed_fixed)
-        rates = _from_entry("local", cal.profile())  # the rates just measured, for the op model
-        costs = overhead.engine_overheads(rates, steps=20 if quick else 30)
-        cal.info["layer_overhead_s"] = costs["attention"]
-        cal.info["step_overhead_s"] = costs["step"]
-        cal.info["mixer_overhead_s"] = {k: v for k, v in costs.items() if k not in ("attention", "step")}
-        cal.info["packed_overhead_s"] = overhead.packed_layer_overheads(rates, steps=20 if quick else 30)
-        cal.info["paged_pool"] = overhead.paged_pool_cost()  # kvwall serve's pool, charged by `simulate`
-        cal.info["runner_step"] = overhead.runner_step_cost()  # and its runner around the forward
-        cal.info["engine_others_cpu"] = watch.share(s.threads)
+        _engine(cal, s, run)
+    cal.info["others_cpu_share"] = round(whole.share(s.threads), 3)  # over the whole run; with the busiest step's
+    # share and the highest load average seen, what busy_warning names
+    loads = [x for x in run.loads if x is not None]
+    cal.info["load_average_max"] = round(max(loads), 2) if loads else None
     cal.elapsed_s = time.perf_counter() - t0
     return cal
+
+
+def _engine(cal: Calibration, s: Settings, run: _Run) -> None:
+    """The engine's op model (kvwall.measure.overhead), ENGINE_STEPS steps, into cal.info."""
+    from kvwall.measure import overhead
+    from kvwall.predict.devices import _from_entry
+
+    quick = s.quick
+    size = (128 << 20) if quick else (512 << 20)
+    # the op model is fitted as a whole (dispatch = measured step - the ops at the rates just measured), so
+    # a busy spell skews it silently: a run beside a pip install gave 0 ms per attention block, 14.6 per Mamba
+    watch = machine.OthersWatch()
+    rows = run.step("engine: matmul by rows", overhead.matmul_rows_bandwidth, size // 4)  # 128 MiB: 4x the LLC
+    attention, attention_flops = run.step("engine: decode attention", overhead.attention_rates, size)
+    bandwidth = {"matmul": rows[1], "attention": attention}
+    flops = {"attention": attention_flops,
+             "attention:prefill": run.step("engine: prefill attention", overhead.prefill_attention_rate),
+             "latent": run.step("engine: MLA latent", overhead.latent_rate, attention, size)}
+    fixed = {}
+    for f in ("int8", "int4", "int2"):
+        bandwidth[f"attention:{f}"], fixed[f"attention:{f}"] = run.step(
+            f"engine: {f} cache attention", overhead.quantized_attention_rates, f, size)
+    cal.info["op_bandwidth_Bps"] = bandwidth
+    cal.info["op_flops"] = {k: v for k, v in flops.items() if v}
+    cal.info["op_fixed_s"] = fixed
+    cal.info["matmul_rows_Bps"] = {str(m): v for m, v in rows.items()}
+    packed, packed_fixed = run.step("engine: packed matmul", overhead.packed_rates, size // 4)
+    cal.info["packed_rows_Bps"] = {f: {str(m): v for m, v in t.items()} for f, t in packed.items()}
+    fixed.update(packed_fixed)
+    rates = _from_entry("local", cal.profile())  # the rates just measured, for the op model
+    steps = 20 if quick else 30
+    costs = run.step("engine: dispatch per block", overhead.engine_overheads, rates, steps=steps)
+    cal.info["layer_overhead_s"] = costs["attention"]
+    cal.info["step_overhead_s"] = costs["step"]
+    cal.info["mixer_overhead_s"] = {k: v for k, v in costs.items() if k not in ("attention", "step")}
+    cal.info["packed_overhead_s"] = run.step("engine: packed block dispatch", overhead.packed_layer_overheads,
+                                             rates, steps=steps)
+    # kvwall serve's pool and its runner around the forward, charged by `simulate`
+    cal.info["paged_pool"] = run.step("engine: serving pool", overhead.paged_pool_cost)
+    cal.info["runner_step"] = run.step("engine: serving runner", overhead.runner_step_cost)
+    cal.info["engine_others_cpu"] = watch.share(s.threads)
 
 
 def _steps(s: Settings, buf, dst, has_torch: bool) -> list[tuple[str, Callable]]:
@@ -224,13 +272,16 @@ def _steps(s: Settings, buf, dst, has_torch: bool) -> list[tuple[str, Callable]]
     return steps
 
 
-def _measure_quietly(run, s: Settings, deadline: float):
-    """Measure; if other processes took part of the machine, wait and measure again (twice at most, and only
-    before the deadline); keep the quietest attempt."""
-    m, attempts = _watched(run, s), 1
-    while m.others_cpu > BUSY_WARN and attempts < 3 and time.perf_counter() < deadline:
+def _measure_quietly(kernel, s: Settings, deadline: float, run: _Run):
+    """Measure; if other processes took part of the machine, wait and measure again (twice at most, only before
+    the deadline, and only until a redo comes back busy too); keep the quietest attempt. Under load 6 on the
+    2 cores every redo came back as busy (67 %) and the first four steps took 9-13 s each for nothing."""
+    m, attempts = _watched(kernel, s), 1
+    while (m.others_cpu > BUSY_WARN and attempts < 3 and not run.steady_busy
+           and time.perf_counter() < deadline):
         time.sleep(1.0)
-        m, attempts = min(m, _watched(run, s), key=lambda x: x.others_cpu), attempts + 1
+        m, attempts = min(m, _watched(kernel, s), key=lambda x: x.others_cpu), attempts + 1
+        run.steady_busy = m.others_cpu > BUSY_WARN
     m.attempts = attempts
     return m
 

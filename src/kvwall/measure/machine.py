@@ -134,6 +134,14 @@ class OthersWatch:
         return min(1.0, max(0.0, others / (max(t1 - t0, 1e-9) * cpus)))
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (runnable and waiting processes, ours included); None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def hostname() -> str:
     return socket.gethostname()
 

@@ -52,14 +52,14 @@ def _decoder(spec, context: int = 64, weights=None):
     return step
 
 
-def _median_step(step, start: int, steps: int) -> float:
-    """Median of `steps` timed steps after 4 warm-up ones, as `kvwall bench` reports (the fastest was 5-10 %
-    below the median)."""
+def _median_step(step, start: int, steps: int, warmup: int = 4) -> float:
+    """Median of `steps` timed steps after `warmup` untimed ones, as `kvwall bench` reports (the fastest was
+    5-10 % below the median)."""
     times = []
-    for i in range(start, start + steps + 4):
+    for i in range(start, start + steps + warmup):
         t0 = time.perf_counter()
         step(i)
-        if i >= start + 4:
+        if i >= start + warmup:
             times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -70,6 +70,14 @@ def _step_time(spec, steps: int, context: int = 64) -> float:
 
 
 ROUNDS = 3  # depth pairs timed in turn; the median round's slope is kept
+
+
+def _rounds(step_lo, step_hi, steps: int) -> tuple[float, float]:
+    """(2-block, 10-block) median steps of the median round by slope, of ROUNDS rounds timed in turn, each step
+    after 4 warm-up ones."""
+    rounds = [(_median_step(step_lo, r * (steps + 4), steps), _median_step(step_hi, r * (steps + 4), steps))
+              for r in range(ROUNDS)]
+    return sorted(rounds, key=lambda t: t[1] - t[0])[ROUNDS // 2]
 
 
 def engine_overheads(rates, steps: int = 30) -> dict[str, float]:
@@ -90,9 +98,7 @@ def engine_overheads(rates, steps: int = 30) -> dict[str, float]:
         specs = [_arch_spec(arch, n) for n in DEPTHS]
         p_lo, p_hi = (decode(s, 64 + 1, 1, fm, bare).time_s for s in specs)
         step_lo, step_hi = (_decoder(s) for s in specs)
-        rounds = [(_median_step(step_lo, r * (steps + 4), steps), _median_step(step_hi, r * (steps + 4), steps))
-                  for r in range(ROUNDS)]
-        t_lo, t_hi = sorted(rounds, key=lambda t: t[1] - t[0])[ROUNDS // 2]
+        t_lo, t_hi = _rounds(step_lo, step_hi, steps)
         out[kind] = max(((t_hi - t_lo) - (p_hi - p_lo)) / (hi - lo), 0.0)
         if kind == "attention":
             out["step"] = max(t_lo - p_lo - lo * out[kind], 0.0)
@@ -134,10 +140,10 @@ def matmul_rows_bandwidth(total_bytes: int = 512 << 20, runs: int = 3) -> dict[i
 
     shape = (3072, 768)
     count = max(2, total_bytes // (shape[0] * shape[1] * 4))
-    mats = []
+    w0, mats = torch.randn(*shape), []  # (out, in)
     for _ in range(count):
         lin = nn.Linear(shape[1], shape[0], bias=False, device="meta")
-        lin.weight = nn.Parameter(torch.randn(*shape), requires_grad=False)  # (out, in)
+        lin.weight = nn.Parameter(w0.clone(), requires_grad=False)  # distinct memory, cold when called in turn
         mats.append(fast_projection(lin, onednn=True))
     nbytes = count * shape[0] * shape[1] * 4
     out = {}
@@ -238,9 +244,7 @@ def packed_layer_overheads(rates, steps: int = 30) -> dict[str, float]:
             continue  # no kernel: the reference path runs, at no packed rate
         p_lo, p_hi = (decode(s, 64 + 1, 1, Formats(dataclasses.replace(fmt, head=fp32), fp32, fp32), bare).time_s for s in specs)
         step_lo, step_hi = (_decoder(s, weights=fmt) for s in specs)
-        rounds = [(_median_step(step_lo, r * (steps + 4), steps), _median_step(step_hi, r * (steps + 4), steps))
-                  for r in range(ROUNDS)]
-        t_lo, t_hi = sorted(rounds, key=lambda t: t[1] - t[0])[ROUNDS // 2]
+        t_lo, t_hi = _rounds(step_lo, step_hi, steps)
         out[matmul_kernel(fmt)] = max(((t_hi - t_lo) - (p_hi - p_lo)) / (hi - lo), 0.0)
     return out
 
@@ -258,7 +262,10 @@ def _attention_time(hkv: int, total_bytes: int, runs: int) -> tuple[float, float
     _, _, d, s = DECODE_SHAPE
     heads = 12
     per = 2 * hkv * s * d * 4
-    caches = [(torch.randn(1, hkv, s, d), torch.randn(1, hkv, s, d)) for _ in range(max(2, total_bytes // per))]
+    k0, v0 = torch.randn(1, hkv, s, d), torch.randn(1, hkv, s, d)  # (B, Hkv, S, D)
+    # distinct memory, cold when swept in turn; copies, not fresh randn: 512 MiB of randn took 1.9 s here under
+    # load 6, a clone of it 0.9 s (the same values do not change an fp32 kernel's time)
+    caches = [(k0, v0)] + [(k0.clone(), v0.clone()) for _ in range(max(2, total_bytes // per) - 1)]
     q = torch.randn(1, heads, 1, d)  # (B, Hq, T, D)
     mask = torch.ones(1, 1, 1, s, dtype=torch.bool)
 
@@ -323,7 +330,8 @@ def latent_rate(bandwidth: float, total_bytes: int = 512 << 20, runs: int = 5) -
         return None
     h, r, dr, s = LATENT_SHAPE
     per = s * (r + dr) * 4
-    caches = [(torch.randn(1, s, r), torch.randn(1, s, dr)) for _ in range(max(2, total_bytes // per))]
+    c0, pe0 = torch.randn(1, s, r), torch.randn(1, s, dr)  # (B, S, latent), (B, S, rope)
+    caches = [(c0, pe0)] + [(c0.clone(), pe0.clone()) for _ in range(max(2, total_bytes // per) - 1)]
     q, k_pos, pos = torch.randn(1, h, r + dr), torch.arange(s)[None], torch.tensor([s - 1])
     with torch.inference_mode():
         t = _fastest_time(lambda: [kernel(q, c, pe, k_pos, pos, 0.1) for c, pe in caches], runs) / len(caches)
