@@ -122,8 +122,8 @@ class Transformer(nn.Module):
         self.rope_of_layer = [self.rope_keys.index(r) if r[0] is not None else None for r in ropes]
         self.onednn = False  # prepack(): projections in oneDNN's layout in the fast path
         self.head_copy = None  # prepack(): a tied head's second copy in oneDNN's layout (set_eager)
-        # weights loaded into a fast model: lay them out again (the tied head's copy must follow the table)
-        self.register_load_state_dict_post_hook(Transformer._relayout)
+        # a table loaded into a fast model: its oneDNN copy must follow (projections repack in their own load)
+        self.register_load_state_dict_post_hook(Transformer._refresh_head_copy)
         self.set_eager(False)  # the fast path by default; a loader that assigns new weights calls it again
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor | None = None, cache=None,
@@ -161,18 +161,21 @@ class Transformer(nn.Module):
             if eager:
                 lin.weight.data = lin.weight.data.contiguous()
             setattr(parent, name, lin if eager else fast_projection(lin, self.onednn))
-        self.eager_mode = eager
-        w = getattr(self.embed, "weight", None)  # a float table (a packed one has its own packed head)
-        tied = (not eager and self.onednn and self.lm_head is None and isinstance(self.embed, nn.Embedding)
-                and w.device.type == "cpu" and onednn_available(w.dtype))
-        # The vocabulary head is the largest matrix (SmolLM2-135M: 49,152 x 576, 113 MB of its 538 MB in fp32),
-        # but a tied one is also the token table, which lookups must read row by row, so its oneDNN copy is
-        # held besides: +113 MB there for 85 -> 107 tok/s at batch 16 (the head at 16 rows 7.9 against 30.0 ms).
-        self.head_copy = OneDnnLinear(w, None, shadow=True) if tied else None
+        self._copy_head(not eager and self.onednn)
         return self
 
-    def _relayout(self, _incompatible) -> None:
-        self.set_eager(self.eager_mode)
+    def _copy_head(self, wanted: bool) -> None:
+        """head_copy: a tied head's token table in oneDNN's layout when `wanted` and it runs there, else None.
+        The vocabulary head is the largest matrix (SmolLM2-135M: 49,152 x 576, 113 MB of its 538 MB in fp32),
+        but a tied one is also the token table, which lookups must read row by row, so its oneDNN copy is held
+        besides: +113 MB there for 85 -> 107 tok/s at batch 16 (the head at 16 rows 7.9 against 30.0 ms)."""
+        w = getattr(self.embed, "weight", None)  # a float table (a packed one has its own packed head)
+        tied = (wanted and self.lm_head is None and isinstance(self.embed, nn.Embedding)
+                and w.device.type == "cpu" and onednn_available(w.dtype))
+        self.head_copy = OneDnnLinear(w, None, shadow=True) if tied else None
+
+    def _refresh_head_copy(self, _incompatible) -> None:
+        self._copy_head(self.head_copy is not None)
 
     def prepack(self, onednn: bool = True) -> "Transformer":
         """The fast path's projections in oneDNN's layout (engine/layers/onednn.py) where this CPU has it for

@@ -52,14 +52,14 @@ def _decoder(spec, context: int = 64, weights=None):
     return step
 
 
-def _median_step(step, start: int, steps: int, warmup: int = 4) -> float:
-    """Median of `steps` timed steps after `warmup` untimed ones, as `kvwall bench` reports (the fastest was
-    5-10 % below the median)."""
+def _median_step(step, start: int, steps: int) -> float:
+    """Median of `steps` timed steps after 4 warm-up ones, as `kvwall bench` reports (the fastest was 5-10 %
+    below the median)."""
     times = []
-    for i in range(start, start + steps + warmup):
+    for i in range(start, start + steps + 4):
         t0 = time.perf_counter()
         step(i)
-        if i >= start + warmup:
+        if i >= start + 4:
             times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
