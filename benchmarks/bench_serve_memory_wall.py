@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -73,6 +75,28 @@ def run(model, kv_memory: int, fmt: str, args) -> dict:
             "preemptions": runner.sched.preemptions, "others_share": watch.share(machine.cpu_count())}
 
 
+def predicted(args, r: dict) -> dict:
+    """What kvwall's predictor says for row r's run: `kvwall simulate --device local` (the `kvwall calibrate`
+    profile) over the same requests (all arriving at once: as many clients as requests), pool bytes and format,
+    chunk, batch limit and split forwards (the runner's), in ideal mode (the ceiling: measured bandwidth, no fixed
+    costs) and expected mode (with the measured per-op and per-step costs)."""
+    out = {}
+    for mode in ("ideal", "expected"):
+        argv = [sys.executable, "-m", "kvwall", "simulate", args.model, "--device", "local", "--concurrency",
+                str(args.requests), "--requests", str(args.requests), "--prompt-tokens", str(args.prompt),
+                "--output-tokens", str(args.output), "--kv-memory", str(r["kv_bytes"]), "--kv-format", r["format"],
+                "--weight-format", args.weights_format, "--chunk", str(args.chunk), "--max-batch",
+                str(args.max_batch), "--split-prefill", "--json"] + (["--ideal"] if mode == "ideal" else [])
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"kvwall simulate failed: {done.stderr.strip()}")
+        point = json.loads(done.stdout)["points"][0]
+        if point["pool"]["n_blocks"] != r["blocks"]:  # the predictor's pool must be the runner's
+            raise SystemExit(f"simulate's pool has {point['pool']['n_blocks']} blocks, the runner had {r['blocks']}")
+        out[f"{mode}_tok_s"] = point["output_token_throughput"]
+    return out
+
+
 def load_rows(path: Path | None) -> list[dict]:
     return json.loads(path.read_text())["rows"] if path and path.exists() else []
 
@@ -93,14 +117,17 @@ HEADER = (f"{'fp32 blocks':>11} {'KV MiB':>7} {'format':>6} {'blocks':>6} {'tok/
 
 
 def markdown(rows: list[dict]) -> None:
-    """The rows as the README's table, by budget then format."""
-    print("| KV budget | format | blocks | most running | preemptions | output tok/s | TTFT p50 s | TTFT p99 s | "
-          "TPOT p50 ms | TPOT p99 ms | others' CPU |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    """The rows as the README's table, by budget then format (with the predictor's columns once --predict ran)."""
+    pred = all("expected_tok_s" in r for r in rows)
+    extra = " predicted tok/s (expected / ideal) |" if pred else ""
+    print("| KV budget | format | blocks | most running | preemptions | output tok/s |" + extra + " TTFT p50 s | "
+          "TTFT p99 s | TPOT p50 ms | TPOT p99 ms | others' CPU |")
+    print("|---" * (12 if pred else 11) + "|")
     order = {f: i for i, f in enumerate(dict.fromkeys(r["format"] for r in rows))}
     for r in sorted(rows, key=lambda r: (r["kv_bytes"], order[r["format"]])):
+        p = f" {r['expected_tok_s']:.1f} / {r['ideal_tok_s']:.1f} |" if pred else ""
         print(f"| {r['kv_bytes'] / 2**20:.1f} MiB | {r['format']} | {r['blocks']:,} | {r['batch']} | "
-              f"{r['preemptions']} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.1f} | {r['ttft_p99_s']:.1f} | "
+              f"{r['preemptions']} | {r['tok_s']:.1f} |{p} {r['ttft_p50_s']:.1f} | {r['ttft_p99_s']:.1f} | "
               f"{r['tpot_p50_ms']:,.0f} | {r['tpot_p99_ms']:,.0f} | {r['others_share']:.0%} |")
 
 
@@ -114,7 +141,12 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
     for fmt in dict.fromkeys(r["format"] for r in rows):
         mine = sorted((r for r in rows if r["format"] == fmt), key=lambda r: r["kv_bytes"])
         mib = [r["kv_bytes"] / 2**20 for r in mine]
-        a.plot(mib, [r["tok_s"] for r in mine], marker="o", label=fmt)
+        line, = a.plot(mib, [r["tok_s"] for r in mine], marker="o", label=fmt)
+        if all("expected_tok_s" in r for r in mine):
+            a.plot(mib, [r["expected_tok_s"] for r in mine], ls="--", color=line.get_color(), alpha=0.7,
+                   label=f"{fmt} predicted")
+            a.plot(mib, [r["ideal_tok_s"] for r in mine], ls=":", color=line.get_color(), alpha=0.7,
+                   label=f"{fmt} ceiling (ideal)")
         b.plot(mib, [r["batch"] for r in mine], marker="o", label=fmt)
         for r, x in zip(mine, mib):
             if r["preemptions"]:
@@ -149,6 +181,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--threads", type=int)
     p.add_argument("--out", type=Path, help="JSON file of rows: read, skipped if present, added to")
     p.add_argument("--plot", type=Path, help="draw the rows of --out to this PNG (no measuring)")
+    p.add_argument("--predict", action="store_true",
+                   help="add the predictor's figures to every row of --out (kvwall simulate --device local, ideal "
+                        "and expected; run kvwall calibrate first) and draw them in --plot (no measuring)")
+    p.add_argument("--weights-format", default="fp32", help="the predictor's --weight-format for --predict "
+                   "(fp32 for the engine's default weights)")
     p.add_argument("--table", action="store_true", help="print the rows of --out as a markdown table (no measuring)")
     p.add_argument("--redo-busy", type=float, default=0.10, metavar="SHARE",
                    help="measure again the rows of --out during which other processes took more than this share "
@@ -161,6 +198,16 @@ def main() -> None:
     rows = load_rows(args.out)
     if args.table:
         markdown(rows)
+        return
+    if args.predict:
+        if not rows:
+            raise SystemExit("--predict adds to the rows of --out FILE.json; measure some first")
+        for r in rows:
+            r.update(predicted(args, r))
+            print(f"{r['kv_bytes'] / 2**20:7.1f} MiB {r['format']:>5}: measured {r['tok_s']:.1f}, predicted "
+                  f"{r['expected_tok_s']:.1f} (expected), {r['ideal_tok_s']:.1f} (ideal) output tokens/s", flush=True)
+        setup = json.loads(args.out.read_text())["setup"]
+        save_rows(args.out, rows, dict(setup, predicted=f"kvwall simulate --device local, {time.strftime('%F')}"))
         return
     if args.plot:
         plot(rows, args.plot, f"{args.model}: {args.requests} requests of {args.prompt}+{args.output} tokens, "

@@ -48,8 +48,8 @@ def test_cache_names_are_the_registry_and_import_without_torch():
 def test_kernel_sources_are_package_files():
     kernels = resources.files("kvwall.engine") / "kernels"
     names = {p.name for p in kernels.iterdir()}
-    assert {"common.h", "selective_scan.cpp", "quantized_decode.cpp", "mla_decode.cpp"} <= names
-    for name in ("selective_scan", "quantized_decode", "mla_decode"):
+    assert {"common.h", "selective_scan.cpp", "quantized_decode.cpp", "mla_decode.cpp", "paged_decode.cpp"} <= names
+    for name in ("selective_scan", "quantized_decode", "mla_decode", "paged_decode"):
         text = (kernels / f"{name}.cpp").read_text()
         assert '#include "common.h"' in text and f'm.def("{name}"' in text
 

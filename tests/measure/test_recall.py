@@ -123,6 +123,26 @@ def test_results_are_cached_per_model(tmp_path):
     assert other["trained"] == 1  # a changed plan is a new configuration
 
 
+def test_models_trained_on_two_processes_equal_one_process(tmp_path):
+    """--jobs 2 trains two models at once, each on its own process and one thread: the same rows (curves included)
+    as one process, every model's progress reported back, and both cached."""
+    plan = recall.Plan(seq=16, max_steps=3, eval_every=1, val=4, test=4)
+    archs = recall.parse_archs("attention,sliding:4", 16)
+    alone = recall.run(archs, [32], [2, 3], plan, cache=tmp_path / "one")
+    started, evals, done = [], set(), []
+    both = recall.run(archs, [32], [2, 3], plan, cache=tmp_path / "two", jobs=2,
+                      on_start=lambda label, i: started.append((label, i)),
+                      on_eval=lambda label, step, acc: evals.add((label, step)),
+                      on_done=lambda label, rows: done.append(label))
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "train_seconds"} for r in rows]  # noqa: E731
+    assert drop(both["results"]) == drop(alone["results"])
+    assert both["trained"] == 2 and both["jobs"] == 2 and alone["jobs"] == 1
+    assert sorted(started) == [("attention w32", 0), ("sliding:4 w32", 1)]
+    assert evals == {(label, s) for label in ("attention w32", "sliding:4 w32") for s in (1, 2, 3)}
+    assert sorted(done) == ["attention w32", "sliding:4 w32"]
+    assert len(list((tmp_path / "two").glob("*.json"))) == 2
+
+
 def test_a_model_still_guessing_trains_again_from_the_next_seed(tmp_path):
     """Two steps leave a model at guessing (mean below 1/N + 5 points), so it trains a second time from seed + 1
     and says so; one attempt allowed: it keeps the first."""

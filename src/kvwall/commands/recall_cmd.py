@@ -4,6 +4,7 @@ bytes each keeps per sequence (kvwall.measure.recall)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from kvwall.commands import common
 from kvwall.files import PLOT_EXTS, check_output
@@ -39,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"a few minutes: widths {QUICK['widths']}, pairs {QUICK['pairs']}, {QUICK['steps']} steps "
                         "(options given explicitly still win)")
+    p.add_argument("--jobs", type=whole(1, 256), default=None, metavar="N",
+                   help="models trained at once, each on its own process and one thread (default: the CPUs this "
+                        "process may use); results equal a run with --jobs 1")
     p.add_argument("--retrain", action="store_true", help="train again even where a cached result exists")
     p.add_argument("--plot", metavar="FILE", help="accuracy against kept bytes, a panel per number of pairs "
                    "(.png, .pdf or .svg)")
@@ -60,7 +64,8 @@ def cmd_recall(args) -> int:
     plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
     archs, widths, pairs, plan = request(c, args.seed)
     common.need_torch("kvwall recall trains models with the engine")
-    data = _run_with_progress(recall, archs, widths, pairs, plan, args.retrain, quiet=args.json)
+    jobs = args.jobs or len(os.sched_getaffinity(0))
+    data = _run_with_progress(recall, archs, widths, pairs, plan, args.retrain, jobs, quiet=args.json)
     if plot:
         from kvwall.report.plots import recall as recall_plot
 
@@ -69,7 +74,7 @@ def cmd_recall(args) -> int:
     return common.emit(args, data, print_recall)
 
 
-def _run_with_progress(recall, archs, widths, pairs, plan, retrain: bool, quiet: bool) -> dict:
+def _run_with_progress(recall, archs, widths, pairs, plan, retrain: bool, jobs: int, quiet: bool) -> dict:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -77,11 +82,20 @@ def _run_with_progress(recall, archs, widths, pairs, plan, retrain: bool, quiet:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True, disable=quiet) as progress:
         task = progress.add_task("recall", total=total)
-        show = lambda text: progress.update(task, description=text)  # noqa: E731
-        return recall.run(archs, widths, pairs, plan, retrain=retrain,
-                          on_start=lambda label, i: show(f"{label}: training"),
-                          on_eval=lambda label, step, acc: show(f"{label}: step {step}, accuracy {acc * 100:.1f}%"),
-                          on_done=lambda label, row: progress.update(task, advance=1))
+        training: dict[str, str] = {}  # label -> its latest status, one per model training now (--jobs)
+
+        def show(label: str, text: str | None) -> None:
+            training.pop(label, None) if text is None else training.__setitem__(label, text)
+            progress.update(task, description="; ".join(f"{k}: {v}" for k, v in training.items()) or "recall")
+
+        def done(label: str, _rows) -> None:
+            show(label, None)
+            progress.update(task, advance=1)
+
+        return recall.run(archs, widths, pairs, plan, retrain=retrain, jobs=jobs,
+                          on_start=lambda label, i: show(label, "training"),
+                          on_eval=lambda label, step, acc: show(label, f"step {step}, {acc * 100:.1f}%"),
+                          on_done=done)
 
 
 def print_recall(data: dict) -> None:
@@ -96,7 +110,8 @@ def print_recall(data: dict) -> None:
                   ["arch", "width", "pairs", "accuracy", "params", "kept bytes", "K/V", "state", "steps", "took"],
                   rows, caption=f"held-out accuracy on {data['plan']['test']} sequences; kept bytes: kvwall's "
                                 f"predictor, one sequence of {t['seq']} tokens in fp32"))
-    c.print(f"{data['trained']} models trained, {data['cached']} from the cache ({data['cache']}); took "
+    on = f" on {data['jobs']} processes" if data.get("jobs", 1) > 1 else ""
+    c.print(f"{data['trained']} models trained{on}, {data['cached']} from the cache ({data['cache']}); took "
             f"{data['seconds']} s")
     if data.get("plot"):
         c.print(f"plot written to {data['plot']}")

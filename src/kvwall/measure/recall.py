@@ -38,7 +38,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from kvwall.errors import KvwallError
 from kvwall.predict.memory import Formats, memory
@@ -51,6 +51,14 @@ FILLER, KEYS, VALUES = 0, 128, 128
 VOCAB = 1 + KEYS + VALUES
 IGNORE = -100  # cross_entropy's ignore_index: no loss off the answers
 HEAD_DIM = 32  # attention head width; Mamba-2 head width too
+
+
+class Kind(NamedTuple):
+    lr: float  # AdamW peak rate at RATE_WIDTH
+    scaled: bool  # the rate scales as RATE_WIDTH / width
+    cost: float  # measured training seconds at width 64 (the order of a parallel run)
+
+
 # kind -> its AdamW peak learning rate. Picked by hand at width 64 on the mixture of 4, 8 and 16 pairs at 64
 # tokens, 1,000 steps (accuracy at 4 / 8 / 16 pairs; guessing one of the N values is 25 / 12.5 / 6.2 %):
 #   attention 1e-3: 99.9 / 99.8 / 99.8 %; 3e-3: 26 / 14 / 8 % (the lookup never formed)
@@ -68,8 +76,10 @@ HEAD_DIM = 32  # attention head width; Mamba-2 head width too
 # 5e-4 (1,000 steps, still rising: a window of 8 never forms the lookup, it learns a short copy); Mamba-2
 # (95-99 %) and the hybrid (99.6-99.9 %) learned at width 128 with theirs; Mamba at 128 (45 / 27 / 14 % and
 # 60 / 34 / 17 % in two default runs: its training is not deterministic) may want the rule: not measured.
-KINDS = {"attention": (1e-3, True), "sliding": (1e-3, False), "mamba": (1e-2, False), "mamba2": (1e-2, False),
-         "hybrid": (3e-3, False)}  # kind -> (peak rate at RATE_WIDTH, scaled)
+# `cost`: the seconds the kind's width-64 model took in the default grid (2026-12-02, one thread, both attempts
+# counted): only the order in which `run` starts models on several processes, longest first, reads it.
+KINDS = {"attention": Kind(1e-3, True, 700), "sliding": Kind(1e-3, False, 260), "mamba": Kind(1e-2, False, 1210),
+         "mamba2": Kind(1e-2, False, 730), "hybrid": Kind(3e-3, False, 110)}
 RATE_WIDTH = 64
 VERSION = 3  # bump when training or data change, so cached results of the old code are not reused
 
@@ -272,7 +282,7 @@ def rate(arch: Arch, width: int, plan: Plan) -> float:
     (KINDS), times RATE_WIDTH / width where it scales."""
     if plan.lr:
         return plan.lr
-    lr, scaled = KINDS[arch.kind]
+    lr, scaled, _ = KINDS[arch.kind]
     return lr * (RATE_WIDTH / width) if scaled else lr  # 1e-3 at width 64, 5e-4 at 128
 
 
@@ -423,30 +433,90 @@ def one(arch: Arch, width: int, pairs: list[int], plan: Plan,
 
 
 def run(archs: list[Arch], widths: list[int], pairs: list[int], plan: Plan, *, cache: Path | None = None,
-        retrain: bool = False, on_start: Callable[[str, int], None] | None = None,
+        retrain: bool = False, jobs: int = 1, on_start: Callable[[str, int], None] | None = None,
         on_eval: Callable[[str, int, float], None] | None = None,
         on_done: Callable[[str, list[dict]], None] | None = None) -> dict:
     """Every (arch, width): its cached rows when this exact configuration (pairs included) has run before, else
-    trained now (and cached). Callbacks drive the command's progress bar: on_start(label, index), on_eval(label,
-    step, mean validation accuracy), on_done(label, rows)."""
+    trained now (and cached), on `jobs` processes at once (each trains on one thread, so its rows equal a run on
+    one process). Callbacks drive the command's progress bar: on_start(label, index), on_eval(label, step, mean
+    validation accuracy), on_done(label, rows)."""
     check(archs, widths, pairs, plan)
     cache = cache or cache_dir()
-    rows, started, trained = [], time.time(), 0
+    started, got, todo = time.time(), {}, []
     for i, (arch, width) in enumerate(models(archs, widths)):
-        label = f"{arch.name} w{width}"
-        path = cache / f"{_key(arch, width, pairs, plan)}.json"
-        got = None if retrain else _read(path)
-        cached = got is not None
-        if on_start:
-            on_start(label, i)
-        if got is None:
-            got = one(arch, width, pairs, plan, (lambda s, a, label=label: on_eval(label, s, a)) if on_eval else None)
-            _write(path, got)
-            trained += 1
-        rows += [dict(r, cached=cached) for r in got]
+        label, path = f"{arch.name} w{width}", cache / f"{_key(arch, width, pairs, plan)}.json"
+        rows = None if retrain else _read(path)
+        if rows is None:
+            todo.append((i, arch, width, label, path))
+            continue
+        got[i] = [dict(r, cached=True) for r in rows]
         if on_done:
-            on_done(label, got)
-    return _result(plan, rows, trained, time.time() - started, cache)
+            on_done(label, rows)
+
+    def finished(i, label, path, rows):
+        _write(path, rows)
+        got[i] = [dict(r, cached=False) for r in rows]
+        if on_done:
+            on_done(label, rows)
+
+    if jobs > 1 and len(todo) > 1:
+        _run_parallel(todo, pairs, plan, min(jobs, len(todo)), on_start, on_eval, finished)
+    else:
+        for i, arch, width, label, path in todo:
+            if on_start:
+                on_start(label, i)
+            report = (lambda s, a, label=label: on_eval(label, s, a)) if on_eval else None
+            finished(i, label, path, one(arch, width, pairs, plan, report))
+    rows = [r for i in sorted(got) for r in got[i]]
+    return dict(_result(plan, rows, len(todo), time.time() - started, cache), jobs=min(jobs, max(len(todo), 1)))
+
+
+def _run_parallel(todo: list, pairs: list[int], plan: Plan, jobs: int, on_start, on_eval, finished) -> None:
+    """Train `todo`'s models on `jobs` worker processes (spawned: a forked torch may hang on its thread pool),
+    longest first by KINDS' cost so that the last to start are short; training progress comes back through a
+    queue. A worker's error, or Ctrl-C, stops every worker at once (Pool.terminate); finished models stay cached."""
+    import multiprocessing as mp
+    import queue as queues
+
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    order = sorted(todo, key=lambda t: -KINDS[t[1].kind].cost * t[2] / RATE_WIDTH)
+    pool = ctx.Pool(jobs, initializer=_worker_init, initargs=(events,))
+    try:
+        running = {pool.apply_async(_worker_train, (i, arch, width, pairs, plan, label)): (i, label, path)
+                   for i, arch, width, label, path in order}
+        while running:
+            try:
+                kind, label, *rest = events.get(timeout=0.2)
+                if kind == "start" and on_start:
+                    on_start(label, rest[0])
+                elif kind == "eval" and on_eval:
+                    on_eval(label, *rest)
+            except queues.Empty:
+                pass
+            for res in [r for r in running if r.ready()]:
+                i, label, path = running.pop(res)
+                finished(i, label, path, res.get())  # a worker's exception re-raises here
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+_EVENTS = None  # a worker process's queue back to run()
+
+
+def _worker_init(events) -> None:
+    import signal
+
+    global _EVENTS
+    _EVENTS = events
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it terminates the pool
+
+
+def _worker_train(i: int, arch: Arch, width: int, pairs: list[int], plan: Plan, label: str) -> list[dict]:
+    _EVENTS.put(("start", label, i))
+    return one(arch, width, pairs, plan, lambda step, acc: _EVENTS.put(("eval", label, step, acc)))
 
 
 def cached(archs: list[Arch], widths: list[int], pairs: list[int], plan: Plan,

@@ -45,12 +45,7 @@ class ScheduledPages(PagedCache):
         self._tables, self._lengths = tables, lengths
 
     def step(self, pos):
-        width = max(1, max(len(t) for t in self._tables))
-        table = [t + [0] * (width - len(t)) for t in self._tables]
-        self.table = torch.tensor(table, dtype=torch.long, device=self.device)  # (B, nb)
-        slots = torch.arange(width * self.block_size, device=self.device)[None]  # (1, nb * bs)
-        lengths = torch.tensor(self._lengths, device=self.device)[:, None]  # (B, 1)
-        self.k_pos = torch.where(slots < lengths, slots, -1)  # (B, nb * bs): slot j holds position j
+        self.set_table(self._tables, self._lengths, pos)
 
     def update(self, layer, k, v, pos):
         dtype = self.pools[layer][0].dtype  # a bf16 or fp8 pool under an fp32 model stores rounded K/V
@@ -74,9 +69,12 @@ class QuantizedPages(ScheduledPages):
     bits, about exact at 8). One block = block_size tokens of `--kv-format int8` (or int4) in every attention
     layer: predict.memory's figure for that format (a test holds it)."""
 
+    in_place = False  # the gather dequantizes; no kernel reads packed blocks in place
+
     def __init__(self, spec, block_size: int, n_blocks: int, fmt, device="cpu"):
         self.block_size, self.device, self.fmt = block_size, device, fmt
-        self.table = self.k_pos = None
+        self.table = self.k_pos = self.lengths = None
+        self.decoding = False
         self.pools = [None if a is None else (self._store(n_blocks, a.n_kv_heads, a.head_dim),
                                               self._store(n_blocks, a.n_kv_heads, a.v_head_dim))
                       for a in attention_specs(spec)]

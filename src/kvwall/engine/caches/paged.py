@@ -9,6 +9,8 @@ the bytes of one block in all layers = predict.memory(spec.with_window(None), ba
 context=len, block_size=...).cache_bytes summed over rows. Internal waste (allocated minus
 used) is below one block per row. pool_bytes() is the whole preallocated pool.
 Sliding windows only mask here; every layer keeps every token.
+A decode step over fp32 pools attends in place, walking each row's block table in C++ (paged_kernel.py);
+everything else gathers each row's blocks into a (B, H, S, D) copy first.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections import deque
 import torch
 
 from kvwall.engine.caches.base import KVCache, attention_specs, valid_tokens
+from kvwall.engine.caches.paged_kernel import paged_decode
 from kvwall.errors import KvwallError
 from kvwall.spec.model import ModelSpec
 
@@ -74,6 +77,7 @@ class PagedCache(KVCache):
     """nbytes() = predict.memory(spec.with_window(None), batch, context=tokens held, block_size).cache_bytes."""
 
     name = "paged"
+    in_place = True  # decode steps may read the float blocks in place (a pool of packed integers may not)
 
     def __init__(self, spec: ModelSpec, batch: int, block_size: int = 16, n_blocks: int | None = None,
                  max_len: int = 2048, dtype=torch.float32, device="cpu"):
@@ -89,26 +93,61 @@ class PagedCache(KVCache):
             v = torch.zeros(n_blocks, a.n_kv_heads, block_size, a.v_head_dim, dtype=dtype, device=device)
             self.pools.append((k, v))
         self.device = device
-        self.table = self.k_pos = None
+        self.table = self.k_pos = self.lengths = None
+        self.decoding = False  # this forward: one new token per row, each its row's last (step())
 
     def step(self, pos):
         """Allocate blocks for the new tokens; rebuild the (B, blocks) table and the slot positions."""
         ends = (pos.max(1).values + 1).tolist()  # (B,) one past each row's last new position
         self.blocks.grow_all({row: max(end, self.blocks.lengths[row]) for row, end in enumerate(ends) if end > 0})
-        width = max(1, max(len(t) for t in self.blocks.tables))
-        table = [t + [0] * (width - len(t)) for t in self.blocks.tables]
+        self.set_table(self.blocks.tables, self.blocks.lengths, pos)
+
+    def set_table(self, tables: list[list[int]], lengths: list[int], pos) -> None:
+        """This forward's (B, blocks) table, slot positions and lengths; `decoding` when every row adds one token
+        at its end (the in-place kernel's case)."""
+        width = max(1, max(len(t) for t in tables))
+        table = [t + [0] * (width - len(t)) for t in tables]
         self.table = torch.tensor(table, dtype=torch.long, device=self.device)  # (B, nb)
         slots = torch.arange(width * self.block_size, device=self.device)[None]  # (1, nb * bs)
-        lengths = torch.tensor(self.blocks.lengths, device=self.device)[:, None]  # (B, 1)
-        self.k_pos = torch.where(slots < lengths, slots, -1)  # (B, nb * bs): slot j holds position j
+        self.lengths = torch.tensor(lengths, dtype=torch.long, device=self.device)  # (B,)
+        self.k_pos = torch.where(slots < self.lengths[:, None], slots, -1)  # (B, nb * bs): slot j holds position j
+        self.decoding = pos.shape[1] == 1 and pos[:, 0].tolist() == [n - 1 for n in lengths]
+        if self.decoding:  # each row's one new token: its block and slot, once per forward rather than per layer
+            last = [n - 1 for n in lengths]
+            self._new = (torch.tensor([t[p // self.block_size] for t, p in zip(tables, last)], device=self.device),
+                         torch.tensor([p % self.block_size for p in last], device=self.device))  # (B,), (B,)
 
-    def update(self, layer, k, v, pos):
+    def write(self, layer, k, v, pos) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scatter the new tokens into their blocks -> the layer's (K, V) pools."""
         kp, vp = self.pools[layer]
+        if self.decoding:
+            block, slot = self._new
+            kp[block, :, slot] = k[:, :, 0]  # (B, Hkv, D)
+            vp[block, :, slot] = v[:, :, 0]
+            return kp, vp
         b, t, p = valid_tokens(pos)
         block = self.table[b, p // self.block_size]  # (N,) physical blocks
         kp[block, :, p % self.block_size] = k[b, :, t]  # (N, Hkv, D)
         vp[block, :, p % self.block_size] = v[b, :, t]
+        return kp, vp
+
+    def update(self, layer, k, v, pos):
+        kp, vp = self.write(layer, k, v, pos)
         return self._gather(kp), self._gather(vp), self.k_pos
+
+    def attend(self, layer, q, k, v, pos, scale, window, softcap, sink: int = 0):
+        """A decode step over fp32 pools reads the blocks in place (paged_kernel.py); anything else (prefill, a
+        softcap, sinks, another dtype, no compiler) gathers them (KVCache.attend)."""
+        pools = self.pools[layer]
+        kernel = (paged_decode() if self.in_place and self.decoding and not softcap and not sink
+                  and q.dtype == pools[0].dtype == torch.float32 and q.device.type == "cpu" else None)
+        if kernel is None:
+            return super().attend(layer, q, k, v, pos, scale, window, softcap, sink)
+        kp, vp = self.write(layer, k, v, pos)
+        B, Hq, _, D = q.shape  # (B, Hq, 1, D)
+        H = kp.shape[1]
+        y = kernel(q.reshape(B, H, Hq // H, D).contiguous(), kp, vp, self.table, self.lengths, window or 0, scale)
+        return y.reshape(B, Hq, 1, vp.shape[3])  # (B, H, rep, Dv) -> (B, Hq, 1, Dv)
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
         B, nb = self.table.shape
