@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_serve_memory_wall.py [--model smollm2-135m] [--requests 32]
         [--prompt 128] [--output 64] [--blocks 12,24,48,96,192,384] [--formats fp32,int8,int4] [--max-batch 32]
-        [--weights W] [--out FILE.json] [--plot docs/img/serve_memory_wall.png]
+        [--weights W] [--out FILE.json] [--predict] [--table] [--plot docs/img/serve_memory_wall.png]
 
 Offline (no HTTP): the engine `kvwall serve` runs (kvwall.serve.runner: the same scheduler, pool and
 forward), with every request arriving at once; the runner steps until all finished, and a step's wall
@@ -18,6 +18,8 @@ Each row records the share of the CPUs other processes took while it ran (measur
 measured while others took more than --redo-busy of the machine, so a sweep can be split over several
 runs (each under `flock /work/bench.lock timeout 600`); --plot draws what the file holds (tokens/s and
 admitted batch against the KV budget, one line per format), --table prints it as the README's table.
+--predict adds to every row what kvwall's predictor says for the same run (`kvwall simulate --device local`
+after `kvwall calibrate`), which --plot and --table then show (dashed; the table with its error).
 Timings belong on a quiet machine; the numbers move with load.
 """
 
@@ -75,25 +77,27 @@ def run(model, kv_memory: int, fmt: str, args) -> dict:
             "preemptions": runner.sched.preemptions, "others_share": watch.share(machine.cpu_count())}
 
 
-def predicted(args, r: dict) -> dict:
+def predicted(setup: dict, r: dict) -> dict:
     """What kvwall's predictor says for row r's run: `kvwall simulate --device local` (the `kvwall calibrate`
     profile) over the same requests (all arriving at once: as many clients as requests), pool bytes and format,
-    chunk, batch limit and split forwards (the runner's), in ideal mode (the ceiling: measured bandwidth, no fixed
-    costs) and expected mode (with the measured per-op and per-step costs)."""
+    chunk, batch limit and split forwards (the runner's), fp32 weights and compute. On `local` the ideal and
+    expected modes are one figure (both time each op at the rates calibrate measured, with its measured fixed
+    costs; measured 2026-12-02: equal in all 15 rows), so only the default mode runs. `setup`: the options the
+    rows were measured with (the file's)."""
     out = {}
-    for mode in ("ideal", "expected"):
-        argv = [sys.executable, "-m", "kvwall", "simulate", args.model, "--device", "local", "--concurrency",
-                str(args.requests), "--requests", str(args.requests), "--prompt-tokens", str(args.prompt),
-                "--output-tokens", str(args.output), "--kv-memory", str(r["kv_bytes"]), "--kv-format", r["format"],
-                "--weight-format", args.weights_format, "--chunk", str(args.chunk), "--max-batch",
-                str(args.max_batch), "--split-prefill", "--json"] + (["--ideal"] if mode == "ideal" else [])
+    for mode in ("expected",):
+        argv = [sys.executable, "-m", "kvwall", "simulate", setup["model"], "--device", "local", "--concurrency",
+                str(setup["requests"]), "--requests", str(setup["requests"]), "--prompt-tokens", str(setup["prompt"]),
+                "--output-tokens", str(setup["output"]), "--kv-memory", str(r["kv_bytes"]), "--kv-format", r["format"],
+                "--weight-format", "fp32", "--compute-dtype", "fp32", "--chunk", str(setup["chunk"]), "--max-batch",
+                str(setup["max_batch"]), "--split-prefill", "--json"]
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"kvwall simulate failed: {done.stderr.strip()}")
         point = json.loads(done.stdout)["points"][0]
         if point["pool"]["n_blocks"] != r["blocks"]:  # the predictor's pool must be the runner's
             raise SystemExit(f"simulate's pool has {point['pool']['n_blocks']} blocks, the runner had {r['blocks']}")
-        out[f"{mode}_tok_s"] = point["output_token_throughput"]
+        out["predicted_tok_s"] = point["output_token_throughput"]
     return out
 
 
@@ -118,14 +122,14 @@ HEADER = (f"{'fp32 blocks':>11} {'KV MiB':>7} {'format':>6} {'blocks':>6} {'tok/
 
 def markdown(rows: list[dict]) -> None:
     """The rows as the README's table, by budget then format (with the predictor's columns once --predict ran)."""
-    pred = all("expected_tok_s" in r for r in rows)
-    extra = " predicted tok/s (expected / ideal) |" if pred else ""
+    pred = all("predicted_tok_s" in r for r in rows)
+    extra = " predicted tok/s |" if pred else ""
     print("| KV budget | format | blocks | most running | preemptions | output tok/s |" + extra + " TTFT p50 s | "
           "TTFT p99 s | TPOT p50 ms | TPOT p99 ms | others' CPU |")
     print("|---" * (12 if pred else 11) + "|")
     order = {f: i for i, f in enumerate(dict.fromkeys(r["format"] for r in rows))}
     for r in sorted(rows, key=lambda r: (r["kv_bytes"], order[r["format"]])):
-        p = f" {r['expected_tok_s']:.1f} / {r['ideal_tok_s']:.1f} |" if pred else ""
+        p = f" {r['predicted_tok_s']:.1f} ({r['predicted_tok_s'] / r['tok_s'] - 1:+.0%}) |" if pred else ""
         print(f"| {r['kv_bytes'] / 2**20:.1f} MiB | {r['format']} | {r['blocks']:,} | {r['batch']} | "
               f"{r['preemptions']} | {r['tok_s']:.1f} |{p} {r['ttft_p50_s']:.1f} | {r['ttft_p99_s']:.1f} | "
               f"{r['tpot_p50_ms']:,.0f} | {r['tpot_p99_ms']:,.0f} | {r['others_share']:.0%} |")
@@ -142,11 +146,9 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
         mine = sorted((r for r in rows if r["format"] == fmt), key=lambda r: r["kv_bytes"])
         mib = [r["kv_bytes"] / 2**20 for r in mine]
         line, = a.plot(mib, [r["tok_s"] for r in mine], marker="o", label=fmt)
-        if all("expected_tok_s" in r for r in mine):
-            a.plot(mib, [r["expected_tok_s"] for r in mine], ls="--", color=line.get_color(), alpha=0.7,
+        if all("predicted_tok_s" in r for r in mine):
+            a.plot(mib, [r["predicted_tok_s"] for r in mine], ls="--", color=line.get_color(), alpha=0.7,
                    label=f"{fmt} predicted")
-            a.plot(mib, [r["ideal_tok_s"] for r in mine], ls=":", color=line.get_color(), alpha=0.7,
-                   label=f"{fmt} ceiling (ideal)")
         b.plot(mib, [r["batch"] for r in mine], marker="o", label=fmt)
         for r, x in zip(mine, mib):
             if r["preemptions"]:
@@ -158,7 +160,7 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
         ax.legend(title="KV format")
-    a.set_title("throughput (gray: preemptions)")
+    a.set_title("throughput (gray: preemptions; dashed: kvwall simulate)")
     b.set_title("admitted batch")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -182,10 +184,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="JSON file of rows: read, skipped if present, added to")
     p.add_argument("--plot", type=Path, help="draw the rows of --out to this PNG (no measuring)")
     p.add_argument("--predict", action="store_true",
-                   help="add the predictor's figures to every row of --out (kvwall simulate --device local, ideal "
-                        "and expected; run kvwall calibrate first) and draw them in --plot (no measuring)")
-    p.add_argument("--weights-format", default="fp32", help="the predictor's --weight-format for --predict "
-                   "(fp32 for the engine's default weights)")
+                   help="add the predictor's figure to every row of --out (kvwall simulate --device local; "
+                        "run kvwall calibrate first) and draw it in --plot (no measuring)")
     p.add_argument("--table", action="store_true", help="print the rows of --out as a markdown table (no measuring)")
     p.add_argument("--redo-busy", type=float, default=0.10, metavar="SHARE",
                    help="measure again the rows of --out during which other processes took more than this share "
@@ -202,16 +202,19 @@ def main() -> None:
     if args.predict:
         if not rows:
             raise SystemExit("--predict adds to the rows of --out FILE.json; measure some first")
-        for r in rows:
-            r.update(predicted(args, r))
-            print(f"{r['kv_bytes'] / 2**20:7.1f} MiB {r['format']:>5}: measured {r['tok_s']:.1f}, predicted "
-                  f"{r['expected_tok_s']:.1f} (expected), {r['ideal_tok_s']:.1f} (ideal) output tokens/s", flush=True)
         setup = json.loads(args.out.read_text())["setup"]
+        if setup.get("weights"):
+            raise SystemExit("--predict models fp32 weights; these rows ran --weights " + setup["weights"])
+        for r in rows:
+            r.update(predicted(setup, r))
+            print(f"{r['kv_bytes'] / 2**20:7.1f} MiB {r['format']:>5}: measured {r['tok_s']:.1f}, predicted "
+                  f"{r['predicted_tok_s']:.1f} output tokens/s", flush=True)
         save_rows(args.out, rows, dict(setup, predicted=f"kvwall simulate --device local, {time.strftime('%F')}"))
         return
     if args.plot:
-        plot(rows, args.plot, f"{args.model}: {args.requests} requests of {args.prompt}+{args.output} tokens, "
-                              f"all at once, max batch {args.max_batch}")
+        run = json.loads(args.out.read_text())["setup"] if args.out and args.out.exists() else vars(args)
+        plot(rows, args.plot, f"{run['model']}: {run['requests']} requests of {run['prompt']}+{run['output']} tokens, "
+                              f"all at once, max batch {run['max_batch']}")
         return
     import torch
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from kvwall.files import home
 from kvwall.measure import machine
+from kvwall.serve import free_port
 
 KVWALL = [sys.executable, "-m", "kvwall"]
 METRICS = [("req/s", "request_throughput", None), ("out tok/s", "output_token_throughput", None),
@@ -57,12 +57,6 @@ if config.get("tie_word_embeddings"):
 save_file({k: v.contiguous().clone() for k, v in state.items()}, str(out / "model.safetensors"))
 tok.save_pretrained(out)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gguf_path(model: str) -> Path:

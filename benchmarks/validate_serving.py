@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,16 +31,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvwall.serve import free_port
+
 KVWALL = [sys.executable, "-m", "kvwall"]
 METRICS = [("req/s", "request_throughput", None), ("tok/s", "output_token_throughput", None),
            ("TTFT p50", "ttft_s", "p50"), ("TTFT p99", "ttft_s", "p99"),
            ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args, kv: str) -> tuple[subprocess.Popen, str]:

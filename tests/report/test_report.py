@@ -178,3 +178,23 @@ def test_recall_section_from_the_cache_or_one_line(tmp_path, monkeypatch):
     first = table.rows[0]  # the first arch at the first width: grid order is pairs, then arch, then width
     assert first[:2] == [archs[0].name, str(widths[0])] and first[2].startswith(str(widths[0]))  # 1,024 x width
     assert first[3] == "0.0 %" and first[4] == f"{len(archs) * len(widths) / 10:.1f} %"
+
+
+def test_serving_section_pools_by_hand(tmp_path):
+    """Llama-3.1-8B's bf16 K/V is 32 layers x 8 KV heads x 128 x 2 (K and V) x 2 B = 128 KiB a token, 2 MiB a
+    16-token block (config.json), so 1 GiB holds 512 blocks and fp8 twice as many; a larger budget never runs
+    fewer requests at once, and a smaller format never serves fewer tokens per second."""
+    from kvwall.report import serving
+
+    sec = serving.section(tmp_path)
+    rows = {(r[0], r[1]): r for r in sec.tables[0].rows}
+    assert rows["1 GiB", "bf16"][2] == "512" and rows["2 GiB", "bf16"][2] == "1,024"
+    assert rows["1 GiB", "fp8"][2] == "1,024" and rows["32 GiB", "fp8"][2] == "32,768"
+    num = lambda text: float(text.replace(",", ""))  # noqa: E731
+    for fmt in serving.FORMATS:
+        running = [num(rows[f"{g} GiB", fmt][3]) for g in serving.BUDGETS_GIB]
+        assert running == sorted(running) and running[0] >= 1
+    for g in serving.BUDGETS_GIB:
+        tok_s = [num(rows[f"{g} GiB", fmt][5]) for fmt in ("bf16", "fp8", "int4")]
+        assert tok_s == sorted(tok_s), (g, tok_s)
+    assert (tmp_path / "serving-memory-wall.png").stat().st_size > 0

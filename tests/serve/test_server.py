@@ -23,6 +23,7 @@ from kvwall.engine.tokenizer import Text  # noqa: E402
 from kvwall.serve.runner import Runner  # noqa: E402
 from kvwall.serve.server import Api  # noqa: E402
 from kvwall.serve.worker import Worker  # noqa: E402
+from kvwall.serve import free_port  # noqa: E402
 
 NAME, VOCAB = "tiny", 160
 
@@ -35,12 +36,6 @@ def word_tokenizer(path) -> Text:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path))
     return Text(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

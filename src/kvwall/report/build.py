@@ -43,10 +43,10 @@ def claim_folder(path: str, option: str = "--out") -> Path:
 
 
 def _sections() -> list[tuple[str, Callable[[Path], Section]]]:
-    from kvwall.report import analysis, recall
+    from kvwall.report import analysis, recall, serving
 
     return [("memory", analysis.memory_section), ("speed", analysis.speed_section),
-            ("hardware", analysis.balance_section), ("recall", recall.section)]
+            ("hardware", analysis.balance_section), ("serving", serving.section), ("recall", recall.section)]
 
 
 def _measured_step(full: bool, say: Callable[[str], None] | None) -> Callable[[Path], Section] | None:

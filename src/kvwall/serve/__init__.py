@@ -8,3 +8,12 @@
 The policy (blocks, scheduler) is plain Python over block and token counts, so that the predictor's serving
 simulator can drive it with step times from the roofline.
 """
+
+import socket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now at `host` (the OS picks it): for a test's or a benchmark's server."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
