@@ -4,10 +4,10 @@ bytes each keeps per sequence (kvwall.measure.recall)."""
 from __future__ import annotations
 
 import argparse
-import os
 
 from kvwall.commands import common
 from kvwall.files import PLOT_EXTS, check_output
+from kvwall.measure import machine
 from kvwall.measure.recall import DEFAULTS, QUICK, request
 from kvwall.report.tables import console, table
 from kvwall.units import fmt_bytes, fmt_count, whole
@@ -64,7 +64,7 @@ def cmd_recall(args) -> int:
     plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
     archs, widths, pairs, plan = request(c, args.seed)
     common.need_torch("kvwall recall trains models with the engine")
-    jobs = args.jobs or len(os.sched_getaffinity(0))
+    jobs = args.jobs or machine.cpu_count()
     data = _run_with_progress(recall, archs, widths, pairs, plan, args.retrain, jobs, quiet=args.json)
     if plot:
         from kvwall.report.plots import recall as recall_plot
@@ -85,7 +85,10 @@ def _run_with_progress(recall, archs, widths, pairs, plan, retrain: bool, jobs: 
         training: dict[str, str] = {}  # label -> its latest status, one per model training now (--jobs)
 
         def show(label: str, text: str | None) -> None:
-            training.pop(label, None) if text is None else training.__setitem__(label, text)
+            if text is None:
+                training.pop(label, None)
+            else:
+                training[label] = text
             progress.update(task, description="; ".join(f"{k}: {v}" for k, v in training.items()) or "recall")
 
         def done(label: str, _rows) -> None:
