@@ -32,6 +32,10 @@ def section(out: Path) -> Section:
                          f"{p['output_token_throughput']:,.0f}", f"{p['ttft_s']['p50']:,.1f}",
                          f"{p['tpot_s']['p50'] * 1e3:,.1f}"])
             series.setdefault(fmt, []).append((gib, p["output_token_throughput"]))
+    lo, hi, small = series["bf16"][0], series["bf16"][-1], FORMATS[-1]
+    beats = next((g for g, t in series[small] if t >= hi[1]), None)
+    takeaway = (f"In bf16, {lo[0]} GiB of KV serves {lo[1]:,.0f} output tokens/s and {hi[0]} GiB {hi[1]:,.0f}"
+                + (f"; {small} passes that from {beats} GiB." if beats else "."))
     fig = plots.lines(series, "KV memory budget (GiB)", "output tokens/s", f"{MODEL} on one {DEVICE}: throughput "
                       "against the KV budget, per KV format (simulated)", out / "serving-memory-wall.png", logx=True)
     return Section(
@@ -41,7 +45,8 @@ def section(out: Path) -> Section:
                     "scheduler `kvwall serve` runs (chunked prefill, admission by free KV blocks, preemption by "
                     "recompute), each step timed by the roofline for its exact mix. A smaller KV budget admits "
                     "fewer requests at once; a smaller KV format buys them back. The same sweep measured on this "
-                    "machine's CPU with a real model is `benchmarks/bench_serve_memory_wall.py` (README)."],
+                    "machine's CPU with a real model is `benchmarks/bench_serve_memory_wall.py` (README).",
+                    takeaway],
         tables=[Table(["KV budget", "format", "blocks", "most running", "preemptions", "output tok/s",
                        "TTFT p50 s", "TPOT p50 ms"], rows, "per KV budget and format")],
         figures=[Figure(fig, "output tokens/s against the KV budget (log x), one line per KV format",
