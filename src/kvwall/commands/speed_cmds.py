@@ -24,8 +24,9 @@ from kvwall.units import fmt_bytes, fmt_tokens, one_of, parse_int_list, parse_to
 def add_roof_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("device and roofline assumptions")
     g.add_argument("--device", default="h100-sxm", help="catalog device or `local` (default h100-sxm)")
-    g.add_argument("--compute-dtype", type=one_of(dev.COMPUTE_DTYPES), default="bf16",
-                   help="dtype of the math (bf16, fp16, fp8, fp32; default bf16)")
+    g.add_argument("--compute-dtype", type=one_of(dev.COMPUTE_DTYPES), default=None,
+                   help="dtype of the math (bf16, fp16, fp8, fp32; default: fp32 or fp16 when the weights are, "
+                        "else bf16)")
     g.add_argument("--ideal", action="store_true",
                    help="the ideal roofline (datasheet peaks, no fixed costs: a bound) instead of the default "
                         "expected mode (fractions of peak fitted to published measurements; on `local`, its "
@@ -41,19 +42,28 @@ def add_roof_args(p: argparse.ArgumentParser) -> None:
 _IDEAL_KNOBS = ("compute_eff", "mem_eff", "link_latency")
 
 
+def compute_dtype(fm) -> str:
+    """The math's dtype when --compute-dtype is not given: the weights' own for fp32 and fp16 (a model held in
+    full or half precision computes in it; on `local` this CPU's bf16 GEMM measured 1.4 GFLOP/s against fp32's
+    128, so fp32 weights timed in bf16 predicted 1.2 tokens/s where the engine served 77), else bf16 (what
+    quantized weights dequantize to)."""
+    return fm.weights.label if fm.weights.label in ("fp32", "fp16") else "bf16"
+
+
 def roof_from(args, spec, fm, tp: int = 1) -> Roof:
     """The roof the options describe for this model, formats and tensor-parallel group (the options' ranges
     are checked by their argparse types)."""
     device = dev.get_device(args.device)
+    dtype = args.compute_dtype or compute_dtype(fm)
     if args.ideal:
-        roof = Roof(device, args.compute_dtype, args.compute_eff or 1.0, args.mem_eff or 1.0,
+        roof = Roof(device, dtype, args.compute_eff or 1.0, args.mem_eff or 1.0,
                     (5.0 if args.link_latency is None else args.link_latency) * 1e-6)
     else:
         given = [f"--{k.replace('_', '-')}" for k in _IDEAL_KNOBS if getattr(args, k) is not None]
         if given:
             raise KvwallError(f"{', '.join(given)} set the ideal roof's figures; add --ideal (expected mode uses "
                               "the fractions fitted in catalog/efficiency.json)")
-        roof = expected_roof(device, args.compute_dtype, fm, spec, tp)
+        roof = expected_roof(device, dtype, fm, spec, tp)
     if roof.bandwidth != roof.bandwidth:
         raise KvwallError(f"device {args.device!r} has no bandwidth figure")
     roof.peak  # raises a clear error if the dtype has no peak on this device
