@@ -141,7 +141,7 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (a, c, b) = plt.subplots(1, 3, figsize=(15, 4.2))
     for fmt in dict.fromkeys(r["format"] for r in rows):
         mine = sorted((r for r in rows if r["format"] == fmt), key=lambda r: r["kv_bytes"])
         mib = [r["kv_bytes"] / 2**20 for r in mine]
@@ -150,11 +150,13 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
             a.plot(mib, [r["predicted_tok_s"] for r in mine], ls="--", color=line.get_color(), alpha=0.7,
                    label=f"{fmt} predicted")
         b.plot(mib, [r["batch"] for r in mine], marker="o", label=fmt)
+        c.plot(mib, [r["tpot_p99_ms"] for r in mine], marker="o", label=fmt)
         for r, x in zip(mine, mib):
             if r["preemptions"]:
                 a.annotate(str(r["preemptions"]), (x, r["tok_s"]), textcoords="offset points", xytext=(4, -10),
                            fontsize=7, color="gray")
-    for ax, what in ((a, "output tokens/s"), (b, "most requests running at once")):
+    for ax, what in ((a, "output tokens/s"), (c, "p99 time per output token (ms)"),
+                     (b, "most requests running at once")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV memory budget (MiB)")
         ax.set_ylabel(what)
@@ -162,6 +164,7 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
         ax.legend(title="KV format")
     a.set_title("throughput (gray: preemptions; dashed: kvwall simulate)")
     b.set_title("admitted batch")
+    c.set_title("p99 TPOT (a step that carries a prefill chunk)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
