@@ -84,21 +84,18 @@ def predicted(setup: dict, r: dict) -> dict:
     expected modes are one figure (both time each op at the rates calibrate measured, with its measured fixed
     costs; measured 2026-12-02: equal in all 15 rows), so only the default mode runs. `setup`: the options the
     rows were measured with (the file's)."""
-    out = {}
-    for mode in ("expected",):
-        argv = [sys.executable, "-m", "kvwall", "simulate", setup["model"], "--device", "local", "--concurrency",
-                str(setup["requests"]), "--requests", str(setup["requests"]), "--prompt-tokens", str(setup["prompt"]),
-                "--output-tokens", str(setup["output"]), "--kv-memory", str(r["kv_bytes"]), "--kv-format", r["format"],
-                "--weight-format", "fp32", "--compute-dtype", "fp32", "--chunk", str(setup["chunk"]), "--max-batch",
-                str(setup["max_batch"]), "--split-prefill", "--json"]
-        done = subprocess.run(argv, capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"kvwall simulate failed: {done.stderr.strip()}")
-        point = json.loads(done.stdout)["points"][0]
-        if point["pool"]["n_blocks"] != r["blocks"]:  # the predictor's pool must be the runner's
-            raise SystemExit(f"simulate's pool has {point['pool']['n_blocks']} blocks, the runner had {r['blocks']}")
-        out["predicted_tok_s"] = point["output_token_throughput"]
-    return out
+    argv = [sys.executable, "-m", "kvwall", "simulate", setup["model"], "--device", "local", "--concurrency",
+            str(setup["requests"]), "--requests", str(setup["requests"]), "--prompt-tokens", str(setup["prompt"]),
+            "--output-tokens", str(setup["output"]), "--kv-memory", str(r["kv_bytes"]), "--kv-format", r["format"],
+            "--weight-format", "fp32", "--compute-dtype", "fp32", "--chunk", str(setup["chunk"]), "--max-batch",
+            str(setup["max_batch"]), "--split-prefill", "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"kvwall simulate failed: {done.stderr.strip()}")
+    point = json.loads(done.stdout)["points"][0]
+    if point["pool"]["n_blocks"] != r["blocks"]:  # the predictor's pool must be the runner's
+        raise SystemExit(f"simulate's pool has {point['pool']['n_blocks']} blocks, the runner had {r['blocks']}")
+    return {"predicted_tok_s": point["output_token_throughput"]}
 
 
 def load_rows(path: Path | None) -> list[dict]:

@@ -73,13 +73,6 @@ def cmd_simulate(args) -> int:
     return common.emit(args, data, _print)
 
 
-def points(argv: list[str]) -> list[dict]:
-    """`kvwall simulate *argv`'s points (its --json "points"), for callers inside kvwall (the report)."""
-    from kvwall.cli import build_parser
-
-    return [_point(a)[0] for a in _grid(build_parser().parse_args(["simulate", *argv]))]
-
-
 def _sweeps(args, key: str) -> bool:
     return any(s.split("=", 1)[0] == key for s in args.sweep or [])
 

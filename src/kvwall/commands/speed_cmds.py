@@ -11,8 +11,8 @@ from kvwall.predict import devices as dev
 from kvwall.predict.expected import describe, expected_roof
 from kvwall.predict.fit import TP_DEGREES, fit, fit_warning, fits_on, placement
 from kvwall.predict.memory import Parallel
-from kvwall.predict.roofline import (Roof, compute_bound_batch, decode, energy_estimate, pipelined, prefill,
-                                     speculative)
+from kvwall.predict.roofline import (Roof, compute_bound_batch, decode, default_compute_dtype, energy_estimate,
+                                     pipelined, prefill, speculative)
 from kvwall.predict.step import Step
 from kvwall.files import PLOT_EXTS, check_output
 from kvwall.report import plots
@@ -42,19 +42,11 @@ def add_roof_args(p: argparse.ArgumentParser) -> None:
 _IDEAL_KNOBS = ("compute_eff", "mem_eff", "link_latency")
 
 
-def compute_dtype(fm) -> str:
-    """The math's dtype when --compute-dtype is not given: the weights' own for fp32 and fp16 (a model held in
-    full or half precision computes in it; on `local` this CPU's bf16 GEMM measured 1.4 GFLOP/s against fp32's
-    128, so fp32 weights timed in bf16 predicted 1.2 tokens/s where the engine served 77), else bf16 (what
-    quantized weights dequantize to)."""
-    return fm.weights.label if fm.weights.label in ("fp32", "fp16") else "bf16"
-
-
 def roof_from(args, spec, fm, tp: int = 1) -> Roof:
     """The roof the options describe for this model, formats and tensor-parallel group (the options' ranges
     are checked by their argparse types)."""
     device = dev.get_device(args.device)
-    dtype = args.compute_dtype or compute_dtype(fm)
+    dtype = args.compute_dtype or default_compute_dtype(fm)
     if args.ideal:
         roof = Roof(device, dtype, args.compute_eff or 1.0, args.mem_eff or 1.0,
                     (5.0 if args.link_latency is None else args.link_latency) * 1e-6)

@@ -8,27 +8,48 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvwall.predict.devices import get_device
+from kvwall.predict.expected import expected_roof
+from kvwall.predict.memory import Formats, Parallel
+from kvwall.predict.roofline import default_compute_dtype
 from kvwall.report import plots
 from kvwall.report.document import Figure, Section, Table
+from kvwall.spec.resolve import load_spec
 
 TITLE = "Serving: the memory wall's price in lost batch"
 MODEL, DEVICE = "llama-3.1-8b", "h100-sxm"
 BUDGETS_GIB = (1, 2, 4, 8, 16, 32)  # 1 GiB holds 4 requests' 2,304 tokens of bf16 K/V (128 KiB a token)
 FORMATS = ("bf16", "fp8", "int4")
-# 2,048 tokens a step (chunked prefill), so that the pool, not the step's token budget, bounds the batch
-STREAM = ["--concurrency", "128", "--requests", "128", "--prompt-tokens", "2048", "--output-tokens", "256",
-          "--chunk", "2048"]
+REQUESTS, PROMPT, OUTPUT = 128, 2048, 256  # all arriving at once
+CHUNK = 2048  # tokens a step (chunked prefill), so that the pool, not the step's token budget, bounds the batch
+MAX_BATCH = 256
+
+
+def _run(fmt: str, gib: int) -> dict:
+    """What `kvwall simulate MODEL --device DEVICE --concurrency 128 --requests 128 --prompt-tokens 2048
+    --output-tokens 256 --chunk 2048 --kv-memory {gib}GiB --kv-format {fmt}` reports (its summary and trace), with
+    the pool's block count."""
+    from kvwall import simulate as sim
+    from kvwall import workload
+
+    spec = load_spec(MODEL)
+    fm = Formats.for_spec(spec, kv=fmt)
+    device, par = get_device(DEVICE), Parallel()
+    roof = expected_roof(device, default_compute_dtype(fm), fm, spec, par.tp)
+    pool = sim.kv_pool(spec, fm, par, device.memory_bytes, 0, 16, MAX_BATCH, gib << 30)
+    requests = workload.stream(REQUESTS, workload.Lengths("fixed", PROMPT), workload.Lengths("fixed", OUTPUT))
+    run = sim.simulate(requests, sim.StepClock(spec, fm, roof, par, 16), pool, CHUNK, MAX_BATCH,
+                       concurrency=REQUESTS)
+    return {**sim.report(run), "n_blocks": pool.n_blocks}
 
 
 def section(out: Path) -> Section:
-    from kvwall.commands.simulate_cmd import points
-
     rows, series = [], {}
     for fmt in FORMATS:
         for gib in BUDGETS_GIB:
-            p = points([MODEL, "--device", DEVICE, *STREAM, "--kv-memory", f"{gib}GiB", "--kv-format", fmt])[0]
+            p = _run(fmt, gib)
             running = max(t["running"] for t in p["trace"])
-            rows.append([f"{gib} GiB", fmt, f"{p['pool']['n_blocks']:,}", str(running), str(p["preemptions"]),
+            rows.append([f"{gib} GiB", fmt, f"{p['n_blocks']:,}", str(running), str(p["preemptions"]),
                          f"{p['output_token_throughput']:,.0f}", f"{p['ttft_s']['p50']:,.1f}",
                          f"{p['tpot_s']['p50'] * 1e3:,.1f}"])
             series.setdefault(fmt, []).append((gib, p["output_token_throughput"]))
