@@ -48,10 +48,13 @@ def test_cache_names_are_the_registry_and_import_without_torch():
 def test_kernel_sources_are_package_files():
     kernels = resources.files("kvwall.engine") / "kernels"
     names = {p.name for p in kernels.iterdir()}
-    assert {"common.h", "selective_scan.cpp", "quantized_decode.cpp", "mla_decode.cpp", "paged_decode.cpp"} <= names
-    for name in ("selective_scan", "quantized_decode", "mla_decode", "paged_decode"):
+    assert {"common.h", "selective_scan.cpp", "quantized_decode.cpp", "mla_decode.cpp", "paged_decode.cpp",
+            "fused_ops.cpp"} <= names
+    for name, function in [("selective_scan", "selective_scan"), ("quantized_decode", "quantized_decode"),
+                           ("mla_decode", "mla_decode"), ("paged_decode", "paged_decode"), ("fused_ops", "add_rms_norm"),
+                           ("fused_ops", "silu_mul")]:
         text = (kernels / f"{name}.cpp").read_text()
-        assert '#include "common.h"' in text and f'm.def("{name}"' in text
+        assert '#include "common.h"' in text and f'm.def("{function}"' in text
 
 
 # -- every entry builds through make_cache, and its bytes are the registry's predicted figure ----------------

@@ -23,7 +23,7 @@ from kvwall.engine.caches.base import NoCache
 from kvwall.engine.caches.state import ModelCache, StateCache, has_state
 from kvwall.engine.layers.attention import Attention
 from kvwall.engine.layers.mlp import GatedMLP, PlainMLP
-from kvwall.engine.layers.norm import make_norm
+from kvwall.engine.layers.norm import add_norm, make_norm
 from kvwall.engine.layers.onednn import OneDnnLinear
 from kvwall.engine.layers.onednn import available as onednn_available
 from kvwall.engine.layers.rope import Rotary
@@ -93,14 +93,18 @@ class Block(nn.Module):
         self.post_ffn_norm = norm() if spec.sandwich_norms else None
 
     def forward(self, x, pos, rope, cache):
-        if self.mixer is not None:  # absent in a Nemotron-H MLP/MoE block
-            h = self.mixer(self.mixer_norm(x), pos, rope, cache)  # (B, T, D)
-            if self.post_mixer_norm is not None:
-                h = self.post_mixer_norm(h)
-            x = x + h
+        if self.mixer is None:  # a Nemotron-H MLP/MoE block: norm + channel mixer only
+            return self.channel(x, self.ffn_norm(x))
+        h = self.mixer(self.mixer_norm(x), pos, rope, cache)  # (B, T, D)
+        if self.post_mixer_norm is not None:
+            h = self.post_mixer_norm(h)
         if self.ffn is None:  # mixer-only block (Mamba; Nemotron-H's Mamba-2 and attention): norm + mixer only
-            return x
-        h = self.ffn(self.ffn_norm(x))  # (B, T, D)
+            return x + h
+        return self.channel(*add_norm(self.ffn_norm, x, h))  # x + h and its norm in one pass
+
+    def channel(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """x + [post_norm](ffn(n)), n the normed x."""
+        h = self.ffn(n)  # (B, T, D)
         if self.post_ffn_norm is not None:
             h = self.post_ffn_norm(h)
         return x + h

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvwall.engine.caches.base import KVCache, attention_specs, check_length, valid_tokens
+from kvwall.engine.caches.paged_kernel import attend_blocks, in_place_kernel
 from kvwall.spec.model import Attention, ModelSpec
 
 
@@ -49,6 +50,8 @@ class ContiguousCache(KVCache):
         self.max_len = max_len
         self.length = 0  # longest row so far: attention reads slots [0, length)
         self.at = None  # this step's one position shared by every row's one new token, else None
+        self.rows = torch.arange(batch, device=device)[:, None]  # (B, 1): row b is "block" b (attend's kernel)
+        self.lengths = None  # (B,) at + 1 when `at` is set: the tokens every row holds
         self.layers = [self._layer(a, batch, max_len, dtype, device) if a else None for a in attention_specs(spec)]
         slots = torch.arange(max_len, device=device)[None]  # (1, max_len)
         for layer in self.layers:  # one slot table for all: KVCache.mask then works once per forward pass
@@ -64,12 +67,25 @@ class ContiguousCache(KVCache):
         lo, hi = (int(x) for x in pos.aminmax())  # one pass over pos for both bounds
         self.length = max(self.length, check_length(hi, self.max_len, self.name))
         self.at = hi if pos.shape[1] == 1 and lo == hi >= 0 else None
+        self.lengths = None if self.at is None else torch.full((pos.shape[0],), self.at + 1, device=pos.device)
 
     def update(self, layer, k, v, pos):
         store = self.layers[layer]
         if self.at is not None and isinstance(store, ContiguousLayer):
             return store.update(k, v, pos, self.length, self.at)
         return store.update(k, v, pos, self.length)
+
+    def attend(self, layer, q, k, v, pos, scale, window, softcap, sink: int = 0):
+        """A decode step with every row's new token at one position reads each row's K/V in place with the paged
+        kernel (a row is one block of max_len slots, all of slots 0..at written); else KVCache.attend (SDPA)."""
+        store = self.layers[layer]
+        kernel = (in_place_kernel(q, store.k, softcap, sink)
+                  if self.at is not None and type(store) is ContiguousLayer else None)
+        if kernel is None:
+            return super().attend(layer, q, k, v, pos, scale, window, softcap, sink)
+        store.update(k, v, pos, self.length, self.at)
+        B = q.shape[0]
+        return attend_blocks(kernel, q, store.k[:B], store.v[:B], self.rows[:B], self.lengths, window, scale)
 
     def nbytes(self) -> int:
         return sum(l.nbytes() for l in self.layers if l is not None)

@@ -20,7 +20,7 @@ from collections import deque
 import torch
 
 from kvwall.engine.caches.base import KVCache, attention_specs, valid_tokens
-from kvwall.engine.caches.paged_kernel import paged_decode
+from kvwall.engine.caches.paged_kernel import attend_blocks, in_place_kernel
 from kvwall.errors import KvwallError
 from kvwall.spec.model import ModelSpec
 
@@ -138,16 +138,11 @@ class PagedCache(KVCache):
     def attend(self, layer, q, k, v, pos, scale, window, softcap, sink: int = 0):
         """A decode step over fp32 pools reads the blocks in place (paged_kernel.py); anything else (prefill, a
         softcap, sinks, another dtype, no compiler) gathers them (KVCache.attend)."""
-        pools = self.pools[layer]
-        kernel = (paged_decode() if self.in_place and self.decoding and not softcap and not sink
-                  and q.dtype == pools[0].dtype == torch.float32 and q.device.type == "cpu" else None)
+        kernel = in_place_kernel(q, self.pools[layer][0], softcap, sink) if self.in_place and self.decoding else None
         if kernel is None:
             return super().attend(layer, q, k, v, pos, scale, window, softcap, sink)
         kp, vp = self.write(layer, k, v, pos)
-        B, Hq, _, D = q.shape  # (B, Hq, 1, D)
-        H = kp.shape[1]
-        y = kernel(q.reshape(B, H, Hq // H, D).contiguous(), kp, vp, self.table, self.lengths, window or 0, scale)
-        return y.reshape(B, Hq, 1, vp.shape[3])  # (B, H, rep, Dv) -> (B, Hq, 1, Dv)
+        return attend_blocks(kernel, q, kp, vp, self.table, self.lengths, window, scale)  # (B, Hq, 1, Dv)
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
         B, nb = self.table.shape

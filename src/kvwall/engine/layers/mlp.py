@@ -3,10 +3,13 @@ Nemotron-H: down(relu(up x)^2))."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvwall.engine.native import compiled
 from kvwall.errors import KvwallError
 from kvwall.spec.model import MLP
 
@@ -25,6 +28,14 @@ def activation(name: str):
     return ACTIVATIONS[name]
 
 
+@functools.lru_cache(maxsize=1)
+def silu_mul_kernel():
+    """The compiled ``silu_mul`` of kernels/fused_ops.cpp (silu(gate) * up from [gate, up]), or None.
+    Why: SwiGLU's split, silu and multiply are three dispatches over 2 x 1536 floats; at batch 16 on SmolLM2 silu
+    and mul took 1.5 ms of a 62 ms fp32 decode step (benchmarks/profile_decode.py, 2026-12-03)."""
+    return compiled("fused_ops", "silu_mul", "torch's silu and mul")
+
+
 class GatedMLP(nn.Module):
     """w13 holds [gate; up] fused (one matmul); w2 is down."""
 
@@ -32,12 +43,24 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.d_ff = spec.d_ff
         self.act = activation(spec.activation)
+        self.silu = spec.activation == "silu"
         self.w13 = nn.Linear(hidden, 2 * spec.d_ff, bias=spec.bias)
         self.w2 = nn.Linear(spec.d_ff, hidden, bias=spec.bias)
+        self.eager = False  # True: the reference ops only (Transformer.set_eager)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.d_ff, dim=-1)  # (B, T, F) each
+        gu = self.w13(x)  # (B, T, 2F): [gate, up]
+        kernel = self.kernel(gu)
+        if kernel is not None:
+            return self.w2(kernel(gu))  # (B, T, D)
+        gate, up = gu.split(self.d_ff, dim=-1)  # (B, T, F) each
         return self.w2(self.act(gate) * up)  # (B, T, D)
+
+    def kernel(self, gu: torch.Tensor):
+        """silu_mul for SwiGLU's fast path on fp32 CPU tensors outside autograd, else None (torch's ops)."""
+        if self.eager or not self.silu or gu.dtype != torch.float32 or gu.device.type != "cpu":
+            return None
+        return None if torch.is_grad_enabled() and gu.requires_grad else silu_mul_kernel()
 
 
 class PlainMLP(nn.Module):
