@@ -86,3 +86,33 @@ def test_generate_over_the_paged_cache_equals_the_contiguous_cache(kernel):
         step = model(seq[:, -1:], torch.tensor([[seq.shape[1] - 1]]), cache=cache)[:, -1]  # one step, in place
         assert cache.decoding
     torch.testing.assert_close(step, full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_contiguous_decode_in_place_equals_sdpa_and_a_full_forward(kernel, window, monkeypatch):
+    """A contiguous cache's decode step (every row at one position) goes through the kernel, one block per row:
+    its logits equal the SDPA path's (kernel off) and, for the last token, a full forward from scratch."""
+    from kvwall.engine.caches import contiguous
+
+    torch.manual_seed(1)
+    s = spec(window)
+    model = Transformer(s).eval()
+    seq = torch.randint(0, 32, (3, 23))  # (B, T): three rows, the same length
+    calls = []
+
+    def steps() -> torch.Tensor:
+        with torch.no_grad():
+            cache = make_cache("contiguous", s, 3, 32)
+            model(seq[:, :9], cache=cache)
+            out = [model(seq[:, t:t + 1], torch.full((3, 1), t), cache=cache)[:, -1] for t in range(9, 23)]
+        return torch.stack(out, 1)  # (B, 14, V)
+
+    real = contiguous.in_place_kernel
+    monkeypatch.setattr(contiguous, "in_place_kernel", lambda *a: calls.append(1) or real(*a))
+    fast = steps()
+    assert len(calls) == 14 * s.n_layers  # every decode step of every layer asked for it
+    monkeypatch.setattr(contiguous, "in_place_kernel", lambda *a: None)
+    torch.testing.assert_close(fast, steps(), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        full = model(seq)[:, -1]  # (B, V)
+    torch.testing.assert_close(fast[:, -1], full, rtol=1e-4, atol=1e-4)
