@@ -40,8 +40,9 @@ class RMSNorm(nn.Module):
         self.eager = False  # True: the reference ops only (Transformer.set_eager)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel(x) is not None:
-            return self.kernel(x)(x, None, self.weight, self.eps, self.offset)[1]
+        kernel = self.kernel(x)
+        if kernel is not None:
+            return kernel(x, None, self.weight, self.eps, self.offset)[1]
         if x.dtype == torch.float32 and not self.eager:  # one fused op, equal to the reference in fp32
             w = self.weight + self.offset if self.offset else self.weight
             return F.rms_norm(x, self.weight.shape, w, self.eps)
@@ -49,8 +50,9 @@ class RMSNorm(nn.Module):
 
     def add(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, self(x + h)): a residual add and this norm after it, one C++ call in the fast path."""
-        if self.kernel(x) is not None and h.dtype == torch.float32:
-            s, y = self.kernel(x)(x, h, self.weight, self.eps, self.offset)
+        kernel = self.kernel(x)
+        if kernel is not None and h.dtype == torch.float32:
+            s, y = kernel(x, h, self.weight, self.eps, self.offset)
             return s, y
         s = x + h
         return s, self(s)
