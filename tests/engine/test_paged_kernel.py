@@ -109,10 +109,37 @@ def test_contiguous_decode_in_place_equals_sdpa_and_a_full_forward(kernel, windo
 
     real = contiguous.in_place_kernel
     monkeypatch.setattr(contiguous, "in_place_kernel", lambda *a: calls.append(1) or real(*a))
-    fast = steps()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 3 rows x 2 KV heads: a job per thread (ContiguousCache.attend's condition)
+    try:
+        fast = steps()
+    finally:
+        torch.set_num_threads(threads)
     assert len(calls) == 14 * s.n_layers  # every decode step of every layer asked for it
     monkeypatch.setattr(contiguous, "in_place_kernel", lambda *a: None)
     torch.testing.assert_close(fast, steps(), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         full = model(seq)[:, -1]  # (B, V)
     torch.testing.assert_close(fast[:, -1], full, rtol=1e-4, atol=1e-4)
+
+
+def test_contiguous_decode_leaves_one_kv_head_to_sdpa(kernel, monkeypatch):
+    """Fewer (row, KV head) jobs than threads (MQA at batch 1): SDPA, which splits the sequence, not the kernel."""
+    from kvwall.engine.caches import contiguous
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+           "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 32, "max_position_embeddings": 64}
+    s = spec_from_config(cfg, name="mqa")
+    model = Transformer(s).eval()
+    calls = []
+    monkeypatch.setattr(contiguous, "in_place_kernel", lambda *a: calls.append(1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            cache = make_cache("contiguous", s, 1, 16)
+            model(torch.tensor([[1, 2, 3]]), cache=cache)
+            model(torch.tensor([[4]]), torch.tensor([[3]]), cache=cache)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == []
