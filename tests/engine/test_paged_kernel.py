@@ -143,3 +143,37 @@ def test_contiguous_decode_leaves_one_kv_head_to_sdpa(kernel, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert calls == []
+
+
+def test_sliding_ring_decode_in_place_equals_sdpa(kernel, monkeypatch):
+    """A ring (window 5, no sinks) read in place by the kernel, its slots in rotated order, gives the logits of
+    the SDPA path with the window's mask, before the ring fills and long after it wraps."""
+    from kvwall.engine.caches import contiguous
+
+    torch.manual_seed(2)
+    s = spec(window=5)
+    model = Transformer(s).eval()
+    seq = torch.randint(0, 32, (3, 20))  # (B, T)
+    calls = []
+
+    def steps() -> torch.Tensor:
+        with torch.no_grad():
+            cache = make_cache("sliding", s, 3, 32)
+            model(seq[:, :3], cache=cache)  # 3 tokens: the ring is not full yet
+            out = [model(seq[:, t:t + 1], torch.full((3, 1), t), cache=cache)[:, -1] for t in range(3, 20)]
+        return torch.stack(out, 1)  # (B, 17, V)
+
+    real = contiguous.in_place_kernel
+    monkeypatch.setattr(contiguous, "in_place_kernel", lambda *a: calls.append(1) or real(*a))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fast = steps()
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 17 * s.n_layers
+    monkeypatch.setattr(contiguous, "in_place_kernel", lambda *a: None)
+    torch.testing.assert_close(fast, steps(), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        full = model(seq)[:, -1]  # (B, V): the window's mask over the whole sequence
+    torch.testing.assert_close(fast[:, -1], full, rtol=1e-4, atol=1e-4)

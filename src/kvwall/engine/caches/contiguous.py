@@ -77,19 +77,27 @@ class ContiguousCache(KVCache):
 
     def attend(self, layer, q, k, v, pos, scale, window, softcap, sink: int = 0):
         """A decode step with every row's new token at one position reads each row's K/V in place with the paged
-        kernel (a row is one block of max_len slots, all of slots 0..at written); else KVCache.attend (SDPA).
-        The kernel runs one (row, KV head) per thread, so it needs at least one per thread: MQA at batch 1
-        (one KV head) took 57.2 / 102.3 ms a step at 16k / 32k through it on 2 threads, 44.8 / 62.5 through
-        SDPA (kvwall bench, 2026-12-03)."""
+        kernel (a row is one block of max_len slots, all of slots 0..at written); else KVCache.attend (SDPA)."""
         store = self.layers[layer]
-        jobs = q.shape[0] * store.k.shape[1] if self.at is not None else 0
-        kernel = (in_place_kernel(q, store.k, softcap, sink)
-                  if jobs >= torch.get_num_threads() and type(store) is ContiguousLayer else None)
+        kernel = self.decode_kernel(q, store, softcap, sink) if type(store) is ContiguousLayer else None
         if kernel is None:
             return super().attend(layer, q, k, v, pos, scale, window, softcap, sink)
         store.update(k, v, pos, self.length, self.at)
+        return self.attend_rows(kernel, q, store, self.lengths, window, scale)
+
+    def decode_kernel(self, q, store, softcap, sink: int):
+        """The paged decode kernel for this step's layer `store`, or None: only when every row's one new token is at
+        one position (`at`), and with one (row, KV head) job per thread at least, since the kernel runs a job per
+        thread: MQA at batch 1 (one KV head) took 57.2 / 102.3 ms a step at 16k / 32k through it on 2 threads,
+        44.8 / 62.5 through SDPA, which splits the sequence (kvwall bench, 2026-12-03)."""
+        if self.at is None or q.shape[0] * store.k.shape[1] < torch.get_num_threads():
+            return None
+        return in_place_kernel(q, store.k, softcap, sink)
+
+    def attend_rows(self, kernel, q, store, lengths, window, scale):
+        """q (B, Hq, 1, D) over the first lengths[b] slots of each row of `store` -> (B, Hq, 1, Dv)."""
         B = q.shape[0]
-        return attend_blocks(kernel, q, store.k[:B], store.v[:B], self.rows[:B], self.lengths, window, scale)
+        return attend_blocks(kernel, q, store.k[:B], store.v[:B], self.rows[:B], lengths, window, scale)
 
     def nbytes(self) -> int:
         return sum(l.nbytes() for l in self.layers if l is not None)

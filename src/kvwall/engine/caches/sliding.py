@@ -47,6 +47,15 @@ class RingLayer:
         self.v[b, :, slot] = v[b, :, t]
         self.pos[b, slot] = p
 
+    def write_at(self, k, v, at: int) -> int:
+        """Decode with every row's one new token at position `at` (no sinks): one slice write per tensor ->
+        the slots every row now holds, min(at + 1, window), all of them inside the window."""
+        slot = at % self.window
+        self.k[:, :, slot:slot + 1] = k  # (B, Hkv, 1, D)
+        self.v[:, :, slot:slot + 1] = v
+        self.pos[:, slot] = at
+        return min(at + 1, self.window)
+
     def update(self, k, v, pos, length: int):
         if k.shape[2] == 1:  # decode: the slot overwritten held p - window, outside the window anyway
             self.write(k, v, pos)
@@ -82,6 +91,15 @@ class SlidingCache(ContiguousCache):
         return ContiguousLayer(a, batch, max_len, dtype, device)
 
     def attend(self, layer, q, k, v, pos, scale, window, softcap, sink=0):
-        """With this cache's window for the layer (sliding:W replaces the layer's own) and its sinks."""
+        """With this cache's window for the layer (sliding:W replaces the layer's own) and its sinks. A ring's decode
+        step (no sinks, every row at one position) goes through the paged kernel too: its slots hold exactly the
+        positions in the window, in some order, and attention does not depend on the keys' order."""
         w = self.windows[layer]
-        return super().attend(layer, q, k, v, pos, scale, w, softcap, self.sink if w else 0)
+        store = self.layers[layer]
+        kernel = (self.decode_kernel(q, store, softcap, 0)
+                  if isinstance(store, RingLayer) and not store.sink else None)
+        if kernel is None:
+            return super().attend(layer, q, k, v, pos, scale, w, softcap, self.sink if w else 0)
+        held = store.write_at(k, v, self.at)
+        lengths = torch.full((q.shape[0],), held, device=q.device)
+        return self.attend_rows(kernel, q, store, lengths, None, scale)
