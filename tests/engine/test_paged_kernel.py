@@ -22,6 +22,15 @@ def kernel():
     return built(paged_decode, "paged_decode")
 
 
+@pytest.fixture
+def two_threads():
+    """torch on 2 threads for the test (ContiguousCache.decode_kernel asks for a (row, KV head) job per thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 def spec(window=None):
     """One GQA layer: 6 query heads over 2 KV heads (3 a group) of 40 channels (not a whole SIMD vector)."""
     cfg = {"model_type": "llama", "hidden_size": 240, "num_hidden_layers": 1, "num_attention_heads": 6,
@@ -89,7 +98,7 @@ def test_generate_over_the_paged_cache_equals_the_contiguous_cache(kernel):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_contiguous_decode_in_place_equals_sdpa_and_a_full_forward(kernel, window, monkeypatch):
+def test_contiguous_decode_in_place_equals_sdpa_and_a_full_forward(kernel, window, monkeypatch, two_threads):
     """A contiguous cache's decode step (every row at one position) goes through the kernel, one block per row:
     its logits equal the SDPA path's (kernel off) and, for the last token, a full forward from scratch."""
     from kvwall.engine.caches import contiguous
@@ -109,12 +118,7 @@ def test_contiguous_decode_in_place_equals_sdpa_and_a_full_forward(kernel, windo
 
     real = contiguous.in_place_kernel
     monkeypatch.setattr(contiguous, "in_place_kernel", lambda *a: calls.append(1) or real(*a))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # 3 rows x 2 KV heads: a job per thread (ContiguousCache.attend's condition)
-    try:
-        fast = steps()
-    finally:
-        torch.set_num_threads(threads)
+    fast = steps()  # 3 rows x 2 KV heads on 2 threads: a job per thread
     assert len(calls) == 14 * s.n_layers  # every decode step of every layer asked for it
     monkeypatch.setattr(contiguous, "in_place_kernel", lambda *a: None)
     torch.testing.assert_close(fast, steps(), rtol=1e-5, atol=1e-5)
@@ -123,7 +127,7 @@ def test_contiguous_decode_in_place_equals_sdpa_and_a_full_forward(kernel, windo
     torch.testing.assert_close(fast[:, -1], full, rtol=1e-4, atol=1e-4)
 
 
-def test_contiguous_decode_leaves_one_kv_head_to_sdpa(kernel, monkeypatch):
+def test_contiguous_decode_leaves_one_kv_head_to_sdpa(kernel, monkeypatch, two_threads):
     """Fewer (row, KV head) jobs than threads (MQA at batch 1): SDPA, which splits the sequence, not the kernel."""
     from kvwall.engine.caches import contiguous
 
@@ -133,19 +137,14 @@ def test_contiguous_decode_leaves_one_kv_head_to_sdpa(kernel, monkeypatch):
     model = Transformer(s).eval()
     calls = []
     monkeypatch.setattr(contiguous, "in_place_kernel", lambda *a: calls.append(1))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with torch.no_grad():
-            cache = make_cache("contiguous", s, 1, 16)
-            model(torch.tensor([[1, 2, 3]]), cache=cache)
-            model(torch.tensor([[4]]), torch.tensor([[3]]), cache=cache)
-    finally:
-        torch.set_num_threads(threads)
+    with torch.no_grad():
+        cache = make_cache("contiguous", s, 1, 16)
+        model(torch.tensor([[1, 2, 3]]), cache=cache)
+        model(torch.tensor([[4]]), torch.tensor([[3]]), cache=cache)
     assert calls == []
 
 
-def test_sliding_ring_decode_in_place_equals_sdpa(kernel, monkeypatch):
+def test_sliding_ring_decode_in_place_equals_sdpa(kernel, monkeypatch, two_threads):
     """A ring (window 5, no sinks) read in place by the kernel, its slots in rotated order, gives the logits of
     the SDPA path with the window's mask, before the ring fills and long after it wraps."""
     from kvwall.engine.caches import contiguous
@@ -165,12 +164,7 @@ def test_sliding_ring_decode_in_place_equals_sdpa(kernel, monkeypatch):
 
     real = contiguous.in_place_kernel
     monkeypatch.setattr(contiguous, "in_place_kernel", lambda *a: calls.append(1) or real(*a))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        fast = steps()
-    finally:
-        torch.set_num_threads(threads)
+    fast = steps()
     assert len(calls) == 17 * s.n_layers
     monkeypatch.setattr(contiguous, "in_place_kernel", lambda *a: None)
     torch.testing.assert_close(fast, steps(), rtol=1e-5, atol=1e-5)
