@@ -28,10 +28,13 @@ def test_clock_equals_the_mixed_roofline(model, tp):
 
 
 class Constant:
-    """A fake clock: every step takes `dt` seconds."""
+    """A fake clock: every step takes `dt` seconds (on one stage; `pp` stages take dt / pp each)."""
 
-    def __init__(self, dt):
-        self.dt = dt
+    def __init__(self, dt, pp=1):
+        self.dt, self.par = dt, Parallel(1, pp)
+
+    def stages(self, total, rows):
+        return [total / self.par.pp] * self.par.pp
 
     def time(self, rows):
         return self.dt
@@ -82,6 +85,55 @@ def test_a_small_pool_preempts_and_still_finishes_everything():
     run = simulate(reqs, Constant(0.01), pool, chunk=64, max_batch=8)
     assert run["preemptions"] > 0
     assert all(len(r.token_times) == 40 for r in run["records"])
+
+
+def test_pipeline_keeps_two_micro_batches_in_flight():
+    """pp = 2, a step of 0.2 s = two stages of 0.1 s; two requests of 8 prompt + 4 output tokens at time 0 go to
+    the two schedulers. Micro-batch A (request 0) leaves stage 1 at 0.2 s, B (request 1) enters stage 0 at 0.1 s
+    and leaves at 0.3 s; A's next enters stage 0 at 0.2 s (free since 0.2), stage 1 at 0.3 s, leaves at 0.4 s;
+    so request 0's tokens come at 0.2, 0.4, 0.6, 0.8 s and request 1's at 0.3, 0.5, 0.7, 0.9 s. Stage time
+    worked: 8 steps x 0.2 s = 1.6 of 2 x 0.9 s, idle 1/9 (stage 1 before 0.1 s, stage 0 after 0.8 s)."""
+    run = simulate([Request(k, 0.0, 8, 4) for k in range(2)], Constant(0.2, pp=2), POOL)
+    times = {r.request.id: r.token_times for r in run["records"]}
+    assert times[0] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    assert times[1] == pytest.approx([0.3, 0.5, 0.7, 0.9])
+    assert run["pipeline_idle"] == pytest.approx(1 / 9)
+    assert report(run)["pipeline_idle"] == pytest.approx(1 / 9)
+
+
+def test_pipeline_with_one_request_is_the_whole_step():
+    """One request alone fills one micro-batch: each step takes the stages' sum, as with no pipeline, and the
+    other stage idles half the time."""
+    one = [Request(0, 0.0, 8, 4)]
+    piped, flat = simulate(one, Constant(0.2, pp=2), POOL), simulate(one, Constant(0.2), POOL)
+    assert piped["records"][0].token_times == pytest.approx(flat["records"][0].token_times)
+    assert piped["pipeline_idle"] == pytest.approx(0.5) and "pipeline_idle" not in flat
+
+
+def test_pipeline_shares_one_small_pool_and_finishes_everything():
+    """Four schedulers over one 12-block pool: they preempt each other's growth and still finish every token."""
+    reqs = [Request(k, 0.01 * k, 40, 40) for k in range(8)]
+    pool = Pool(block_size=16, block_bytes=1, n_blocks=12, available_bytes=12)
+    run = simulate(reqs, Constant(0.04, pp=4), pool, chunk=64, max_batch=8)
+    assert run["preemptions"] > 0
+    assert all(len(r.token_times) == 40 for r in run["records"])
+
+
+def test_clock_stages_against_the_pipelined_roofline():
+    """StepClock.stages splits a decode step as the roofline's `pipelined` does (per layer, per stage), within
+    the fixed step cost it spreads over the stages; the parts add up to the step."""
+    from kvwall.predict.roofline import pipelined
+
+    spec = load_spec("llama-2-7b")
+    fm, roof, par = Formats.for_spec(spec), Roof(get_device("h100")), Parallel(1, 2)
+    clock = StepClock(spec, fm, roof, par)
+    rows = [(1000, 1)] * 8
+    total = clock.time(rows)
+    mine = clock.stages(total, rows)
+    ref = pipelined(spec, Step(8, 1000, 1), fm, roof, par, micro_batches=1)
+    assert sum(mine) == pytest.approx(total, rel=1e-12)
+    assert mine[0] == pytest.approx(ref["stage_s"][0] + ref["send_s"], rel=0.02)
+    assert mine[1] == pytest.approx(ref["stage_s"][1], rel=0.02)
 
 
 def test_nothing_to_serve_divides_nothing():

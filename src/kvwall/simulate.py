@@ -15,7 +15,8 @@ Assumptions, stated in every output (`ASSUMPTIONS`):
 * a step is one forward over all its rows (vLLM's way; `split_prefill=True` runs decode rows and
   prefill chunks as two forwards, as kvwall serve does);
 * prompts share no prefix (no prefix-cache hits); every request runs to its output length (no stop);
-* with pipeline parallel, one batch goes through the stages in turn (no micro-batch overlap).
+* with pipeline parallel, up to pp micro-batches are in flight (pp schedulers, vLLM's virtual engines, over
+  one shared pool); a step's time splits over the stages: the layers evenly, the LM head on the last stage.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ ASSUMPTIONS = {
     "pool_cost": "a calibrated `local` profile's paged pool cost (scatter, gather of each row's blocks padded to "
                  "the longest row, mask) per attention layer per forward, fixed + per byte gathered; 0 elsewhere",
     "prefix_cache": "no shared prefixes; every request runs to its output length",
+    "pipeline": "with pp stages, up to pp micro-batches in flight (pp schedulers over one shared pool, a new "
+                "request to the one with the fewest unfinished); layers split evenly, the LM head on the last stage",
 }
 MAX_STEPS = 50_000_000  # a stuck scheduler is a bug, not an endless loop
 
@@ -94,6 +97,19 @@ class StepClock:
         it (Device.runner_step; 0 otherwise): fixed + per row, once per scheduler step."""
         cost = self.roof.device.runner_step
         return cost.get("fixed_s", 0.0) + cost.get("per_row_s", 0.0) * len(rows) if cost and rows else 0.0
+
+    def stages(self, total: float, rows: list[tuple[int, int]]) -> list[float]:
+        """A step of `total` seconds over `rows` split over the pipeline's stages: the layers' share evenly (the
+        stages hold equal layer counts, pipeline_stages), the LM head on the last stage, each boundary's
+        activation send on the stage before it. The parts add up to `total`, so a micro-batch alone takes as long
+        as the whole step."""
+        pp = self.par.pp
+        if pp == 1:
+            return [total]
+        send = sum(self.roof.op_time(o) for o in pipeline_sends(self.spec, sum(n for _, n in rows), self.par))
+        head = self.roof.op_time(lm_head(self.spec, len(rows), self.fm, self.par.tp))
+        body = (total - head - send) / pp
+        return [body + send / (pp - 1)] * (pp - 1) + [body + head]
 
     def roofline_time(self, rows: list[tuple[int, int]]) -> float:
         """Seconds for one forward over rows of (past, new) tokens on the roofline: the token part plus the
@@ -223,37 +239,88 @@ def simulate(requests: list[Request], clock: StepClock, pool: Pool, chunk: int =
              split_prefill: bool = False, concurrency: int | None = None, on_step=None) -> dict:
     """Serve `requests` in simulated time: by their arrival times, or (`concurrency`) as that many clients that
     each send the next request when their last one finishes. Returns the records, the per-step trace
-    (the step's end time; requests running and waiting, blocks in use and requests preempted as it ran) and
-    the preemption count."""
-    sched = Scheduler(pool.n_blocks, pool.block_size, chunk, max_batch)
-    queue = deque(sorted(requests, key=lambda r: r.arrival_s))
-    clients = Clients(queue, concurrency)
+    (the step's end time; requests running and waiting, blocks in use and requests preempted as it ran), the
+    preemption count, and with pipeline parallel the share of stage time spent idle (`pipeline_idle`).
+
+    With pp pipeline stages the server keeps up to pp micro-batches in flight, as vLLM's virtual engines do:
+    pp schedulers over one shared pool, each new request going to the one with the fewest unfinished; each
+    sends its next micro-batch when its last one has left the last stage, and a stage works on one
+    micro-batch at a time (`Pipeline`). Stages sit idle (the bubble) while fewer than pp schedulers have
+    work. With pp = 1 it is one scheduler whose steps follow each other."""
+    pipe = Pipeline(clock.par.pp)
+    engines = [Scheduler(pool.n_blocks, pool.block_size, chunk, max_batch) for _ in range(pipe.pp)]
+    for e in engines[1:]:
+        e.pool = engines[0].pool  # one pool: a free block goes to whichever micro-batch needs it
+    clients = Clients(deque(sorted(requests, key=lambda r: r.arrival_s)), concurrency)
     records: dict[int, Record] = {}
+    flight: list[tuple | None] = [None] * pipe.pp  # per engine: (end time, step, gauges as it ran)
     t, trace, finished = 0.0, [], 0
     for _ in range(MAX_STEPS):
         for r in clients.arrived(t):
             records[r.id] = Record(r)
-            sched.add(_job(r))
-        if not sched.has_work():
-            if clients.next_arrival() is None:
+            min(engines, key=lambda e: len(e.running) + len(e.waiting)).add(_job(r))
+        freed = False  # an engine that could only preempt its own requests freed blocks for the others
+        for v, e in enumerate(engines):  # every idle engine with work sends a micro-batch
+            if flight[v] is None and e.has_work():
+                step = e.schedule()
+                freed |= bool(step.preempted)
+                if step.chunks:
+                    rows = [(c.start, c.n) for c in step.chunks]
+                    gauges = (sum(len(e.running) for e in engines), sum(len(e.waiting) for e in engines),
+                              engines[0].used_blocks(), len(step.preempted))
+                    flight[v] = (pipe.send(t, clock, rows, split_prefill), step, gauges)
+        ends = [(f[0], v) for v, f in enumerate(flight) if f]
+        arrival = clients.next_arrival()
+        if not ends:
+            if freed:
+                continue
+            if arrival is None:
+                if any(e.has_work() for e in engines):
+                    raise AssertionError("the simulated server holds requests but can schedule none")
                 break
-            t = clients.next_arrival()
+            t = arrival
             continue
-        step = sched.schedule()
-        busy = (len(sched.running), len(sched.waiting), sched.used_blocks(), len(step.preempted))  # during the step
-        t += _step_time(clock, [(c.start, c.n) for c in step.chunks], split_prefill)
+        end, v = min(ends)
+        if arrival is not None and arrival < end and None in flight:  # an idle engine may take it first
+            t = arrival
+            continue
+        t, (_, step, gauges), flight[v] = end, flight[v], None
         sampled = {c.request: 0 for c in step.chunks if c.sample}
         for job in sampled:
             records[job.id].token_times.append(t)
-        done = sched.finish(step, sampled)
+        done = engines[v].finish(step, sampled)
         clients.finished(len(done))
         finished += len(done)
-        trace.append((t, *busy))
+        trace.append((t, *gauges))
         if on_step:
             on_step(t, finished)
     else:
         raise AssertionError(f"simulation still running after {MAX_STEPS} steps")
-    return {"records": list(records.values()), "trace": trace, "preemptions": sched.preemptions}
+    out = {"records": list(records.values()), "trace": trace, "preemptions": sum(e.preemptions for e in engines)}
+    return out | ({"pipeline_idle": pipe.idle(t)} if pipe.pp > 1 else {})
+
+
+class Pipeline:
+    """The pipeline's stages in simulated time: a micro-batch goes through them in order, each stage taking one
+    micro-batch at a time, in the order they were sent (nothing overtakes)."""
+
+    def __init__(self, pp: int):
+        self.pp = pp
+        self.free_at = [0.0] * pp  # when each stage is next free
+        self.busy = 0.0  # stage-seconds worked
+
+    def send(self, t: float, clock: StepClock, rows: list[tuple[int, int]], split_prefill: bool) -> float:
+        """A micro-batch of `rows` sent at t: returns when it leaves the last stage (its tokens are sampled)."""
+        total = _step_time(clock, rows, split_prefill)
+        for k, dt in enumerate(clock.stages(total, rows) if self.pp > 1 else [total]):
+            t = max(t, self.free_at[k]) + dt
+            self.free_at[k] = t
+        self.busy += total
+        return t
+
+    def idle(self, end: float) -> float:
+        """Share of the stages' time up to `end` spent idle (0 when nothing ran)."""
+        return 1 - self.busy / (self.pp * end) if end > 0 else 0.0
 
 
 class Clients:
@@ -303,6 +370,7 @@ def report(run: dict, slo_ttft: float | None = None, slo_tpot: float | None = No
     every = max(1, math.ceil(len(trace) / points))
     keep = trace[::every] + ([trace[-1]] if trace and (len(trace) - 1) % every else [])
     return {**summarize(run["records"], slo_ttft, slo_tpot), "steps": len(trace), "preemptions": run["preemptions"],
+            **({"pipeline_idle": run["pipeline_idle"]} if "pipeline_idle" in run else {}),
             "trace": [dict(zip(("time_s", "running", "waiting", "blocks_used", "preempted"), row)) for row in keep]}
 
 

@@ -204,6 +204,9 @@ def _print(data: dict) -> None:
         c.print(f"{p['completed']:,} requests in {p['duration_s']:,.1f} simulated s ({p['steps']:,} steps, "
                 f"{p['preemptions']:,} preemptions): {_per_s(p['request_throughput'])} req/s, "
                 f"{_per_s(p['output_token_throughput'])} output tok/s" + _goodput(p))
+        if "pipeline_idle" in p:
+            c.print(f"pipeline: up to {p['pp']} micro-batches in flight; stages idle {p['pipeline_idle']:.0%} of the "
+                    "time (the bubble, and waiting for work)")
     c.print("simulated with kvwall serve's scheduler; each step's time from the roofline of its exact mix of "
             f"prefill chunks and decode tokens, {data['points'][0]['roof']} (--json: every assumption)")
     if len(data["points"]) > 1:
