@@ -183,6 +183,7 @@ def test_op_bandwidths_measured(calibrated):
     rows = printed["matmul_rows_Bps"]
     assert [int(m) for m in rows] == list(ROWS) and rows["1"] == ops["matmul"]
     assert all(read / 1000 < v < 3 * read for v in rows.values()), rows
+    assert 0 <= printed["op_fixed_s"]["matmul"] < 1e-3  # a float matrix's cost per call: 38-42 us here
     # FLOPs per second of decode attention and of MLA's kernel: below the GEMM peak, above nothing
     peak = max(printed["peak_flops"].values())
     assert all(0 < v < 2 * peak for v in printed["op_flops"].values()), printed["op_flops"]

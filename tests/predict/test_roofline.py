@@ -300,3 +300,25 @@ def test_a_packed_model_pays_its_kernels_fixed_costs():
     assert decode(TINY, 10, 1, F16, Roof(dev)).overhead_s == pytest.approx(5e-4 + 1e-3)  # fp16: F.linear's path
     int8 = Formats(get_format("int8"), F16.kv, F16.state)  # no int8 figure measured: the fp32 block's cost
     assert decode(TINY, 10, 1, int8, Roof(dev)).overhead_s == pytest.approx(5e-4 + 1e-3)
+
+
+def test_a_float_matmul_pays_the_fixed_cost_per_call_of_its_kernel():
+    """A float matrix's op (kernel "") pays op_fixed_s["matmul"] per call on top of its bytes at the row rate
+    (calibrate fits both through two matrix sizes); a packed matrix pays its own kernel's, and the attention
+    over the cache pays neither. Hand numbers: TINY's fp16 qkv_proj is 64 x 128 x 2 B = 16,384 weight bytes,
+    its activations 1 x (64 + 128) x 2 B = 384."""
+    from dataclasses import replace
+
+    dev = replace(get_device("h100-sxm"), op_bandwidth={"matmul": 20e9}, matmul_rows={1: 20e9, 16: 5e9},
+                  op_fixed_s={"matmul": 4e-5, "matmul:int4": 2e-5})
+    roof = Roof(dev)
+    step = decode(TINY, 10, 1, F16, roof)
+    qkv = next(o for o in step.ops if o.name == "qkv_proj")
+    attention = next(o for o in step.ops if o.cache_read)
+    assert qkv.weight_bytes == 16384 and qkv.bytes - qkv.weight_bytes == 384
+    assert roof.op_time(qkv) == pytest.approx(4e-5 + 16384 / 20e9 + 384 / 20e9)
+    no_fixed = Roof(replace(dev, op_fixed_s={}))
+    assert roof.op_time(attention) == pytest.approx(no_fixed.op_time(attention))
+    int4 = decode(TINY, 10, 1, Formats(get_format("int4"), F16.kv, F16.state), roof)
+    packed = next(o for o in int4.ops if o.name == "qkv_proj")
+    assert roof.op_time(packed) - no_fixed.op_time(packed) == pytest.approx(2e-5)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 
 import pytest
@@ -23,7 +22,7 @@ from kvwall.engine.tokenizer import Text  # noqa: E402
 from kvwall.serve.runner import Runner  # noqa: E402
 from kvwall.serve.server import Api  # noqa: E402
 from kvwall.serve.worker import Worker  # noqa: E402
-from kvwall.serve import free_port  # noqa: E402
+from kvwall.serve import free_port, serving_in_thread  # noqa: E402
 
 NAME, VOCAB = "tiny", 160
 
@@ -44,20 +43,8 @@ def server(tiny_model, tmp_path_factory):
     _, model = tiny_model("llama")
     tok = word_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
     runner = Runner(model, n_blocks=200, block_size=4, chunk=32, max_batch=8)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(Api(Worker(runner), tok, NAME).app(), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):  # bounded: 10 s
-        if srv.started:
-            break
-        time.sleep(0.05)
-    assert srv.started, "the server did not start"
-    yield f"http://127.0.0.1:{port}", runner, model, tok
-    srv.should_exit = True
-    thread.join(10)
-    assert not thread.is_alive()
+    with serving_in_thread(Api(Worker(runner), tok, NAME).app()) as url:
+        yield url, runner, model, tok
 
 
 def solo_text(model, tok, prompt_ids: list[int], n: int) -> str:

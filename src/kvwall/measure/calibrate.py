@@ -209,19 +209,20 @@ def _engine(cal: Calibration, s: Settings, run: _Run) -> None:
     """The engine's op model (kvwall.measure.overhead), ENGINE_STEPS steps, into cal.info."""
     from kvwall.measure import overhead
     from kvwall.predict.devices import _from_entry
+    from kvwall.predict.step import MATMUL
 
     quick = s.quick
     size = (128 << 20) if quick else (512 << 20)
     # the op model is fitted as a whole (dispatch = measured step - the ops at the rates just measured), so
     # a busy spell skews it silently: a run beside a pip install gave 0 ms per attention block, 14.6 per Mamba
     watch = machine.OthersWatch()
-    rows = run.step("engine: matmul by rows", overhead.matmul_rows_bandwidth, size // 4)  # 128 MiB: 4x the LLC
+    rows, rows_fixed = run.step("engine: matmul by rows", overhead.matmul_rows_bandwidth, size // 4)  # 4x the LLC
     attention, attention_flops = run.step("engine: decode attention", overhead.attention_rates, size)
     bandwidth = {"matmul": rows[1], "attention": attention}
     flops = {"attention": attention_flops,
              "attention:prefill": run.step("engine: prefill attention", overhead.prefill_attention_rate),
              "latent": run.step("engine: MLA latent", overhead.latent_rate, attention, size)}
-    fixed = {}
+    fixed = {MATMUL: rows_fixed}
     for f in ("int8", "int4", "int2"):
         bandwidth[f"attention:{f}"], fixed[f"attention:{f}"] = run.step(
             f"engine: {f} cache attention", overhead.quantized_attention_rates, f, size)

@@ -127,31 +127,56 @@ def _fastest_time(fn, runs: int) -> float:
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # matmul row counts measured: decode batches up to prefill chunks
 
 
-def matmul_rows_bandwidth(total_bytes: int = 512 << 20, runs: int = 3) -> dict[int, float]:
-    """Weight bytes/s of the engine's fp32 projection as a loaded model holds it (engine.model.fast_projection:
-    oneDNN's layout where it runs, else F.linear over a column-major weight) at each row count in ROWS, over
-    distinct cold (3072 x 768) weights. Not one bandwidth and one FLOP rate: torch's F.linear here read weights
-    at 21 GB/s for 1 row, 13 at 2 and 6.6-7.8 from 4 to 16 rows (the same FLOPs per byte as numpy's OpenBLAS,
-    which kept 11-34); oneDNN's layout reads them 1.3-3.8x faster at 16 rows (benchmarks/bench_packed_linear.py)."""
+MATMUL_SHAPES = ((3072, 768), (768, 768))  # (out, in): two sizes, for a rate (the slope) and a cost per call
+
+
+def matmul_rows_bandwidth(total_bytes: int = 512 << 20, runs: int = 3) -> tuple[dict[int, float], float]:
+    """({rows: weight bytes/s}, fixed seconds per call) of the engine's fp32 projection as a loaded model holds it
+    (engine.model.fast_projection: oneDNN's layout where it runs, else F.linear over a column-major weight) at
+    each row count in ROWS, over distinct cold matrices of two MATMUL_SHAPES: time = fixed + bytes / rate, the
+    fixed cost from 1 row. Not one bandwidth and one FLOP rate: torch's F.linear here read weights at 21 GB/s
+    for 1 row, 13 at 2 and 6.6-7.8 from 4 to 16 rows (the same FLOPs per byte as numpy's OpenBLAS, which kept
+    11-34); oneDNN's layout reads them 1.3-3.8x faster at 16 rows (benchmarks/bench_packed_linear.py). Not one
+    rate at one shape either: SmolLM2's batch-1 projections took 82 / 107 / 147 / 253 / 3,440 us for 1.3 / 2.2
+    / 3.5 / 7.1 / 113 MB (benchmarks/profile_serve_step.py), 42 us + bytes / 33.6 GB/s within 2 % each, where
+    the 3072 x 768 rate alone (29 GB/s) put its four 576-wide projections 17 % fast."""
+    import torch
+
+    tables = [_float_copies(shape, total_bytes) for shape in MATMUL_SHAPES]
+    rates, fixed = {}, 0.0
+    with torch.inference_mode():
+        for m in ROWS:
+            points = [_call_time(mats, m, runs, shape[0] * shape[1] * 4)
+                      for mats, shape in zip(tables, MATMUL_SHAPES)]  # (bytes, seconds) per shape
+            fit = line_fit(points)
+            big_bytes, big_s = max(points)
+            rates[m] = fit[0] if fit else big_bytes / big_s
+            if m == ROWS[0]:
+                fixed = fit[1] if fit else 0.0
+    return rates, fixed
+
+
+def _float_copies(shape: tuple[int, int], total_bytes: int) -> list:
+    """Distinct fp32 projections of `shape` (out, in) as the engine holds them, together about `total_bytes`."""
     import torch
     from torch import nn
 
     from kvwall.engine.model import fast_projection
 
-    shape = (3072, 768)
-    count = max(2, total_bytes // (shape[0] * shape[1] * 4))
     w0, mats = torch.randn(*shape), []  # (out, in)
-    for _ in range(count):
+    for _ in range(max(2, total_bytes // (shape[0] * shape[1] * 4))):
         lin = nn.Linear(shape[1], shape[0], bias=False, device="meta")
         lin.weight = nn.Parameter(w0.clone(), requires_grad=False)  # distinct memory, cold when called in turn
         mats.append(fast_projection(lin, onednn=True))
-    nbytes = count * shape[0] * shape[1] * 4
-    out = {}
-    with torch.inference_mode():
-        for m in ROWS:
-            x = torch.randn(1, m, shape[1])  # (B, T, in)
-            out[m] = nbytes / _fastest_time(lambda: [lin(x) for lin in mats], runs)  # (1, m, out) each
-    return out
+    return mats
+
+
+def _call_time(mats: list, rows: int, runs: int, nbytes: int) -> tuple[int, float]:
+    """(bytes per matrix, seconds per call) of `rows` rows through each of `mats` in turn, the fastest sweep."""
+    import torch
+
+    x = torch.randn(1, rows, mats[0].in_features)  # (B, T, in)
+    return nbytes, _fastest_time(lambda: [lin(x) for lin in mats], runs) / len(mats)  # (1, rows, out) each
 
 
 PACKED_ROWS = (1, 16)  # the decode batches kvwall bench and bench_real_decode time
@@ -169,15 +194,6 @@ def _packed_copies(fmt, shape: tuple[int, int], total_bytes: int) -> list:
     n = max(2, total_bytes // one.weight_bytes())
     return [one] + [PackedLinear(one.q.clone(), one.scale.clone(), None if one.zero is None else one.zero.clone(),
                                  fmt, shape[1]) for _ in range(n - 1)]
-
-
-def _packed_call(mats: list, rows: int, runs: int) -> tuple[float, int]:
-    """(seconds per call, packed bytes per matrix) of `rows` rows through each of `mats` in turn, the fastest sweep."""
-    import torch
-
-    x = torch.randn(1, rows, mats[0].in_features)  # (B, T, in)
-    t = _fastest_time(lambda: [p(x) for p in mats], runs)  # (1, rows, out) each
-    return t / len(mats), mats[0].weight_bytes()
 
 
 def line_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
@@ -212,7 +228,7 @@ def packed_rates(total_bytes: int = 128 << 20, runs: int = 3) -> tuple[dict, dic
             fmt, table = get_format(name), {}
             sets = [_packed_copies(fmt, shape, total_bytes) for shape in PACKED_SHAPES]
             for m in PACKED_ROWS:
-                points = [_packed_call(mats, m, runs)[::-1] for mats in sets]  # (bytes, seconds) per shape
+                points = [_call_time(mats, m, runs, mats[0].weight_bytes()) for mats in sets]  # (bytes, s)
                 fit = line_fit(points)
                 big_bytes, big_s = max(points)
                 table[m] = fit[0] if fit else big_bytes / big_s
@@ -483,11 +499,16 @@ def _runner_decoding(model, rows: int):
 
 
 def runner_step_cost(runs: int = 7) -> dict[str, float]:
-    """{"fixed_s", "per_row_s"}: what kvwall serve's runner adds to a decode step beyond its forward over the
-    pool (scheduling, the block tables, the row tensors, the logit check, sampling): runner.step() less
-    runner.forward() of the same rows, on a 2-layer GQA model of width 768 (random weights), at RUNNER_ROWS
-    rows (fastest of `runs` each), fixed + per row through the two points. SmolLM2's served batch-1 step
-    spent 2.4 ms outside its forward (74.8 against 72.4 ms, benchmarks/profile_serve_step.py)."""
+    """{"fixed_s", "per_row_s"}: what kvwall serve adds to a decode step beyond its forward over the pool, on a
+    2-layer GQA model of width 768 (random weights) at RUNNER_ROWS rows, fixed + per row through the two points.
+
+    With the serving stack installed, measured as a client sees it: the median gap between streamed tokens of
+    that many clients (a client process, as `kvwall loadtest` is) through the real server (uvicorn and the
+    engine thread in one process, as `kvwall serve` runs them), less runner.forward() of as many decoding rows
+    (fastest of `runs`). The runner alone (scheduling, tables, sampling: runner.step() less runner.forward())
+    missed most of it: SmolLM2 served to one streaming client took 32.8-35.5 ms a token against 30.9 ms for
+    runner.step and 30.1 for the forward (benchmarks/profile_serve_step.py and loadtest, 2026-12-03).
+    Without starlette and uvicorn, the runner alone."""
     import torch
 
     from kvwall.engine.model import Transformer
@@ -499,9 +520,58 @@ def runner_step_cost(runs: int = 7) -> dict[str, float]:
     with torch.inference_mode():
         for rows in RUNNER_ROWS:
             runner = _runner_decoding(model, rows)
-            step = _fastest_time(runner.step, runs)
             chunks = [Chunk(r, r.computed - 1, 1) for r in runner.sched.running]  # rewrites each row's last slot
-            costs.append(max(step - _fastest_time(lambda: runner.forward(chunks), runs), 0.0))
+            forward = _fastest_time(lambda: runner.forward(chunks), runs)
+            served = _served_token_gap(model, rows)
+            costs.append(max((served if served is not None else _fastest_time(runner.step, runs)) - forward, 0.0))
     (lo, hi), (c_lo, c_hi) = RUNNER_ROWS, costs
     per_row = max((c_hi - c_lo) / (hi - lo), 0.0)
     return {"fixed_s": max(c_lo - lo * per_row, 0.0), "per_row_s": per_row}
+
+
+SERVED_TOKENS = 48  # tokens each client streams: the gaps after the first few are steady decode steps
+_CLIENT = r"""
+import http.client, json, sys, threading, time
+port, clients, tokens = map(int, sys.argv[1:4])
+gaps = []
+def one(i):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    c.request("POST", "/v1/completions", json.dumps({"model": "calibrate", "prompt": [1 + i % 7] * 16,
+              "max_tokens": tokens, "stream": True, "ignore_eos": True}), {"Content-Type": "application/json"})
+    last = None
+    for line in c.getresponse():
+        if line.startswith(b"data: {"):
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+for t in threads: t.start()
+for t in threads: t.join()
+gaps.sort()
+print(json.dumps(gaps[len(gaps) // 2] if gaps else None))
+"""
+
+
+def _served_token_gap(model, rows: int) -> float | None:
+    """Median seconds between streamed tokens when `rows` clients stream SERVED_TOKENS tokens each at once from
+    kvwall serve's stack over `model` (None without starlette and uvicorn)."""
+    import json
+    import subprocess
+    import sys
+
+    try:
+        from kvwall.serve import serving_in_thread
+        from kvwall.serve.runner import Runner
+        from kvwall.serve.server import Api
+        from kvwall.serve.worker import Worker
+    except ImportError:
+        return None
+    runner = Runner(model, n_blocks=rows * 8 + 8, chunk=512, max_batch=max(RUNNER_ROWS), kv_dtype="fp32")
+    with serving_in_thread(Api(Worker(runner), None, "calibrate").app()) as url:
+        port = url.rsplit(":", 1)[1]
+        out = subprocess.run([sys.executable, "-c", _CLIENT, port, str(rows), str(SERVED_TOKENS)],
+                             capture_output=True, text=True, timeout=300)
+    if out.returncode:
+        raise RuntimeError(f"the serving client failed: {out.stderr.strip()[-300:]}")
+    return json.loads(out.stdout)

@@ -29,7 +29,7 @@ from kvwall.errors import KvwallError
 from kvwall.predict.devices import Device
 from kvwall.predict.memory import Formats, Parallel, pipeline_stages
 from kvwall.predict.ops import mixed_ops, step_ops
-from kvwall.predict.step import ACT_BYTES, CACHE, LINK, MATMUL, Op, Step
+from kvwall.predict.step import ACT_BYTES, CACHE, LINK, MATMUL, Op, Step, fixed_key
 from kvwall.spec.model import ModelSpec
 
 
@@ -94,7 +94,7 @@ class Roof:
         CPU core does the loads and the arithmetic in turn: decode attention here took 10.8 ms with 12 KV heads
         and 4.2 ms with 1 at 32k tokens (same FLOPs), and bytes / 28 GB/s + FLOPs / 28 GFLOP/s fits both and
         the 8k and 1k points within 10 % (benchmarks/bench_attention_groups.py), where a max() cannot."""
-        fixed = self.device.op_fixed_s.get(op.kernel, 0.0) if op.kernel else 0.0
+        fixed = self.device.op_fixed_s.get(fixed_key(op), 0.0)
         rate = self.op_flop_rate(op)
         memory = self.memory_time(op, nbytes)
         if rate:

@@ -9,7 +9,10 @@ The policy (blocks, scheduler) is plain Python over block and token counts, so t
 simulator can drive it with step times from the roofline.
 """
 
+import contextlib
 import socket
+import threading
+import time
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -17,3 +20,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving_in_thread(app, host: str = "127.0.0.1", wait_s: float = 10.0):
+    """Serve the ASGI `app` with uvicorn from a thread of this process, as `kvwall serve` runs it; yields the
+    base URL once it listens, and stops it (bounded) on leaving."""
+    import uvicorn
+
+    port = free_port(host)
+    srv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + wait_s
+    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        if not srv.started:
+            raise RuntimeError(f"the server did not start within {wait_s:g} s")
+        yield f"http://{host}:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(wait_s)
