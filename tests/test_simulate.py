@@ -304,3 +304,13 @@ def test_runner_cost_once_per_step_by_hand():
     assert _step_time(clock, rows, True) == pytest.approx(split, rel=1e-12)
     assert _step_time(clock, rows, False) == pytest.approx(clock.time(rows) + 1.6e-3, rel=1e-12)
     assert StepClock(spec, fm, Roof(get_device("h100"))).runner_time(rows) == 0.0  # not measured: not charged
+
+
+def test_split_prefill_runs_one_forward_per_chunk_length():
+    """As kvwall serve runs a step: with split_prefill, two prompts of 8 and 5 tokens admitted together take two
+    forwards (0.2 s at 0.1 s a forward), and their decode rows one; without it, every step is one forward."""
+    reqs = [Request(0, 0.0, 8, 3), Request(1, 0.0, 5, 3)]
+    split = simulate(reqs, Constant(0.1), POOL, split_prefill=True)["records"]
+    assert [r.token_times for r in split] == [pytest.approx([0.2, 0.3, 0.4])] * 2
+    one = simulate(reqs, Constant(0.1), POOL)["records"]
+    assert [r.token_times for r in one] == [pytest.approx([0.1, 0.2, 0.3])] * 2

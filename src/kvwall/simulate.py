@@ -12,8 +12,8 @@ Assumptions, stated in every output (`ASSUMPTIONS`):
 * the KV pool is what one GPU has left after its share of the weights and the reserve, in blocks of
   `block_size` tokens of every attention layer (windows not exploited, as a paged pool does);
   SSM state is preallocated for `max_batch` sequences;
-* a step is one forward over all its rows (vLLM's way; `split_prefill=True` runs decode rows and
-  prefill chunks as two forwards, as kvwall serve does);
+* a step is one forward over all its rows (vLLM's way; `split_prefill=True` runs the decode rows in one
+  forward and the prefill chunks in one per length, as kvwall serve does: serve.scheduler.forward_groups);
 * prompts share no prefix (no prefix-cache hits); every request runs to its output length (no stop);
 * with pipeline parallel, up to pp micro-batches are in flight (pp schedulers, vLLM's virtual engines, over
   one shared pool); a step's time splits over the stages: the layers evenly, the LM head on the last stage.
@@ -34,7 +34,7 @@ from kvwall.predict.ops import PER_SEQUENCE, embedding, layer_ops, lm_head
 from kvwall.predict.roofline import Roof, pipeline_sends, step_overhead
 from kvwall.predict.step import Step, matmul_kernel
 from kvwall.serve.scheduler import Request as Job
-from kvwall.serve.scheduler import Scheduler
+from kvwall.serve.scheduler import Scheduler, forward_groups
 from kvwall.spec.model import ModelSpec
 from kvwall.workload import Record, Request, summarize
 
@@ -356,12 +356,12 @@ def _job(r: Request) -> Job:
 
 
 def _step_time(clock: StepClock, rows: list[tuple[int, int]], split_prefill: bool) -> float:
-    """One scheduler step: its forward (two with `split_prefill`), plus the runner's cost around them."""
+    """One scheduler step: its forward (with `split_prefill`, one per group as kvwall serve runs them:
+    forward_groups), plus the runner's cost around them."""
     runner = clock.runner_time(rows)
     if not split_prefill:
         return clock.time(rows) + runner
-    parts = [[r for r in rows if r[1] == 1], [r for r in rows if r[1] > 1]]
-    return sum(clock.time(p) for p in parts if p) + runner
+    return sum(clock.time(p) for p in forward_groups(rows, n=lambda r: r[1])) + runner
 
 
 def report(run: dict, slo_ttft: float | None = None, slo_tpot: float | None = None, points: int = 200) -> dict:

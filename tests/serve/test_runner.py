@@ -170,3 +170,24 @@ def test_warm_up_runs_a_request_and_leaves_nothing_behind(tiny_model):
     r = Request(1, [3, 5, 7], 4)
     serve(runner, [(0, r)])
     assert r.out == solo(model, [3, 5, 7], 4)
+
+
+def test_a_step_runs_one_forward_per_chunk_length(tiny_model):
+    """A decoding row, a 5-token prompt and a 3-token prompt in one step: three forwards of one length each
+    (rows are right-padded to the longest: one forward would compute 4 + 2 padding tokens), and every
+    request still equals its solo run."""
+    _, model = tiny_model("llama")
+    runner = Runner(model, n_blocks=64, block_size=4, chunk=32, max_batch=8)
+    first = Request(0, [3, 1, 4, 1], 6)
+    runner.add(first)
+    runner.step()  # its prefill: it decodes from the next step
+    later = [Request(1, [5, 9, 2, 6, 5], 4), Request(2, [3, 5, 8], 4)]
+    for r in later:
+        runner.add(r)
+    seen, forward = [], runner.forward
+    runner.forward = lambda chunks: (seen.append(sorted(c.n for c in chunks)), forward(chunks))[1]
+    runner.step()
+    assert seen == [[1], [3], [5]]
+    runner.run_all()
+    for r in [first, *later]:
+        assert r.out == solo(model, r.prompt, r.max_tokens)

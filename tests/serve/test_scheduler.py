@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvwall.errors import KvwallError
-from kvwall.serve.scheduler import Request, Scheduler
+from kvwall.serve.scheduler import Request, Scheduler, forward_groups
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
@@ -155,3 +155,10 @@ def test_admission_leaves_a_block_for_each_decoding_request():
     a, b = Request("a", [1, 2], 5), Request("b", [3, 4, 5], 4)
     drive(s, [(0, a), (1, b)])
     assert s.preemptions == 0 and a.out == solo([1, 2], 5) and b.out == solo([3, 4, 5], 4)
+
+
+def test_forward_groups_put_decode_rows_together_and_each_chunk_length_apart():
+    rows = [(40, 1), (0, 128), (9, 1), (128, 88), (0, 128), (3, 5)]
+    assert forward_groups(rows, n=lambda r: r[1]) == [[(40, 1), (9, 1)], [(3, 5)], [(128, 88)],
+                                                       [(0, 128), (0, 128)]]
+    assert forward_groups([]) == []

@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=whole(1, 1 << 16), default=256, help="requests running at once (default 256)")
     p.add_argument("--block-size", type=whole(1, 1 << 12), default=16, help="tokens per KV block (default 16)")
     p.add_argument("--split-prefill", action="store_true",
-                   help="decode rows and prefill chunks as two forwards, as kvwall serve runs them")
+                   help="decode rows in one forward, prefill chunks in one per length, as kvwall serve runs them")
     p.add_argument("--seed", type=whole(0, 2**63 - 1), default=0)
     p.add_argument("--slo-ttft", type=seconds_arg, metavar="T", help="goodput: TTFT at most T, e.g. 1s")
     p.add_argument("--slo-tpot", type=seconds_arg, metavar="T", help="goodput: time per output token at most T, "

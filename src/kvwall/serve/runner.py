@@ -6,10 +6,11 @@ never attended). The pool's block tables come from the scheduler (ScheduledPages
 each row's blocks, so rows of any lengths share the forward. Rows whose chunk ends their sequence
 give a logit at their last token and sample the next one with their own sampling settings.
 
-A step that mixes decode rows (one token) with prefill chunks runs them as two forwards, decode rows
-(B, 1) and chunks (B', T): in one (B + B', T) batch every decode row would carry T - 1 padding
-tokens through every matmul (32 decode rows beside a 512-token chunk: 16k wasted tokens), while a
-second forward costs one more read of the weights.
+A step runs its decode rows (B, 1) as one forward and its prefill chunks as one forward per length
+(scheduler.forward_groups): rows of one forward are right-padded to the longest, so in one (B + B', T)
+batch every decode row would carry T - 1 padding tokens through every matmul (32 decode rows beside a
+512-token chunk: 16k wasted tokens), and a prompt's 88-token rest beside 128-token prompts 40; each
+more forward costs one more read of the weights.
 
 Memory: the pool is `kv_memory` bytes rounded down to whole blocks; one block is block_size tokens of
 K and V in every attention layer, in the pool's format (fp32, bf16, fp16, or fp8: e4m3 clamped, no
@@ -32,7 +33,7 @@ from kvwall.engine.caches.base import attention_specs, valid_tokens
 from kvwall.engine.caches.quant import dequantize, group_size, quantize
 from kvwall.errors import KvwallError
 from kvwall.spec.formats import get_format
-from kvwall.serve.scheduler import Chunk, Request, Scheduler, Step
+from kvwall.serve.scheduler import Chunk, Request, Scheduler, Step, forward_groups
 from kvwall.units import fmt_bytes
 
 
@@ -216,7 +217,7 @@ class Runner:
         for src, dst in step.copies:
             self.cache.copy_block(src, dst)
         sampled = {}
-        for rows in self.groups(step.chunks):
+        for rows in forward_groups(step.chunks):
             sampled.update(self.sample(rows, self.forward(rows)))  # forward: (B, V)
         done = self.sched.finish(step, sampled)
         for r in done:
@@ -225,13 +226,6 @@ class Runner:
         self.computed += sum(c.n for c in step.chunks)
         self.busy_s += time.perf_counter() - t0
         return step, done
-
-    @staticmethod
-    def groups(chunks: list[Chunk]) -> list[list[Chunk]]:
-        """Decode rows apart from prefill chunks (each group one forward): no decode row is padded to a chunk."""
-        decode = [c for c in chunks if c.n == 1]
-        prefill = [c for c in chunks if c.n > 1]
-        return [g for g in (decode, prefill) if g]
 
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Chunks as right-padded rows -> logits (B, V) at each row's last token."""

@@ -80,6 +80,17 @@ class Step:
     sampled: dict[Request, int] = field(default_factory=dict)  # filled by finish(): each new token
 
 
+def forward_groups(items: list, n=lambda c: c.n) -> list[list]:
+    """How kvwall serve runs a step's chunks (or (past, new) rows with `n` their new tokens): the decode rows in
+    one forward, the prefill chunks in one forward per length, shortest first. A forward right-pads its rows to
+    the longest, so chunks of one length pad nothing: a prompt's 88-token rest beside 128-token prompts computed
+    40 padding tokens, and a decode row beside a chunk a whole chunk's worth."""
+    by_length: dict[int, list] = {}
+    for item in items:
+        by_length.setdefault(n(item), []).append(item)
+    return [by_length[k] for k in sorted(by_length)]
+
+
 class Scheduler:
     def __init__(self, n_blocks: int, block_size: int = 16, chunk: int = 512, max_batch: int = 64):
         if chunk < 1 or max_batch < 1:
