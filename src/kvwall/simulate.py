@@ -44,8 +44,9 @@ ASSUMPTIONS = {
     "step_time": "roofline of the step's exact mix (run_mix): per op max(compute, memory) (a calibrated `local` "
                  "profile: its measured rates), plus links and the device's fixed step cost",
     "kv_pool": "one GPU's memory - reserve - its share of the weights, in blocks over every attention layer",
-    "runner_cost": "a calibrated `local` profile's serving runner cost per step (scheduling, tables, sampling), "
-                   "fixed + per row; 0 elsewhere",
+    "runner_cost": "a calibrated `local` profile's serving cost per step beyond the forward (the runner's "
+                   "scheduling, tables and sampling, and the server streaming tokens to its clients), fixed + per "
+                   "row; 0 elsewhere",
     "pool_cost": "a calibrated `local` profile's paged pool cost (scatter, gather of each row's blocks padded to "
                  "the longest row, mask) per attention layer per forward, fixed + per byte gathered; 0 elsewhere",
     "prefix_cache": "no shared prefixes; every request runs to its output length",
@@ -93,8 +94,9 @@ class StepClock:
                    for b, n in self._pooled)
 
     def runner_time(self, rows: list[tuple[int, int]]) -> float:
-        """kvwall serve's runner around a step's forwards (scheduling, tables, sampling), where the device measured
-        it (Device.runner_step; 0 otherwise): fixed + per row, once per scheduler step."""
+        """What kvwall serve adds to a step beyond its forwards (the runner's scheduling and sampling, the server
+        streaming the tokens), where the device measured it (Device.runner_step; 0 otherwise): fixed + per row,
+        once per scheduler step."""
         cost = self.roof.device.runner_step
         return cost.get("fixed_s", 0.0) + cost.get("per_row_s", 0.0) * len(rows) if cost and rows else 0.0
 
@@ -169,8 +171,10 @@ class StepClock:
             return 0.0
         idx = np.fromiter(pasts, dtype=np.int64, count=len(pasts))
         table, filled = self._decode_table(int(idx.max()), absorbed)
-        for p in np.unique(idx[~filled[idx]]):
-            table[p], filled[p] = self._row_work(int(p), 1, absorbed), True
+        missing = idx[~filled[idx]]
+        if missing.size:  # most steps: none, and no np.unique sort
+            for p in np.unique(missing):
+                table[p], filled[p] = self._row_work(int(p), 1, absorbed), True
         return table[idx].sum(axis=0)
 
     def _decode_table(self, top: int, absorbed: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -561,6 +561,8 @@ def _served_token_gap(model, rows: int) -> float | None:
     import sys
 
     try:
+        import uvicorn  # noqa: F401  (serving_in_thread's)
+
         from kvwall.serve import serving_in_thread
         from kvwall.serve.runner import Runner
         from kvwall.serve.server import Api
