@@ -102,7 +102,7 @@ class StepClock:
 
     def stages(self, total: float, rows: list[tuple[int, int]]) -> list[float]:
         """A step of `total` seconds over `rows` split over the pipeline's stages: the layers' share evenly (the
-        stages hold equal layer counts, pipeline_stages), the LM head on the last stage, each boundary's
+        stages' layer counts differ by one at most, pipeline_stages), the LM head on the last stage, each boundary's
         activation send on the stage before it. The parts add up to `total`, so a micro-batch alone takes as long
         as the whole step."""
         pp = self.par.pp
