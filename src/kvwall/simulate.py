@@ -270,7 +270,7 @@ def simulate(requests: list[Request], clock: StepClock, pool: Pool, chunk: int =
                 freed |= bool(step.preempted)
                 if step.chunks:
                     rows = [(c.start, c.n) for c in step.chunks]
-                    gauges = (sum(len(e.running) for e in engines), sum(len(e.waiting) for e in engines),
+                    gauges = (sum(len(x.running) for x in engines), sum(len(x.waiting) for x in engines),
                               engines[0].used_blocks(), len(step.preempted))
                     flight[v] = (pipe.send(t, clock, rows, split_prefill), step, gauges)
         ends = [(f[0], v) for v, f in enumerate(flight) if f]
@@ -316,7 +316,7 @@ class Pipeline:
     def send(self, t: float, clock: StepClock, rows: list[tuple[int, int]], split_prefill: bool) -> float:
         """A micro-batch of `rows` sent at t: returns when it leaves the last stage (its tokens are sampled)."""
         total = _step_time(clock, rows, split_prefill)
-        for k, dt in enumerate(clock.stages(total, rows) if self.pp > 1 else [total]):
+        for k, dt in enumerate(clock.stages(total, rows)):  # [total] without a pipeline
             t = max(t, self.free_at[k]) + dt
             self.free_at[k] = t
         self.busy += total

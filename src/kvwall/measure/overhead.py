@@ -142,17 +142,23 @@ def matmul_rows_bandwidth(total_bytes: int = 512 << 20, runs: int = 3) -> tuple[
     the 3072 x 768 rate alone (29 GB/s) put its four 576-wide projections 17 % fast."""
     import torch
 
-    tables = [_float_copies(shape, total_bytes) for shape in MATMUL_SHAPES]
-    rates, fixed = {}, 0.0
+    sets = [_float_copies(shape, total_bytes) for shape in MATMUL_SHAPES]
     with torch.inference_mode():
-        for m in ROWS:
-            points = [_call_time(mats, m, runs, shape[0] * shape[1] * 4)
-                      for mats, shape in zip(tables, MATMUL_SHAPES)]  # (bytes, seconds) per shape
-            fit = line_fit(points)
-            big_bytes, big_s = max(points)
-            rates[m] = fit[0] if fit else big_bytes / big_s
-            if m == ROWS[0]:
-                fixed = fit[1] if fit else 0.0
+        return _rates_and_fixed(sets, [out * n_in * 4 for out, n_in in MATMUL_SHAPES], ROWS, runs)
+
+
+def _rates_and_fixed(sets: list[list], nbytes: list[int], rows: tuple[int, ...], runs: int) -> tuple[dict, float]:
+    """({rows: bytes/s}, fixed seconds per call) of time = fixed + bytes / rate through the two matrix sizes (`sets`
+    of cold copies, `nbytes` each) at each row count, the fixed cost from the first; the larger size's own rate
+    (and no fixed cost) where two points give no line."""
+    rates, fixed = {}, 0.0
+    for m in rows:
+        points = [_call_time(mats, m, runs, b) for mats, b in zip(sets, nbytes)]  # (bytes, seconds) per size
+        fit = line_fit(points)
+        big_bytes, big_s = max(points)
+        rates[m] = fit[0] if fit else big_bytes / big_s
+        if m == rows[0]:
+            fixed = fit[1] if fit else 0.0
     return rates, fixed
 
 
@@ -181,7 +187,7 @@ def _call_time(mats: list, rows: int, runs: int, nbytes: int) -> tuple[int, floa
 
 PACKED_ROWS = (1, 16)  # the decode batches kvwall bench and bench_real_decode time
 PACKED_FORMATS = ("int4", "int8:g32")  # one format timed per packed kernel (kvwall.predict.step.matmul_kernel)
-PACKED_SHAPES = ((3072, 768), (768, 768))  # (out, in): two sizes, for a rate (the slope) and a cost per call
+PACKED_SHAPES = MATMUL_SHAPES  # the packed kernels' rate and cost per call, fitted as the fp32 one's
 
 
 def _packed_copies(fmt, shape: tuple[int, int], total_bytes: int) -> list:
@@ -225,16 +231,11 @@ def packed_rates(total_bytes: int = 128 << 20, runs: int = 3) -> tuple[dict, dic
     rates, fixed = {}, {}
     with torch.inference_mode():
         for name in PACKED_FORMATS:
-            fmt, table = get_format(name), {}
+            fmt = get_format(name)
             sets = [_packed_copies(fmt, shape, total_bytes) for shape in PACKED_SHAPES]
-            for m in PACKED_ROWS:
-                points = [_call_time(mats, m, runs, mats[0].weight_bytes()) for mats in sets]  # (bytes, s)
-                fit = line_fit(points)
-                big_bytes, big_s = max(points)
-                table[m] = fit[0] if fit else big_bytes / big_s
-                if m == PACKED_ROWS[0]:
-                    fixed[matmul_kernel(fmt)] = fit[1] if fit else 0.0
-            rates[matmul_kernel(fmt)] = table
+            kernel = matmul_kernel(fmt)
+            rates[kernel], fixed[kernel] = _rates_and_fixed(sets, [m[0].weight_bytes() for m in sets], PACKED_ROWS,
+                                                            runs)
     return rates, fixed
 
 
