@@ -16,11 +16,13 @@ from kvwall.spec.resolve import load_spec
 from kvwall.workload import Lengths, Request, stream, summarize
 
 
-@pytest.mark.parametrize("model,tp", [("llama-3-8b", 1), ("llama-3-70b", 8), ("gemma-3-27b", 2),
-                                      ("deepseek-v3", 8), ("jamba-v0.1", 2), ("mamba2-2.7b", 1)])
-def test_clock_equals_the_mixed_roofline(model, tp):
+@pytest.mark.parametrize("model,par", [("llama-3-8b", Parallel()), ("llama-3-70b", Parallel(8)),
+                                       ("gemma-3-27b", Parallel(2)), ("deepseek-v3", Parallel(8)),
+                                       ("deepseek-v3", Parallel(ep=8)), ("mixtral-8x7b", Parallel(ep=4, pp=2)),
+                                       ("jamba-v0.1", Parallel(2)), ("mamba2-2.7b", Parallel())])
+def test_clock_equals_the_mixed_roofline(model, par):
     spec = load_spec(model)
-    fm, roof, par = Formats.for_spec(spec), Roof(get_device("h100")), Parallel(tp)
+    fm, roof = Formats.for_spec(spec), Roof(get_device("h100"))
     clock = StepClock(spec, fm, roof, par)
     for rows in ([(99, 1), (5000, 1), (0, 300), (7, 1)], [(4095, 1)] * 3, [(0, 512)], [(128, 64), (3, 1)]):
         want = run_mix(spec, [Step(1, p, n) for p, n in rows], fm, roof, par).time_s
@@ -30,8 +32,8 @@ def test_clock_equals_the_mixed_roofline(model, tp):
 class Constant:
     """A fake clock: every step takes `dt` seconds (on one stage; `pp` stages take dt / pp each)."""
 
-    def __init__(self, dt, pp=1):
-        self.dt, self.par = dt, Parallel(1, pp)
+    def __init__(self, dt, pp=1, ep=1):
+        self.dt, self.par = dt, Parallel(1, pp, ep)
 
     def stages(self, total, rows):
         return [total / self.par.pp] * self.par.pp
@@ -108,6 +110,18 @@ def test_pipeline_with_one_request_is_the_whole_step():
     piped, flat = simulate(one, Constant(0.2, pp=2), POOL), simulate(one, Constant(0.2), POOL)
     assert piped["records"][0].token_times == pytest.approx(flat["records"][0].token_times)
     assert piped["pipeline_idle"] == pytest.approx(0.5) and "pipeline_idle" not in flat
+
+
+def test_expert_parallel_adds_up_the_gpus_seats_and_pools():
+    """ep = 2 data-parallel GPUs of one seat each (max_batch 1) serve two requests side by side: both finish in
+    the 0.4 s one takes alone (prefill step + 3 decode steps of 0.1 s). The pool is both GPUs': Mixtral's
+    token costs 32 layers x 8 KV heads x 128 x (K+V) x 2 B = 131,072 B, so a 16-token block is 2 MiB and 1 GiB
+    holds 512 blocks per GPU."""
+    run = simulate([Request(k, 0.0, 8, 4) for k in range(2)], Constant(0.1, ep=2), POOL, max_batch=1)
+    assert [r.e2e for r in run["records"]] == pytest.approx([0.4, 0.4])
+    spec = load_spec("mixtral-8x7b")
+    pool = kv_pool(spec, Formats.for_spec(spec), Parallel(ep=4), 80 * 2**30, 0, kv_memory=2**30)
+    assert (pool.block_bytes, pool.n_blocks) == (2 * 2**20, 4 * 512)
 
 
 def test_pipeline_shares_one_small_pool_and_finishes_everything():

@@ -16,7 +16,9 @@ Assumptions, stated in every output (`ASSUMPTIONS`):
   forward and the prefill chunks in one per length, as kvwall serve does: serve.scheduler.forward_groups);
 * prompts share no prefix (no prefix-cache hits); every request runs to its output length (no stop);
 * with pipeline parallel, up to pp micro-batches are in flight (pp schedulers, vLLM's virtual engines, over
-  one shared pool); a step's time splits over the stages: the layers evenly, the LM head on the last stage.
+  one shared pool); a step's time splits over the stages: the layers evenly, the LM head on the last stage;
+* with expert parallel, one scheduler over the ep GPUs' pools together (its batch and chunk limits ep times
+  one GPU's), and each step's rows split evenly over the ep GPUs: the step takes the busiest one's time.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ ASSUMPTIONS = {
     "prefix_cache": "no shared prefixes; every request runs to its output length",
     "pipeline": "with pp stages, up to pp micro-batches in flight (pp schedulers over one shared pool, a new "
                 "request to the one with the fewest unfinished); layers split evenly, the LM head on the last stage",
+    "expert_parallel": "with ep GPUs, one scheduler over their pools together (batch and chunk limits x ep); each "
+                       "step's rows split evenly over them, routing uniform (moe.py)",
 }
 MAX_STEPS = 50_000_000  # a stuck scheduler is a bug, not an endless loop
 
@@ -89,7 +93,7 @@ class StepClock:
         if not cost or not rows:
             return 0.0
         width = max(-(-(p + n) // self.block_size) for p, n in rows) * self.block_size  # tokens per row
-        gathered = len(rows) * width
+        gathered = self.par.local(len(rows)) * width
         return sum(n * (cost.get("fixed_s", 0.0) + gathered * b * cost.get("s_per_byte", 0.0))
                    for b, n in self._pooled)
 
@@ -108,23 +112,25 @@ class StepClock:
         pp = self.par.pp
         if pp == 1:
             return [total]
-        send = sum(self.roof.op_time(o) for o in pipeline_sends(self.spec, sum(n for _, n in rows), self.par))
-        head = self.roof.op_time(lm_head(self.spec, len(rows), self.fm, self.par.tp))
+        local = self.par.local
+        send = sum(self.roof.op_time(o) for o in pipeline_sends(self.spec, local(sum(n for _, n in rows)), self.par))
+        head = self.roof.op_time(lm_head(self.spec, local(len(rows)), self.fm, self.par.tp))
         body = (total - head - send) / pp
         return [body + send / (pp - 1)] * (pp - 1) + [body + head]
 
     def roofline_time(self, rows: list[tuple[int, int]]) -> float:
         """Seconds for one forward over rows of (past, new) tokens on the roofline: the token part plus the
-        per-sequence ops, whose work adds up over the rows before each op's max(compute, memory)."""
-        absorbed = all(n == 1 for _, n in rows)
-        total = self._per_token(sum(n for _, n in rows), len(rows), absorbed)
-        total += self.roof.request_overhead_s * sum(1 for p, _ in rows if p == 0)  # once per request (its TTFT)
+        per-sequence ops, whose work adds up over the rows before each op's max(compute, memory). With expert
+        parallel: the busiest GPU's share, 1/ep of the rows' tokens, sequences (rounded up) and work."""
+        absorbed, local, ep = all(n == 1 for _, n in rows), self.par.local, self.par.ep
+        total = self._per_token(local(sum(n for _, n in rows)), local(len(rows)), absorbed)
+        total += self.roof.request_overhead_s * local(sum(1 for p, _ in rows if p == 0))  # once per request (TTFT)
         pasts = [p for p, n in rows if n == 1]
-        decode = self._decode_work(pasts, absorbed)  # (ops, 2): FLOPs, bytes
+        decode = self._decode_work(pasts, absorbed) / ep  # (ops, 2): FLOPs, bytes
         chunks = [self._row(p, n, absorbed) for p, n in rows if n > 1]
         if not chunks:
             return total + self._timed(decode, self._fixed[absorbed, False], True)
-        chunk = sum(chunks)
+        chunk = sum(chunks) / ep
         if not pasts:
             return total + self._timed(chunk, self._fixed[absorbed, True], True)
         if self._same_kernels(absorbed):  # one op each, as run_mix merges them
@@ -149,7 +155,8 @@ class StepClock:
 
     def _per_token(self, tokens: int, seqs: int, absorbed: bool) -> float:
         """The per-token ops (projections, MLPs, experts, embedding, links) and the LM head, plus the device's
-        fixed step cost: identical layers timed once and counted (time_ops on the whole list took 8 ms)."""
+        fixed step cost: identical layers timed once and counted (time_ops on the whole list took 8 ms). `tokens`
+        and `seqs` are one GPU's."""
         key = (tokens, absorbed)
         if key not in self._token_part:
             st, tp = Step(1, 0, tokens), self.par.tp
@@ -157,7 +164,7 @@ class StepClock:
             t = step_overhead(self.spec, self.roof.device, kernel)
             t += self.roof.op_time(embedding(self.spec, tokens, self.fm))
             for layer, count in self._layers:
-                ops = layer_ops(0, layer, self.spec, st, self.fm, tp, absorbed)
+                ops = layer_ops(0, layer, self.spec, st, self.fm, tp, absorbed, self.par.ep)
                 t += count * sum(self.roof.op_time(o) for o in ops if o.kind not in PER_SEQUENCE)
             t += sum(self.roof.op_time(o) for o in pipeline_sends(self.spec, tokens, self.par))
             self._token_part[key] = t
@@ -208,12 +215,12 @@ class StepClock:
 
 @dataclass
 class Pool:
-    """The KV pool one GPU holds: bytes per block, and how many blocks fit."""
+    """The KV pool: bytes per block, and how many blocks fit (on one GPU; with expert parallel, on all ep)."""
 
     block_size: int
     block_bytes: int
     n_blocks: int
-    available_bytes: int  # after weights, reserve and SSM state
+    available_bytes: int  # per GPU, after weights, reserve and SSM state
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -222,7 +229,8 @@ class Pool:
 def kv_pool(spec: ModelSpec, fm: Formats, par: Parallel, memory_bytes: int, reserve_bytes: int,
             block_size: int = 16, max_batch: int = 256, kv_memory: int | None = None) -> Pool:
     """Blocks of `block_size` tokens on the busiest GPU: `kv_memory` if given, else its memory less the
-    reserve, its share of the weights and SSM state for `max_batch` sequences."""
+    reserve, its share of the weights and SSM state for `max_batch` sequences; with expert parallel, ep such
+    GPUs' blocks."""
     stages = pipeline_stages(spec.n_layers, par.pp)
     per_token = max(sum(token_bytes(spec.layers[i], fm.kv, par.tp) for i in s) for s in stages)
     if per_token == 0:
@@ -236,7 +244,7 @@ def kv_pool(spec: ModelSpec, fm: Formats, par: Parallel, memory_bytes: int, rese
         raise KvwallError(f"no room for the KV cache: {max(kv_memory, 0):,} B left per GPU, one block of "
                           f"{block_size} tokens takes {block:,} B; use more GPUs (--tp), a smaller --kv-format, "
                           "or a smaller --reserve")
-    return Pool(block_size, block, kv_memory // block, kv_memory)
+    return Pool(block_size, block, kv_memory // block * par.ep, kv_memory)
 
 
 def simulate(requests: list[Request], clock: StepClock, pool: Pool, chunk: int = 512, max_batch: int = 256,
@@ -251,8 +259,8 @@ def simulate(requests: list[Request], clock: StepClock, pool: Pool, chunk: int =
     sends its next micro-batch when its last one has left the last stage, and a stage works on one
     micro-batch at a time (`Pipeline`). Stages sit idle (the bubble) while fewer than pp schedulers have
     work. With pp = 1 it is one scheduler whose steps follow each other."""
-    pipe = Pipeline(clock.par.pp)
-    engines = [Scheduler(pool.n_blocks, pool.block_size, chunk, max_batch) for _ in range(pipe.pp)]
+    pipe, ep = Pipeline(clock.par.pp), clock.par.ep  # ep data-parallel GPUs: their limits add up
+    engines = [Scheduler(pool.n_blocks, pool.block_size, chunk * ep, max_batch * ep) for _ in range(pipe.pp)]
     for e in engines[1:]:
         e.pool = engines[0].pool  # one pool: a free block goes to whichever micro-batch needs it
     clients = Clients(deque(sorted(requests, key=lambda r: r.arrival_s)), concurrency)

@@ -61,6 +61,10 @@ def add_parallel(p: argparse.ArgumentParser, auto: bool = False) -> None:
                    help=f"tensor-parallel GPUs (default {default})")
     p.add_argument("--pp", type=whole(1, 1 << 16), default=None if auto else 1, metavar="N",
                    help="pipeline-parallel stages (default 1)")
+    p.add_argument("--ep", type=whole(1, 1 << 16), default=None if auto else 1, metavar="N",
+                   help="expert parallel over N GPUs per stage: each holds the non-expert weights and serves 1/N "
+                        "of the batch, the routed experts split whole over them, all-to-all per MoE layer "
+                        "(default 1; not with --tp)")
 
 
 def add_json(p: argparse.ArgumentParser) -> None:
@@ -108,9 +112,9 @@ def model_and_formats(arg: str, args: argparse.Namespace) -> tuple[ModelSpec, Fo
 
 
 def parallel(args: argparse.Namespace) -> Parallel:
-    return Parallel(getattr(args, "tp", None) or 1, getattr(args, "pp", None) or 1)
+    return Parallel(*(getattr(args, k, None) or 1 for k in ("tp", "pp", "ep")))
 
 
 def auto_parallel(args: argparse.Namespace) -> bool:
-    """Neither --tp nor --pp given: each point runs on the smallest tensor-parallel group that fits."""
-    return getattr(args, "tp", 1) is None and getattr(args, "pp", 1) is None
+    """None of --tp, --pp, --ep given: each point runs on the smallest tensor-parallel group that fits."""
+    return all(getattr(args, k, 1) is None for k in ("tp", "pp", "ep"))

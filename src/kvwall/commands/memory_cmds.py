@@ -231,7 +231,7 @@ def _print_memory(data: dict, rep, spec, fm, device, args) -> None:
     w, cache = rep.per_gpu()
     ctx = rep.context
     c = console()
-    par = f", tp={rep.parallel.tp} pp={rep.parallel.pp}" if rep.parallel.gpus > 1 else ""
+    par = f", {rep.parallel.label()}" if rep.parallel.gpus > 1 else ""
     c.print(f"[bold]{spec.name}[/bold]: batch {args.batch} x {fmt_tokens(ctx)} tokens; weights {fm.weights.label}, "
             f"KV {fm.kv.label}, state {fm.state.label}{par}")
     rows = [["weights", fmt_bytes(rep.weight_bytes), f"{rep.weight_bytes:,}"],
@@ -341,7 +341,7 @@ def cmd_fit(args) -> int:
     par = common.parallel(args)
     res = fit(spec, mem_bytes, batch=None if ctx else (args.batch or 1), context=ctx, formats=fm, parallel=par,
               reserve_bytes=parse_reserve(args.reserve, mem_bytes), block_size=args.block_size)
-    data = res.as_dict() | {"model": spec.name, "device": where, "formats": fm.as_dict(), "tp": par.tp, "pp": par.pp,
+    data = res.as_dict() | {"model": spec.name, "device": where, "formats": fm.as_dict(), **par.as_dict(),
                             "model_max_context": spec.max_context, "notes": list(spec.notes) + notes}
     return common.emit(args, data, lambda data: _print_fit(data, res, spec, fm, par))
 
@@ -350,7 +350,7 @@ def _print_fit(data: dict, res, spec, fm, par) -> int:
     """The verdict in words; 1 when the weights do not fit (the exit status of `kvwall fit`)."""
     c = console()
     where, mem_bytes, ctx = data["device"], res.memory_bytes, res.context
-    gpus = f" x {par.gpus} GPUs (tp={par.tp}, pp={par.pp})" if par.gpus > 1 else ""
+    gpus = f" x {par.gpus} GPUs ({par.label()})" if par.gpus > 1 else ""
     c.print(f"[bold]{spec.name}[/bold] on {where}{gpus}; weights {fm.weights.label}, KV {fm.kv.label}")
     c.print(f"per GPU: {mem_bytes / 1e9:g} GB = {fmt_bytes(mem_bytes)} memory - {fmt_bytes(res.reserve_bytes)} reserve - "
             f"{fmt_bytes(res.weight_bytes)} weights = {fmt_bytes(max(res.available_bytes, 0))} for the cache")

@@ -16,7 +16,7 @@ from kvwall.predict.fit import parse_reserve
 from kvwall.report.tables import console, table
 from kvwall.units import fmt_bytes, parse_bytes, real, seconds_arg, whole
 
-SWEEPABLE = {"tp": "tp", "pp": "pp", "kv-format": "kv_format", "weight-format": "weight_format",
+SWEEPABLE = {"tp": "tp", "pp": "pp", "ep": "ep", "kv-format": "kv_format", "weight-format": "weight_format",
              "max-batch": "max_batch", "chunk": "chunk", "rate": "rate", "concurrency": "concurrency"}
 RATE_RANGE = (0.01, 10_000.0)  # requests per second searched by --find-rate
 
@@ -99,7 +99,7 @@ def _grid(args) -> list[argparse.Namespace]:
 
 def _typed(key: str, value: str):
     parse = {"rate": real(0, 1e6, lo_open=True), "concurrency": whole(1, 1 << 20)}.get(key)
-    if key in ("tp", "pp", "max-batch", "chunk"):
+    if key in ("tp", "pp", "ep", "max-batch", "chunk"):
         parse = whole(1, 1 << 20)
     try:
         return parse(value) if parse else value
@@ -114,7 +114,7 @@ def _point(args) -> dict:
 
     spec, fm, notes = common.model_and_formats(args.model, args)
     par = common.parallel(args)
-    roof = roof_from(args, spec, fm, par.tp)
+    roof = roof_from(args, spec, fm, par.group)
     memory_bytes = roof.device.memory_bytes
     kv = parse_bytes(args.kv_memory, "--kv-memory") if args.kv_memory else None
     pool = sim.kv_pool(spec, fm, par, memory_bytes, parse_reserve(args.reserve, memory_bytes), args.block_size,
@@ -137,7 +137,7 @@ def _point(args) -> dict:
         last["latencies"] = {"TTFT": [r.ttft for r in run["records"]], "TPOT": [r.tpot for r in run["records"]]}
         return sim.report(run, args.slo_ttft, args.slo_tpot)
 
-    out = {"label": args.label, "model": spec.name, "device": roof.device.name, "tp": par.tp, "pp": par.pp,
+    out = {"label": args.label, "model": spec.name, "device": roof.device.name, **par.as_dict(),
            "formats": fm.as_dict(), "pool": pool.as_dict(), "chunk": args.chunk, "max_batch": args.max_batch,
            "split_prefill": args.split_prefill, "roof": describe(roof),
            "assumptions": sim.ASSUMPTIONS | roof.assumptions(), "notes": notes}
@@ -227,7 +227,7 @@ def _goodput(p: dict) -> str:
 
 def _per_gpu(p: dict):
     v = p.get("output_token_throughput")
-    return None if v is None else v / (p["tp"] * p["pp"])
+    return None if v is None else v / p["gpus"]
 
 
 def _plot(points: list[dict], latencies: dict, path) -> None:

@@ -43,7 +43,7 @@ _IDEAL_KNOBS = ("compute_eff", "mem_eff", "link_latency")
 
 
 def roof_from(args, spec, fm, tp: int = 1) -> Roof:
-    """The roof the options describe for this model, formats and tensor-parallel group (the options' ranges
+    """The roof the options describe for this model, formats and collective group of `tp` GPUs (the options' ranges
     are checked by their argparse types)."""
     device = dev.get_device(args.device)
     dtype = args.compute_dtype or default_compute_dtype(fm)
@@ -110,7 +110,7 @@ def cmd_roofline(args) -> int:
     plot = _plot_path(args)
     spec, fm, notes = common.model_and_formats(args.model, args)
     par = common.parallel(args)
-    roof = roof_from(args, spec, fm, par.tp)
+    roof = roof_from(args, spec, fm, par.group)
     batches = parse_int_list(args.batch, "batch")
     ctx, prompt = parse_tokens(args.context, "context"), parse_tokens(args.prompt, "prompt")
     absorbed = None if args.mla is None else args.mla == "absorbed"
@@ -134,7 +134,7 @@ def cmd_roofline(args) -> int:
         ceiling = {"batch": mem.max_batch, "tokens_per_s_total": mem.max_batch / top.time_s, "tpot_s": top.time_s}
     data = {
         "mode": roof.mode, "mode_text": describe(roof), "fits": all(p["fits"] for p in phases),
-        "model": spec.name, "formats": fm.as_dict(), "tp": par.tp, "pp": par.pp, "context": ctx, "prompt": prompt,
+        "model": spec.name, "formats": fm.as_dict(), **par.as_dict(), "context": ctx, "prompt": prompt,
         "assumptions": roof.assumptions() | {"mla_decode": _mla_mode(spec, absorbed)},
         "phases": [{**{k: v for k, v in p.items() if k not in ("prefill", "decode")},
                     "prefill": p["prefill"].as_dict(), "decode": p["decode"].as_dict()} for p in phases],
@@ -186,7 +186,7 @@ def _print_roofline(data, phases, roof: Roof, args) -> None:
     """The phases, serving speed and decode ops as tables, then the compute-bound batch and the ceiling."""
     c = console()
     a = data["assumptions"]
-    par = f", tp={data['tp']} pp={data['pp']}" if data["tp"] * data["pp"] > 1 else ""
+    par = f", {Parallel(data['tp'], data['pp'], data['ep']).label()}" if data["gpus"] > 1 else ""
     c.print(f"[bold]{data['model']}[/bold] on {roof.device.name}{par}: weights {data['formats']['weights']}, "
             f"KV {data['formats']['kv']}; prompt {fmt_tokens(data['prompt'])}, decode at context "
             f"{fmt_tokens(data['context'])}")
@@ -292,16 +292,14 @@ def _speed_row(name: str, args, contexts: list[int], prompt: int) -> tuple[dict,
         else:
             par = common.parallel(args)
         fits = fits_on(spec, roof.device.memory_bytes, par, batch=args.batch, context=context, formats=fm)
-        return {"context": context, "tp": par.tp, "pp": par.pp, "gpus": par.gpus, "fits": fits}
+        return {"context": context, **par.as_dict(), "fits": fits}, par
 
-    first = point(prompt)
-    ttft = prefill(spec, prompt, args.batch, fm, roof_from(args, spec, fm, first["tp"]),
-                   Parallel(first["tp"], first["pp"])).time_s
+    first, par = point(prompt)
+    ttft = prefill(spec, prompt, args.batch, fm, roof_from(args, spec, fm, par.group), par).time_s
     per_ctx = []
     for c in contexts:
-        r = point(c)
-        r["tpot_s"] = decode(spec, c, args.batch, fm, roof_from(args, spec, fm, r["tp"]),
-                             Parallel(r["tp"], r["pp"])).time_s
+        r, par = point(c)
+        r["tpot_s"] = decode(spec, c, args.batch, fm, roof_from(args, spec, fm, par.group), par).time_s
         r["tokens_per_s"] = 1 / r["tpot_s"]
         per_ctx.append(r)
     fits = all(r["fits"] for r in per_ctx)

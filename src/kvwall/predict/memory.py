@@ -51,16 +51,42 @@ class Formats:
 
 @dataclass(frozen=True)
 class Parallel:
+    """How a model is spread over GPUs: tp splits every layer's matrices; pp runs contiguous runs of layers
+    one after another; ep > 1 (expert parallel, DeepSeek-V3's deployment): each of ep GPUs per stage holds
+    every non-expert weight and serves its own 1/ep of the batch (data-parallel attention), and the routed
+    experts are split whole over the ep GPUs, tokens sent to them and back by all-to-all."""
+
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
-        if self.tp < 1 or self.pp < 1:
-            raise KvwallError(f"tensor/pipeline parallel sizes must be at least 1 (got tp={self.tp}, pp={self.pp})")
+        if self.tp < 1 or self.pp < 1 or self.ep < 1:
+            raise KvwallError(f"parallel sizes must be at least 1 (got tp={self.tp}, pp={self.pp}, ep={self.ep})")
+        if self.ep > 1 and self.tp > 1:
+            raise KvwallError(f"--ep {self.ep} runs attention data-parallel, whole on each GPU; tensor parallel inside "
+                              "it is not modelled: use --tp or --ep, not both")
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.ep
+
+    @property
+    def group(self) -> int:
+        """GPUs per stage that take part in each collective: the tp all-reduce's or the ep all-to-all's."""
+        return self.tp * self.ep
+
+    def local(self, seqs: int) -> int:
+        """Sequences (or tokens) on the busiest of the ep data-parallel GPUs when `seqs` split evenly."""
+        return -(-seqs // self.ep)
+
+    def as_dict(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "gpus": self.gpus}
+
+    def label(self) -> str:
+        """"tp=2 pp=4", "ep=8": the sizes above 1 (tp=1 alone)."""
+        sizes = [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v > 1]
+        return " ".join(sizes) or "tp=1"
 
 
 # -- per layer, per sequence (each mixer kind owns its rule: predict/mixers) ------
@@ -89,9 +115,11 @@ def _param_bytes(params: float, fmt: Format) -> int:
     return int(-(-params * fmt.bytes_per_element() // 1))
 
 
-def layer_weight_bytes(layer: Layer, spec: ModelSpec, fmt: Format, tp: int = 1) -> int:
-    """One GPU's share of a layer's weights: each mixer's sharding rule for its matrices, norms replicated."""
-    mats = sum(mixers.of(m).shard_params(m, spec.hidden, tp) for m in (layer.mixer, layer.ffn) if m is not None)
+def layer_weight_bytes(layer: Layer, spec: ModelSpec, fmt: Format, tp: int = 1, ep: int = 1) -> int:
+    """One GPU's share of a layer's weights: each mixer's sharding rule for its matrices (a channel mixer's for
+    expert parallel too), norms replicated."""
+    mats = mixers.of(layer.mixer).shard_params(layer.mixer, spec.hidden, tp) if layer.mixer is not None else 0
+    mats += mixers.of(layer.ffn).shard_params(layer.ffn, spec.hidden, tp, ep) if layer.ffn is not None else 0
     return _param_bytes(mats, fmt) + _param_bytes(layer.norm_params, keep_16bit(fmt))
 
 
@@ -115,7 +143,7 @@ class LayerMemory:
     weight_bytes: int
     token_bytes: int  # per token of context, per sequence
     tokens_held: int  # per sequence, after the window
-    cache_bytes: int  # for the whole batch (paged: allocated)
+    cache_bytes: int  # for the busiest GPU's share of the batch (all of it but with --ep; paged: allocated)
     fixed_bytes: int  # per sequence
 
     def as_dict(self) -> dict:
@@ -143,7 +171,7 @@ class MemoryReport:
     @property
     def cache_bytes(self) -> int:
         """The whole batch's cache, all GPUs together (replicated copies counted once per GPU)."""
-        return sum(l.cache_bytes for l in self.layers) * self.parallel.tp
+        return sum(l.cache_bytes for l in self.layers) * self.parallel.tp * self.batch // self.parallel.local(self.batch)
 
     @property
     def cache_used_bytes(self) -> int:
@@ -178,8 +206,7 @@ class MemoryReport:
         w, c = self.per_gpu()
         return {
             "model": self.spec.name, "batch": self.batch, "context": self.context,
-            "formats": self.formats.as_dict(), "tp": self.parallel.tp, "pp": self.parallel.pp,
-            "block_size": self.block_size,
+            "formats": self.formats.as_dict(), **self.parallel.as_dict(), "block_size": self.block_size,
             "params": self.spec.params(), "active_params": self.spec.active_params(),
             "weight_bytes": self.weight_bytes, "cache_bytes": self.cache_bytes,
             "cache_used_bytes": self.cache_used_bytes, "cache_waste_bytes": self.cache_bytes - self.cache_used_bytes,
@@ -222,10 +249,11 @@ def memory(spec: ModelSpec, *, batch: int = 1, context: int = 4096, formats: For
         tb = token_bytes(layer, formats.kv, par.tp)
         held = tokens_held(layer, context)
         fb = fixed_bytes(layer, formats.state, par.tp)
-        cache = batch * (tb * round_to_blocks(held, block_size) + fb)
+        cache = par.local(batch) * (tb * round_to_blocks(held, block_size) + fb)  # on the busiest GPU
         kind = mixers.of(layer.mixer).label(layer.mixer) if layer.mixer is not None else (
             layer.ffn.kind if layer.ffn else "identity")
-        layers.append(LayerMemory(i, kind, layer_weight_bytes(layer, spec, formats.weights, par.tp), tb, held, cache, fb))
+        layers.append(LayerMemory(i, kind, layer_weight_bytes(layer, spec, formats.weights, par.tp, par.ep), tb, held,
+                                  cache, fb))
     emb, head = embedding_bytes(spec, formats.weights, par.tp)
     _check_sizes(layers, emb, head)
     return MemoryReport(spec, batch, context, formats, par, block_size, layers, emb, head,

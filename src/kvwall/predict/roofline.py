@@ -17,7 +17,9 @@ expected one from the same fields):
 * tensor parallel adds one ring all-reduce per block: 2 (tp-1)/tp x bytes over
   the interconnect plus a fixed latency; pipeline parallel runs stages one
   after another for one batch (no micro-batch overlap) and adds one
-  point-to-point transfer of the activations between stages.
+  point-to-point transfer of the activations between stages; expert parallel
+  times the busiest GPU's share of the batch and adds an all-to-all dispatch
+  and combine per MoE layer (predict/mixers/moe.py), each with the fixed latency.
 """
 
 from __future__ import annotations
@@ -174,14 +176,16 @@ class PhaseResult:
 def run_step(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Parallel | None = None,
              name: str = "step", mla_absorbed: bool | None = None) -> PhaseResult:
     """Time one step on the roofline; with pipeline parallel, stages run one after another."""
-    return time_ops(spec, step, step_ops(spec, step, fm, (par or Parallel()).tp, mla_absorbed), roof, par, name)
+    par = par or Parallel()
+    return time_ops(spec, step, step_ops(spec, step, fm, par.tp, mla_absorbed, par.ep), roof, par, name)
 
 
 def run_mix(spec: ModelSpec, groups: list[Step], fm: Formats, roof: Roof, par: Parallel | None = None,
             name: str = "mixed step") -> PhaseResult:
     """Time one continuous-batching step: prefill chunks and decode tokens of different sequences in one
     forward (`mixed_ops`). Its `step` reports the sequences, their mean past and new tokens."""
-    ops = mixed_ops(spec, groups, fm, (par or Parallel()).tp)
+    par = par or Parallel()
+    ops = mixed_ops(spec, groups, fm, par.tp, par.ep)
     seqs, tokens = sum(g.batch for g in groups), sum(g.tokens for g in groups)
     past = sum(g.batch * g.past for g in groups) // seqs
     return time_ops(spec, Step(seqs, past, tokens / seqs), ops, roof, par, name)
@@ -199,7 +203,7 @@ def pipeline_sends(spec: ModelSpec, tokens: int, par: Parallel) -> list[Op]:
 def time_ops(spec: ModelSpec, step: Step, ops: list[Op], roof: Roof, par: Parallel | None, name: str) -> PhaseResult:
     """The step's ops on the roofline, one after another, plus the device's fixed cost per step."""
     par = par or Parallel()
-    ops.extend(pipeline_sends(spec, step.tokens, par))
+    ops.extend(pipeline_sends(spec, par.local(step.tokens), par))
     overhead = step_overhead(spec, roof.device, weights_kernel(ops))
     per_op, total = [], overhead
     for op in ops:
@@ -276,12 +280,13 @@ def pipelined(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Paralle
     if m < 1 or step.batch % m:
         raise KvwallError(f"{m} micro-batches do not split a batch of {step.batch}; pick a divisor of the batch")
     micro = Step(step.batch // m, step.past, step.new)
-    ops = step_ops(spec, micro, fm, par.tp)
+    ops = step_ops(spec, micro, fm, par.tp, ep=par.ep)
     stage_of = {i: s for s, layers in enumerate(pipeline_stages(spec.n_layers, pp)) for i in layers}
     stages = [0.0] * pp
     for k, op in enumerate(ops):  # embedding (first op) on the first stage, the LM head (last) on the last
         stages[stage_of.get(op.layer, 0 if k == 0 else pp - 1)] += roof.op_time(op)
-    send = roof.op_time(Op("pipeline send", None, link_bytes=micro.tokens * spec.hidden * ACT_BYTES, kind=LINK))
+    send = roof.op_time(Op("pipeline send", None, link_bytes=par.local(micro.tokens) * spec.hidden * ACT_BYTES,
+                           kind=LINK))
     slowest = max(stages) + (send if pp > 1 else 0.0)
     fixed = step_overhead(spec, roof.device, weights_kernel(ops))
     total = (m + pp - 1) * slowest + fixed

@@ -107,10 +107,10 @@ def per_head(name: str, layer: int, tokens: int, heads: int, n_in: int, n_out: i
               act_bytes=tokens * heads * (n_in + n_out) * ACT_BYTES, rows=tokens)
 
 
-def split(n: int, tp: int, what: str) -> int:
-    """n split tp ways, or a one-line error naming what does not divide."""
+def split(n: int, tp: int, what: str, by: str = "tp") -> int:
+    """n split tp ways, or a one-line error naming what does not divide (`by`: the option that splits it)."""
     from kvwall.errors import KvwallError
 
     if n % tp:
-        raise KvwallError(f"tp={tp} does not divide the {n} {what}; pick a divisor")
+        raise KvwallError(f"{by}={tp} does not divide the {n} {what}; pick a divisor")
     return n // tp

@@ -1,4 +1,5 @@
-"""Dense feed-forward (gated: gate, up, down; plain: up, down). Tensor parallel splits d_ff."""
+"""Dense feed-forward (gated: gate, up, down; plain: up, down). Tensor parallel splits d_ff; expert parallel
+leaves a dense MLP whole on every GPU (each runs it on its own tokens)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ from kvwall.predict.step import ACT_BYTES, Op, Step, matmul
 from kvwall.spec.model import MLP
 
 
-def shard_params(f: MLP, hidden: int, tp: int) -> float:
+def shard_params(f: MLP, hidden: int, tp: int, ep: int = 1) -> float:
     return f.params(hidden) / tp
 
 
-def ops(i: int, f: MLP, spec, st: Step, fm, tp: int, name: str = "mlp") -> list[Op]:
+def ops(i: int, f: MLP, spec, st: Step, fm, tp: int, ep: int = 1, name: str = "mlp") -> list[Op]:
     mats = 3 if f.gated else 2
     op = matmul(name, i, st.tokens, spec.hidden, f.d_ff / tp, fm.weights)
     op.flops *= mats
