@@ -75,6 +75,7 @@ class StepClock:
         self._mixers = list(Counter(layer.mixer for layer in spec.layers if layer.mixer is not None).items())
         self._layers = list(Counter(spec.layers).items())
         self._token_part: dict[tuple[int, bool], float] = {}
+        self._head: dict[int, float] = {}  # the LM head's time by sequences
         self._rows: dict[tuple[int, int, bool], np.ndarray] = {}  # prefill chunks: (past, new, absorbed)
         self._decode: dict[bool, tuple[np.ndarray, np.ndarray]] = {}  # decode rows by past: table, filled
         self._fixed: dict[tuple[bool, bool], tuple[list, list]] = {}  # (absorbed, prefill): layer counts, ops
@@ -122,12 +123,16 @@ class StepClock:
         """Seconds for one forward over rows of (past, new) tokens on the roofline: the token part plus the
         per-sequence ops, whose work adds up over the rows before each op's max(compute, memory). With expert
         parallel: the busiest GPU's share, 1/ep of the rows' tokens, sequences (rounded up) and work."""
-        absorbed, local, ep = all(n == 1 for _, n in rows), self.par.local, self.par.ep
-        total = self._per_token(local(sum(n for _, n in rows)), local(len(rows)), absorbed)
-        total += self.roof.request_overhead_s * local(sum(1 for p, _ in rows if p == 0))  # once per request (TTFT)
+        local, ep = self.par.local, self.par.ep
         pasts = [p for p, n in rows if n == 1]
-        decode = self._decode_work(pasts, absorbed) / ep  # (ops, 2): FLOPs, bytes
-        chunks = [self._row(p, n, absorbed) for p, n in rows if n > 1]
+        absorbed = len(pasts) == len(rows)
+        chunks = [] if absorbed else [self._row(p, n, absorbed) for p, n in rows if n > 1]
+        tokens = len(pasts) + (sum(n for _, n in rows if n > 1) if chunks else 0)
+        total = self._per_token(local(tokens), local(len(rows)), absorbed)
+        if self.roof.request_overhead_s:  # once per request (its TTFT)
+            total += self.roof.request_overhead_s * local(sum(1 for p, _ in rows if p == 0))
+        decode = self._decode_work(pasts, absorbed)  # (ops, 2): FLOPs, bytes
+        decode = decode / ep if ep > 1 else decode
         if not chunks:
             return total + self._timed(decode, self._fixed[absorbed, False], True)
         chunk = sum(chunks) / ep
@@ -168,8 +173,9 @@ class StepClock:
                 t += count * sum(self.roof.op_time(o) for o in ops if o.kind not in PER_SEQUENCE)
             t += sum(self.roof.op_time(o) for o in pipeline_sends(self.spec, tokens, self.par))
             self._token_part[key] = t
-        head = self.roof.op_time(lm_head(self.spec, seqs, self.fm, self.par.tp))
-        return self._token_part[key] + head
+        if seqs not in self._head:
+            self._head[seqs] = self.roof.op_time(lm_head(self.spec, seqs, self.fm, self.par.tp))
+        return self._token_part[key] + self._head[seqs]
 
     def _decode_work(self, pasts: list[int], absorbed: bool) -> np.ndarray | float:
         """The decode rows' per-sequence work, summed: one numpy gather from a table filled per past on first use
