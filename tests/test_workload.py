@@ -81,3 +81,38 @@ def test_percentile_matches_numpy():
     for p in (0, 50, 90, 99, 100):
         assert percentile(xs, p) == pytest.approx(float(np.percentile(xs, p)))
     assert percentile([], 50) is None
+
+
+def test_shared_prefix_goes_before_each_prompt():
+    from kvwall.workload import with_shared_prefix
+
+    reqs = with_shared_prefix([Request(0, 0.0, 10, 4), Request(1, 0.5, 3, 2)], 32)
+    assert [(r.prompt_tokens, r.shared_tokens, r.output_tokens) for r in reqs] == [(42, 32, 4), (35, 32, 2)]
+    assert with_shared_prefix(reqs, 0) == reqs
+    with pytest.raises(KvwallError, match="shared prefix"):
+        with_shared_prefix(reqs, -1)
+
+
+def test_loadtest_prompts_share_their_first_words():
+    from kvwall.measure.loadtest import Load, prompts
+
+    plain = prompts(Load("http://x", "m", 3, prompt_tokens=5))
+    shared = prompts(Load("http://x", "m", 3, prompt_tokens=5, shared_prefix=4))
+    words = [p.split() for p in shared]
+    assert all(len(w) == 9 for w in words) and words[0][:4] == words[1][:4] == words[2][:4]
+    assert len({" ".join(w[4:]) for w in words}) == 3  # each its own 5 words after the prefix
+    assert [len(p.split()) for p in plain] == [5, 5, 5]
+
+
+def test_dataset_shared_tokens(tmp_path):
+    from kvwall.workload import with_shared_prefix
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt_tokens": 40, "output_tokens": 2, "shared_tokens": 32}\n'
+                    '{"prompt_tokens": 9, "output_tokens": 2}\n')
+    reqs = load_dataset(path)
+    assert [r.shared_tokens for r in reqs] == [32, 0]
+    assert [(r.prompt_tokens, r.shared_tokens) for r in with_shared_prefix(reqs, 16)] == [(56, 48), (25, 16)]
+    path.write_text('{"prompt_tokens": 4, "output_tokens": 2, "shared_tokens": 5}\n')
+    with pytest.raises(KvwallError, match="line 1: shared_tokens must be"):
+        load_dataset(path)

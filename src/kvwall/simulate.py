@@ -14,7 +14,8 @@ Assumptions, stated in every output (`ASSUMPTIONS`):
   SSM state is preallocated for `max_batch` sequences;
 * a step is one forward over all its rows (vLLM's way; `split_prefill=True` runs the decode rows in one
   forward and the prefill chunks in one per length, as kvwall serve does: serve.scheduler.forward_groups);
-* prompts share no prefix (no prefix-cache hits); every request runs to its output length (no stop);
+* prompts share only a declared common prefix (`--shared-prefix`: kvwall serve's prefix cache then skips its
+  full blocks, while they stay in the pool); every request runs to its output length (no stop);
 * with pipeline parallel, up to pp micro-batches are in flight (pp schedulers, vLLM's virtual engines, over
   one shared pool); a step's time splits over the stages: the layers evenly, the LM head on the last stage;
 * with expert parallel, one scheduler over the ep GPUs' pools together (its batch and chunk limits ep times
@@ -51,7 +52,8 @@ ASSUMPTIONS = {
                    "row; 0 elsewhere",
     "pool_cost": "a calibrated `local` profile's paged pool cost (scatter, gather of each row's blocks padded to "
                  "the longest row, mask) per attention layer per forward, fixed + per byte gathered; 0 elsewhere",
-    "prefix_cache": "no shared prefixes; every request runs to its output length",
+    "prefix_cache": "only a declared shared prefix is shared (kvwall serve's prefix cache over sealed blocks); "
+                    "every request runs to its output length",
     "pipeline": "with pp stages, up to pp micro-batches in flight (pp schedulers over one shared pool, a new "
                 "request to the one with the fewest unfinished); layers split evenly, the LM head on the last stage",
     "expert_parallel": "with ep GPUs, one scheduler over their pools together (batch and chunk limits x ep); each "
@@ -314,7 +316,8 @@ def simulate(requests: list[Request], clock: StepClock, pool: Pool, chunk: int =
             on_step(t, finished)
     else:
         raise AssertionError(f"simulation still running after {MAX_STEPS} steps")
-    out = {"records": list(records.values()), "trace": trace, "preemptions": sum(e.preemptions for e in engines)}
+    out = {"records": list(records.values()), "trace": trace, "preemptions": sum(e.preemptions for e in engines),
+           "prefix_cached_tokens": engines[0].pool.hits * pool.block_size}
     return out | ({"pipeline_idle": pipe.idle(t)} if pipe.pp > 1 else {})
 
 
@@ -368,9 +371,11 @@ class Clients:
 
 
 def _job(r: Request) -> Job:
-    """The scheduler's request: distinct token ids (no prefix is shared), the output length as max_tokens."""
+    """The scheduler's request: its shared prefix's token ids (the same for every request: the prefix cache finds
+    them), then ids of its own, the output length as max_tokens."""
     base = (r.id + 1) << 32
-    return Job(r.id, list(range(base, base + r.prompt_tokens)), r.output_tokens)
+    own = r.prompt_tokens - r.shared_tokens
+    return Job(r.id, list(range(r.shared_tokens)) + list(range(base, base + own)), r.output_tokens)
 
 
 def _step_time(clock: StepClock, rows: list[tuple[int, int]], split_prefill: bool) -> float:
@@ -388,6 +393,7 @@ def report(run: dict, slo_ttft: float | None = None, slo_tpot: float | None = No
     every = max(1, math.ceil(len(trace) / points))
     keep = trace[::every] + ([trace[-1]] if trace and (len(trace) - 1) % every else [])
     return {**summarize(run["records"], slo_ttft, slo_tpot), "steps": len(trace), "preemptions": run["preemptions"],
+            "prefix_cached_tokens": run.get("prefix_cached_tokens", 0),
             **({"pipeline_idle": run["pipeline_idle"]} if "pipeline_idle" in run else {}),
             "trace": [dict(zip(("time_s", "running", "waiting", "blocks_used", "preempted"), row)) for row in keep]}
 

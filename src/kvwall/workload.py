@@ -19,7 +19,7 @@ import json
 import math
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvwall.errors import KvwallError
@@ -77,6 +77,7 @@ class Request:
     prompt_tokens: int
     output_tokens: int
     prompt: str | None = None  # the text, when a dataset gives one
+    shared_tokens: int = 0  # leading prompt tokens every request has in common (a system prompt), in prompt_tokens
 
 
 def stream(n: int, prompt: Lengths, output: Lengths, rate: float | None = None, seed: int = 0) -> list[Request]:
@@ -93,9 +94,19 @@ def stream(n: int, prompt: Lengths, output: Lengths, rate: float | None = None, 
     return out
 
 
+def with_shared_prefix(requests: list[Request], tokens: int) -> list[Request]:
+    """Every prompt begins with the same `tokens` tokens (a system prompt), put before its own: vLLM's
+    benchmark convention (its random dataset's prefix length is added to the input length)."""
+    if not (isinstance(tokens, int) and 0 <= tokens <= 2**31):
+        raise KvwallError(f"bad shared prefix {tokens!r}: give a whole number of tokens >= 0")
+    return [replace(r, prompt_tokens=r.prompt_tokens + tokens, shared_tokens=r.shared_tokens + tokens)
+            for r in requests] if tokens else requests
+
+
 def load_dataset(path: str | Path, n: int | None = None, rate: float | None = None, seed: int = 0) -> list[Request]:
     """Requests from a JSONL file, one object a line: {"prompt": text} or {"prompt_tokens": N}, and
-    {"output_tokens": M}, optionally {"arrival_s": T} (a recorded trace: replayed as recorded, `rate` ignored).
+    {"output_tokens": M}, optionally {"arrival_s": T} (a recorded trace: replayed as recorded, `rate` ignored)
+    and {"shared_tokens": S} (its first S prompt tokens are the same as every other request's first S).
     A malformed line is a one-line error naming it. Without recorded arrivals: as in `stream`."""
     path = Path(path)
     try:
@@ -106,15 +117,15 @@ def load_dataset(path: str | Path, n: int | None = None, rate: float | None = No
     if not rows:
         raise KvwallError(f"dataset {path} has no requests; write one JSON object per line")
     rows = rows[:n] if n else rows
-    recorded = [t for *_, t in rows if t is not None]
+    recorded = [t for _, _, _, t, _ in rows if t is not None]
     if recorded and len(recorded) < len(rows):
         raise KvwallError(f"dataset {path}: some lines have arrival_s and some do not; give it on every line or none")
     if not recorded:
         recorded = [r.arrival_s for r in stream(len(rows), Lengths("fixed", 1), Lengths("fixed", 1), rate, seed)]
-    return [Request(i, t, p, o, text) for i, (t, (p, o, text, _)) in enumerate(zip(recorded, rows))]
+    return [Request(i, t, p, o, text, shared) for i, (t, (p, o, text, _, shared)) in enumerate(zip(recorded, rows))]
 
 
-def _row(path: Path, k: int, line: str) -> tuple[int, int, str | None, float | None]:
+def _row(path: Path, k: int, line: str) -> tuple[int, int, str | None, float | None, int]:
     where = f"dataset {path} line {k}"
     try:
         obj = json.loads(line)
@@ -131,7 +142,10 @@ def _row(path: Path, k: int, line: str) -> tuple[int, int, str | None, float | N
     at = obj.get("arrival_s")
     if at is not None and not (isinstance(at, (int, float)) and not isinstance(at, bool) and 0 <= at < 1e9):
         raise KvwallError(f"{where}: arrival_s must be a time in seconds >= 0, got {at!r}")
-    return tokens, out, text if isinstance(text, str) else None, None if at is None else float(at)
+    shared = obj.get("shared_tokens", 0)
+    if not (isinstance(shared, int) and not isinstance(shared, bool) and 0 <= shared <= tokens):
+        raise KvwallError(f"{where}: shared_tokens must be a whole number from 0 to prompt_tokens, got {shared!r}")
+    return tokens, out, text if isinstance(text, str) else None, None if at is None else float(at), shared
 
 
 def _check_count(n: int) -> None:

@@ -87,7 +87,8 @@ def test_completion_equals_a_solo_run_with_usage(server):
     assert r["object"] == "text_completion"
     assert r["choices"][0]["text"] == solo_text(model, tok, [1, 2, 3], 6)
     assert r["choices"][0]["finish_reason"] == "length"
-    assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9,
+                          "prompt_tokens_details": {"cached_tokens": 0}}  # 3 tokens fill no block of 4
     ids = httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": [1, 2, 3], "max_tokens": 6,
                                                      "temperature": 0}).json()
     assert ids["choices"][0]["text"] == r["choices"][0]["text"]
@@ -287,6 +288,25 @@ def test_loadtest_against_the_server(server, capsys, mode):
     assert 0 < d["ttft_s"]["p50"] <= d["e2e_s"]["p50"] and d["goodput"] == d["request_throughput"]
     assert main(["loadtest", base, "--model", "nope", "--concurrency", "1", "--requests", "1"]) == 2
     assert "HTTP 400" in capsys.readouterr().err
+
+
+def test_loadtest_shared_prefix_hits_the_prefix_cache(server, tmp_path, capsys):
+    """4 requests one after another, each its own 3 known words (distinct: nothing to share), then the same with 8
+    shared words before them (unknown words: one token each, w0; blocks of 4 tokens): the later requests take the
+    prefix's two blocks from the cache (usage's cached_tokens 8; the first may find them from earlier tests)."""
+    from kvwall.cli import main
+
+    base, _, _, _ = server
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"w{40 + 3 * i} w{41 + 3 * i} w{42 + 3 * i}"}) + "\n"
+                            for i in range(4)))
+    args = ["loadtest", base, "--model", NAME, "--concurrency", "1", "--requests", "4", "--dataset", str(data),
+            "--output-tokens", "2", "--json"]
+    assert main(args) == 0
+    assert [s["cached_tokens"] for s in json.loads(capsys.readouterr().out)["samples"]] == [0, 0, 0, 0]
+    assert main([*args, "--shared-prefix", "8"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [s["cached_tokens"] for s in d["samples"]][1:] == [8, 8, 8] and d["prompt_tokens"] == 4 * 11
 
 
 def test_percentiles_interpolate_like_numpy_docs():

@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=seconds_arg, default=120.0, help="per request (default 120s)")
     p.add_argument("--slo-ttft", type=seconds_arg, help="goodput counts requests with TTFT at most this, e.g. 1s")
     p.add_argument("--slo-tpot", type=seconds_arg, help="... and time per output token at most this, e.g. 100ms")
+    p.add_argument("--shared-prefix", type=whole(0, 1 << 20), default=0, metavar="WORDS",
+                   help="every prompt begins with the same WORDS random words (a system prompt), before its own "
+                        "(default 0)")
     p.add_argument("--dataset", metavar="JSONL", help='prompts, one {"prompt": "..."} per line, sent in turn')
     p.add_argument("--plot", metavar="PNG", help="latency CDFs (TTFT, TPOT, end to end)")
     p.add_argument("--api-key", metavar="KEY")
@@ -61,7 +64,7 @@ def cmd_loadtest(args) -> int:
     plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
     dataset = loadtest.read_dataset(args.dataset) if args.dataset else None
     load = loadtest.Load(args.url, args.model, args.requests, args.rate, args.concurrency, args.prompt_tokens,
-                         args.output_tokens, args.seed, args.timeout, args.api_key, dataset)
+                         args.output_tokens, args.seed, args.timeout, args.api_key, dataset, args.shared_prefix)
     if args.sweep:
         return _sweep(args, load, plot)
     data = _one(args, load)

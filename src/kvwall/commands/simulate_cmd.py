@@ -17,7 +17,8 @@ from kvwall.report.tables import console, table
 from kvwall.units import fmt_bytes, parse_bytes, real, seconds_arg, whole
 
 SWEEPABLE = {"tp": "tp", "pp": "pp", "ep": "ep", "kv-format": "kv_format", "weight-format": "weight_format",
-             "max-batch": "max_batch", "chunk": "chunk", "rate": "rate", "concurrency": "concurrency"}
+             "max-batch": "max_batch", "chunk": "chunk", "shared-prefix": "shared_prefix", "rate": "rate",
+             "concurrency": "concurrency"}
 RATE_RANGE = (0.01, 10_000.0)  # requests per second searched by --find-rate
 
 
@@ -37,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--kv-memory", metavar="SIZE", help="KV pool per GPU, e.g. 40GB (default: what is left)")
     mem.add_argument("--reserve", metavar="SIZE|%", help="memory kept free per GPU (default 10%%)")
+    p.add_argument("--shared-prefix", type=whole(0, 1 << 24), default=0, metavar="TOKENS",
+                   help="every prompt begins with the same TOKENS tokens (a system prompt), put before its own "
+                        "length; the prefix cache skips its full blocks (default 0)")
     p.add_argument("--chunk", type=whole(1, 1 << 20), default=512, help="token budget per step (default 512)")
     p.add_argument("--max-batch", type=whole(1, 1 << 16), default=256, help="requests running at once (default 256)")
     p.add_argument("--block-size", type=whole(1, 1 << 12), default=16, help="tokens per KV block (default 16)")
@@ -101,6 +105,8 @@ def _typed(key: str, value: str):
     parse = {"rate": real(0, 1e6, lo_open=True), "concurrency": whole(1, 1 << 20)}.get(key)
     if key in ("tp", "pp", "ep", "max-batch", "chunk"):
         parse = whole(1, 1 << 20)
+    if key == "shared-prefix":
+        parse = whole(0, 1 << 24)
     try:
         return parse(value) if parse else value
     except argparse.ArgumentTypeError as exc:
@@ -123,9 +129,11 @@ def _point(args) -> dict:
 
     def requests(rate):
         if args.dataset:
-            return workload.load_dataset(args.dataset, args.requests, rate, args.seed)
-        return workload.stream(args.requests, workload.parse_lengths(args.prompt_tokens, "--prompt-tokens"),
-                               workload.parse_lengths(args.output_tokens, "--output-tokens"), rate, args.seed)
+            reqs = workload.load_dataset(args.dataset, args.requests, rate, args.seed)
+        else:
+            reqs = workload.stream(args.requests, workload.parse_lengths(args.prompt_tokens, "--prompt-tokens"),
+                                   workload.parse_lengths(args.output_tokens, "--output-tokens"), rate, args.seed)
+        return workload.with_shared_prefix(reqs, args.shared_prefix)
 
     last = {}
 
@@ -139,7 +147,7 @@ def _point(args) -> dict:
 
     out = {"label": args.label, "model": spec.name, "device": roof.device.name, **par.as_dict(),
            "formats": fm.as_dict(), "pool": pool.as_dict(), "chunk": args.chunk, "max_batch": args.max_batch,
-           "split_prefill": args.split_prefill, "roof": describe(roof),
+           "split_prefill": args.split_prefill, "shared_prefix": args.shared_prefix, "roof": describe(roof),
            "assumptions": sim.ASSUMPTIONS | roof.assumptions(), "notes": notes}
     if args.find_rate:
         found = sim.find_rate(run_at, args.slo_ttft, args.slo_tpot, *RATE_RANGE)
@@ -204,6 +212,8 @@ def _print(data: dict) -> None:
         c.print(f"{p['completed']:,} requests in {p['duration_s']:,.1f} simulated s ({p['steps']:,} steps, "
                 f"{p['preemptions']:,} preemptions): {_per_s(p['request_throughput'])} req/s, "
                 f"{_per_s(p['output_token_throughput'])} output tok/s" + _goodput(p))
+        if p.get("prefix_cached_tokens"):
+            c.print(f"prefix cache: {p['prefix_cached_tokens']:,} prompt tokens taken from it, not computed")
         if "pipeline_idle" in p:
             c.print(f"pipeline: up to {p['pp']} micro-batches in flight; stages idle {p['pipeline_idle']:.0%} of the "
                     "time (the bubble, and waiting for work)")

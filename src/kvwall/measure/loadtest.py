@@ -47,6 +47,7 @@ class Load:
     timeout: float = 120.0  # seconds, per request
     api_key: str | None = None
     dataset: list[str] | None = None  # prompts to send in turn instead of random words
+    shared_prefix: int = 0  # words every prompt begins with (a system prompt), before its own
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Sample:
     ok: bool = False
     error: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, from the server's prefix cache (its usage.prompt_tokens_details)
     output_tokens: int = 0
     ttft: float | None = None
     e2e: float | None = None
@@ -68,11 +70,15 @@ class Sample:
 
 
 def prompts(load: Load) -> list[str]:
-    """The dataset's prompts in turn (repeated as needed), else `prompt_tokens` seeded random words each."""
-    if load.dataset:
-        return [load.dataset[i % len(load.dataset)] for i in range(load.requests)]
+    """The dataset's prompts in turn (repeated as needed), else `prompt_tokens` seeded random words each; after
+    the same `shared_prefix` seeded words, when asked (as `kvwall simulate --shared-prefix`)."""
     rng = random.Random(load.seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(load.prompt_tokens)) for _ in range(load.requests)]
+    prefix = [rng.choice(WORDS) for _ in range(load.shared_prefix)]
+    if load.dataset:
+        own = [load.dataset[i % len(load.dataset)] for i in range(load.requests)]
+    else:
+        own = [" ".join(rng.choice(WORDS) for _ in range(load.prompt_tokens)) for _ in range(load.requests)]
+    return [" ".join(prefix + [p]) for p in own] if prefix else own
 
 
 def read_dataset(path) -> list[str]:
@@ -143,6 +149,7 @@ async def _stream(client, load: Load, body: dict, s: Sample) -> None:
             if event.get("usage"):
                 s.prompt_tokens = event["usage"].get("prompt_tokens", 0)
                 s.output_tokens = event["usage"].get("completion_tokens", 0)
+                s.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     s.e2e = time.perf_counter() - start
     s.output_tokens = s.output_tokens or chunks
     s.ok = s.ttft is not None
@@ -213,6 +220,7 @@ def summarize(load: Load, samples: list[Sample], wall: float, slo_ttft: float | 
             "mode": f"poisson {load.rate:g}/s" if load.rate else f"concurrency {load.concurrency}",
             "request_throughput": len(ok) / wall, "output_token_throughput": out_tokens / wall,
             "prompt_tokens": sum(s.prompt_tokens for s in ok), "output_tokens": out_tokens,
+            "cached_prompt_tokens": sum(s.cached_tokens for s in ok),
             "goodput": len(good) / wall, "slo_ttft_s": slo_ttft, "slo_tpot_s": slo_tpot,
             "ttft_s": percentiles([s.ttft for s in ok]), "tpot_s": percentiles(tpots),
             "itl_s": percentiles([g for s in ok for g in s.itl]), "e2e_s": percentiles([s.e2e for s in ok]),

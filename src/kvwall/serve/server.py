@@ -301,8 +301,11 @@ class Reply:
                 yield delta, None
 
     def usage(self) -> dict:
-        p, c = len(self.h.request.prompt), len(self.h.request.out)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        """OpenAI's usage, with the prompt tokens the prefix cache gave (prompt_tokens_details, as vLLM reports)."""
+        r = self.h.request
+        p, c = len(r.prompt), len(r.out)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
     def choice(self, text: str | None, finish: str | None, delta: bool) -> dict:
         if not self.chat:
