@@ -77,9 +77,10 @@ def _check_port(host: str, port: int) -> None:
 
 
 def _run(args, path: Path, kv_memory: int) -> int:
+    import uvicorn
+
     from kvwall.engine.load import load_model
     from kvwall.engine.tokenizer import load_tokenizer
-    from kvwall.serve import serve_here
     from kvwall.serve.runner import Runner
     from kvwall.serve.server import Api
     from kvwall.serve.worker import Worker
@@ -94,7 +95,6 @@ def _run(args, path: Path, kv_memory: int) -> int:
     print(f"kvwall serve: {name} at http://{args.host}:{args.port}/v1; KV pool {pool.n_blocks} blocks of "
           f"{pool.block_size} tokens ({fmt_bytes(pool.n_blocks * runner.block_bytes)}); Ctrl-C stops",
           file=sys.stderr)
-    api = Api(Worker(runner, own_thread=False), load_tokenizer(path), name, args.api_key)
-    if not serve_here(api.app(), api.worker, args.host, args.port, timeout_graceful_shutdown=30):
-        raise KvwallError(f"the HTTP server did not start on {args.host}:{args.port}; see its message above")
+    api = Api(Worker(runner), load_tokenizer(path), name, args.api_key)
+    uvicorn.run(api.app(), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
     return 0

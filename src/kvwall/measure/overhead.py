@@ -571,15 +571,10 @@ def _served_token_gap(model, rows: int) -> float | None:
     except ImportError:
         return None
     runner = Runner(model, n_blocks=rows * 8 + 8, chunk=512, max_batch=max(RUNNER_ROWS), kv_dtype="fp32")
-    worker = Worker(runner, own_thread=False)  # the engine on this thread, as kvwall serve runs it (serve_here)
-    with serving_in_thread(Api(worker, None, "calibrate").app()) as url:
-        port, deadline = url.rsplit(":", 1)[1], time.monotonic() + 300
-        client = subprocess.Popen([sys.executable, "-c", _CLIENT, port, str(rows), str(SERVED_TOKENS)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        worker.run(until=lambda: client.poll() is not None or time.monotonic() > deadline)
-        if client.poll() is None:
-            client.kill()
-        out, err = client.communicate()
-    if client.returncode:
-        raise RuntimeError(f"the serving client failed: {err.strip()[-300:]}")
-    return json.loads(out)
+    with serving_in_thread(Api(Worker(runner), None, "calibrate").app()) as url:
+        port = url.rsplit(":", 1)[1]
+        out = subprocess.run([sys.executable, "-c", _CLIENT, port, str(rows), str(SERVED_TOKENS)],
+                             capture_output=True, text=True, timeout=300)
+    if out.returncode:
+        raise RuntimeError(f"the serving client failed: {out.stderr.strip()[-300:]}")
+    return json.loads(out.stdout)

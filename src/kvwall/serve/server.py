@@ -248,7 +248,7 @@ class Api:
                                                          "created": self.created, "owned_by": "kvwall"}]})
 
     async def health(self, request: HttpRequest):
-        alive = self.worker.running
+        alive = self.worker.thread.is_alive()
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     async def metrics(self, request: HttpRequest):

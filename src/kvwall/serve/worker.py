@@ -1,6 +1,5 @@
-"""The engine loop: requests and aborts come in on a queue, tokens go out to each request's asyncio queue (the
-HTTP side never touches the runner while it steps). It runs in a thread of its own, or (`own_thread=False`,
-`kvwall serve`'s way: serve.serve_here) on the thread that calls `run`, the main thread, with uvicorn in another.
+"""The engine loop in its own thread: requests and aborts come in on a queue, tokens go out to each request's
+asyncio queue (the HTTP side never touches the runner while it steps).
 
 Events pushed to a Handle: ("token", id), then ("done", "stop" | "length"), or ("error", message).
 An abort (a client that went away, a stop string found in the text) frees the request's blocks before
@@ -34,25 +33,20 @@ class Handle:
 
 
 class Worker:
-    def __init__(self, runner: Runner, own_thread: bool = True):
+    def __init__(self, runner: Runner):
         self.runner = runner
         self.inbox: queue.Queue = queue.Queue()
         self.handles: dict[Request, Handle] = {}
         self.stopping = threading.Event()
-        self.running = False  # the loop is on (in its thread or the caller's): /health's answer
-        self.thread = threading.Thread(target=self.run, name="kvwall-engine", daemon=True) if own_thread else None
+        self.thread = threading.Thread(target=self._loop, name="kvwall-engine", daemon=True)
 
     def start(self) -> None:
-        """The server is up: the engine thread starts (nothing without one: the caller runs `run` itself)."""
-        if self.thread is not None:
-            self.running = True  # from now: /health must not see a thread that has not begun yet
-            self.thread.start()
+        self.thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self.stopping.set()
         self.inbox.put(None)
-        if self.thread is not None and self.thread.is_alive():
-            self.thread.join(timeout)
+        self.thread.join(timeout)
 
     def submit(self, h: Handle) -> None:
         self.inbox.put(("add", h))
@@ -61,16 +55,11 @@ class Worker:
         h.finished = True
         self.inbox.put(("abort", h))
 
-    def run(self, until=None) -> None:
-        """Step while there is work, until stop() (or `until()` is true: checked at least every 0.2 s)."""
-        self.running = True
-        try:
-            while not self.stopping.is_set() and not (until and until()):
-                self._drain(wait=not self.runner.sched.has_work())
-                if self.runner.sched.has_work():
-                    self._step()
-        finally:
-            self.running = False
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            self._drain(wait=not self.runner.sched.has_work())
+            if self.runner.sched.has_work():
+                self._step()
         for h in list(self.handles.values()):  # shutting down: nobody is left waiting
             h.push(("error", "the server is shutting down"))
 
