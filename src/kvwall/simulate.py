@@ -52,8 +52,9 @@ ASSUMPTIONS = {
                    "row; 0 elsewhere",
     "pool_cost": "a calibrated `local` profile's paged pool cost (scatter, gather of each row's blocks padded to "
                  "the longest row, mask) per attention layer per forward, fixed + per byte gathered; 0 elsewhere",
-    "prefix_cache": "only a declared shared prefix is shared (kvwall serve's prefix cache over sealed blocks); "
-                    "every request runs to its output length",
+    "prefix_cache": "only a declared shared prefix is shared (kvwall serve's prefix cache over sealed blocks; "
+                    "the expected roof's fixed cost per request is charged on rows from token 0, so not to a request "
+                    "whose prompt starts in the cache); every request runs to its output length",
     "pipeline": "with pp stages, up to pp micro-batches in flight (pp schedulers over one shared pool, a new "
                 "request to the one with the fewest unfinished); layers split evenly, the LM head on the last stage",
     "expert_parallel": "with ep GPUs, one scheduler over their pools together (batch and chunk limits x ep); each "

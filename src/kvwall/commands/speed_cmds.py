@@ -134,7 +134,8 @@ def cmd_roofline(args) -> int:
         ceiling = {"batch": mem.max_batch, "tokens_per_s_total": mem.max_batch / top.time_s, "tpot_s": top.time_s}
     data = {
         "mode": roof.mode, "mode_text": describe(roof), "fits": all(p["fits"] for p in phases),
-        "model": spec.name, "formats": fm.as_dict(), **par.as_dict(), "context": ctx, "prompt": prompt,
+        "model": spec.name, "formats": fm.as_dict(), **par.as_dict(), "parallel": par.label(), "context": ctx,
+        "prompt": prompt,
         "assumptions": roof.assumptions() | {"mla_decode": _mla_mode(spec, absorbed)},
         "phases": [{**{k: v for k, v in p.items() if k not in ("prefill", "decode")},
                     "prefill": p["prefill"].as_dict(), "decode": p["decode"].as_dict()} for p in phases],
@@ -186,7 +187,7 @@ def _print_roofline(data, phases, roof: Roof, args) -> None:
     """The phases, serving speed and decode ops as tables, then the compute-bound batch and the ceiling."""
     c = console()
     a = data["assumptions"]
-    par = f", {Parallel(data['tp'], data['pp'], data['ep']).label()}" if data["gpus"] > 1 else ""
+    par = f", {data['parallel']}" if data["gpus"] > 1 else ""
     c.print(f"[bold]{data['model']}[/bold] on {roof.device.name}{par}: weights {data['formats']['weights']}, "
             f"KV {data['formats']['kv']}; prompt {fmt_tokens(data['prompt'])}, decode at context "
             f"{fmt_tokens(data['context'])}")

@@ -182,7 +182,8 @@ def fit_warning(spec: ModelSpec, memory_bytes: int, parallel: Parallel, *, batch
     where = f"one {device}" if parallel.gpus == 1 else f"each of {parallel.gpus} {device} ({parallel.label()})"
     return (f"batch {batch} x context {context:,} does not fit: {fmt_bytes(weights)} of weights + "
             f"{fmt_bytes(need - weights)} of cache per GPU, {fmt_bytes(budget)} on {where} after the 10 % reserve; "
-            "its times are what-ifs (more GPUs: --tp or --ep, a smaller --kv-format or --weight-format, or a smaller batch)")
+            "its times are what-ifs (more GPUs: --tp or --ep, a smaller --kv-format or --weight-format, or a smaller "
+            "batch)")
 
 
 def placement(spec: ModelSpec, memory_bytes: int, *, batch: int = 1, context: int = 4096,

@@ -170,8 +170,10 @@ class MemoryReport:
 
     @property
     def cache_bytes(self) -> int:
-        """The whole batch's cache, all GPUs together (replicated copies counted once per GPU)."""
-        return sum(l.cache_bytes for l in self.layers) * self.parallel.tp * self.batch // self.parallel.local(self.batch)
+        """The whole batch's cache, all GPUs together (replicated copies counted once per GPU; with expert parallel
+        each of the batch's sequences once, where the layers hold the busiest GPU's share)."""
+        per_gpu = sum(l.cache_bytes for l in self.layers)
+        return per_gpu * self.parallel.tp * self.batch // self.parallel.local(self.batch)
 
     @property
     def cache_used_bytes(self) -> int:
