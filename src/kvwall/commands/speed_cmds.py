@@ -305,22 +305,26 @@ def _speed_row(name: str, args, contexts: list[int], prompt: int) -> tuple[dict,
         per_ctx.append(r)
     fits = all(r["fits"] for r in per_ctx)
     return {"model": spec.name, "family": spec.family(), "formats": fm.as_dict(), "ttft_s": ttft,
-            "ttft_fits": first["fits"], "ttft_tp": first["tp"], "decode": per_ctx, "weights_fit": fits,
+            "ttft_fits": first["fits"], **{f"ttft_{k}": first[k] for k in GROUP}, "decode": per_ctx, "weights_fit": fits,
             "notes": notes + ([] if fits else [f"{spec.name}: points marked (!) do not fit "
                                                 f"{'8 GPUs' if auto else 'this tp/pp'} of {roof.device.name}: "
                                                 "their times are what-ifs"])}, roof
 
 
+GROUP = ("tp", "pp", "ep")  # a point's parallel sizes, as its cell names them
+
+
 def _cell(text: str, r: dict) -> str:
     if not r["fits"]:
         return text + " (!)"
-    return text + (f" (tp {r['tp']})" if r["tp"] > 1 else "")
+    group = " ".join(f"{k} {r[k]}" for k in GROUP if r[k] > 1)
+    return text + (f" ({group})" if group else "")
 
 
 def _print_speed(data: dict) -> None:
     a, out, prompt = data["assumptions"], data["models"], data["prompt"]
     contexts = [r["context"] for r in out[0]["decode"]]
-    rows = [[m["model"], m["family"], _cell(_ms(m["ttft_s"]), {"fits": m["ttft_fits"], "tp": m["ttft_tp"]}),
+    rows = [[m["model"], m["family"], _cell(_ms(m["ttft_s"]), {"fits": m["ttft_fits"], **{k: m[f"ttft_{k}"] for k in GROUP}}),
              *[_cell(f"{r['tokens_per_s']:,.1f}", r) for r in m["decode"]]] for m in out]
     console().print(table(
         f"decode tok/s per sequence on {data['device']} (batch {data['batch']}; TTFT for a {fmt_tokens(prompt)} prompt)",

@@ -9,7 +9,9 @@ A sequence mixer module (attention, latent, mamba, mamba2) answers, for one laye
     ops(i, m, spec, step, fm, tp, absorbed)  the FLOPs and bytes of its ops in one step
     label(m)                   the kind of memory it has, for per-layer tables
 
-A channel mixer module (mlp, moe) answers shard_params and ops. memory.py, ops.py and roofline.py
+A channel mixer module (mlp, moe) answers shard_params(f, hidden, tp, ep) and ops(i, f, spec, step, fm, tp, ep):
+with expert parallel (ep > 1) `step` is one GPU's share and a MoE splits its routed experts ep ways (a dense
+MLP stays whole). memory.py, ops.py and roofline.py
 iterate over layers and ask; the module is found by the spec's ``kind`` (``kind = "mamba"`` ->
 ``mixers/mamba.py``), so a new mixer kind is one new module here and nothing else on the predict side.
 """
