@@ -140,7 +140,7 @@ class Scheduler:
         return step
 
     def _schedule_running(self, step: Step, budget: int) -> int:
-        chunks, blocks, bs = step.chunks, self.pool.blocks, self.pool.block_size
+        chunks, bs = step.chunks, self.pool.block_size
         for r in list(self.running):
             computed = r.computed
             n = min(len(r.prompt) + len(r.out) - computed, budget)  # r.pending, inline: 1.3 M rows a simulation
@@ -148,7 +148,7 @@ class Scheduler:
                 break                            # of the few preempted: `in self.running` was O(batch) a row)
             if n == 1:  # most rows: a decode token into its own partly filled, private block needs no block
                 i, used = divmod(computed, bs)
-                if used and i < len(r.blocks) and blocks[r.blocks[i]].hash is None:
+                if used and i < len(r.blocks) and not self.pool.sealed(r.blocks[i]):
                     chunks.append(Chunk(r, computed, 1))
                     budget -= 1
                     continue

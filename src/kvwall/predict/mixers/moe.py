@@ -32,12 +32,11 @@ def ops(i: int, f: MoE, spec, st: Step, fm, tp: int, ep: int = 1) -> list[Op]:
     T, h = st.tokens, spec.hidden  # this GPU's tokens
     router = matmul("router", i, T, h, f.n_experts, fm.weights)
     one = mlp.ops(i, MLP(f.d_expert, f.gated), spec, Step(1, 0, 1), fm, tp)[0]
-    if ep > 1:
-        split(f.n_experts, ep, "routed experts", "ep")
+    mine = split(f.n_experts, ep, "routed experts", "ep")  # this GPU's experts
     touched = expected_experts(f.n_experts, f.top_k, T * ep) / ep  # of this GPU's experts, by every GPU's tokens
     pairs = T * f.top_k  # token-expert pairs this GPU computes: its own count, routing being uniform
     experts = Op("experts", i, flops=pairs * one.flops, weight_bytes=touched * one.weight_bytes,
-                 act_bytes=pairs * one.act_bytes, detail=f"{touched:.1f} of {f.n_experts // ep} touched",
+                 act_bytes=pairs * one.act_bytes, detail=f"{touched:.1f} of {mine} touched",
                  rows=pairs / touched)  # the tokens each touched expert multiplies, on average
     out = [router, experts]
     if ep > 1:
