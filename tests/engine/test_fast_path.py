@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 from tiny_checkpoints import ids  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from kvwall.engine import decode_stack  # noqa: E402
 from kvwall.engine.caches import make_cache  # noqa: E402
 from kvwall.engine.generate import generate  # noqa: E402
 from kvwall.engine.layers import mlp as mlp_module  # noqa: E402
@@ -58,8 +59,10 @@ def test_fused_rms_norm_equals_the_reference(offset):
 @pytest.mark.parametrize("family", FAST_FAMILIES)
 def test_fast_ops_equal_eager_exactly_with_the_same_weights(family, checkpoint, monkeypatch):
     """With the weights in their checkpoint layout, the fast ops give the eager path's logits bit for bit
-    (norms and SwiGLU through torch's ops: the C++ ones round differently, tests/engine/test_fused_ops.py)."""
+    (norms and SwiGLU through torch's ops, layer by layer: the C++ ones round differently,
+    tests/engine/test_fused_ops.py and test_decode_stack.py)."""
     monkeypatch.setattr(norm_module, "rms_kernel", lambda: None)
+    monkeypatch.setattr(decode_stack, "kernel_module", lambda: None)
     monkeypatch.setattr(mlp_module, "silu_mul_kernel", lambda: None)
     path, _ = checkpoint(family)
     model = load_model(path)

@@ -21,6 +21,7 @@ from torch import nn
 
 from kvwall.engine.caches.base import NoCache
 from kvwall.engine.caches.state import ModelCache, StateCache, has_state
+from kvwall.engine.decode_stack import DecodeStack
 from kvwall.engine.layers.attention import Attention
 from kvwall.engine.layers.mlp import GatedMLP, PlainMLP
 from kvwall.engine.layers.norm import add_norm, make_norm
@@ -126,6 +127,8 @@ class Transformer(nn.Module):
         self.rope_of_layer = [self.rope_keys.index(r) if r[0] is not None else None for r in ropes]
         self.onednn = False  # prepack(): projections in oneDNN's layout in the fast path
         self.head_copy = None  # prepack(): a tied head's second copy in oneDNN's layout (set_eager)
+        self.eager = False  # set_eager(): the reference path, layer by layer
+        self.stack = None  # the fused decode step (engine/decode_stack.py): built at the first, False if none
         # a table loaded into a fast model: its oneDNN copy must follow (projections repack in their own load)
         self.register_load_state_dict_post_hook(Transformer._refresh_head_copy)
         self.set_eager(False)  # the fast path by default; a loader that assigns new weights calls it again
@@ -145,13 +148,27 @@ class Transformer(nn.Module):
             self.check_context(int(pos.max()) + 1)
             x = x + self.pos_embed(pos.clamp(min=0))
         tables = [rot(pos, x.dtype) for rot in self.rotary]
-        for i, block in enumerate(self.layers):
+        stacked = self.decode_stack(x, tables, cache) if T == 1 else None
+        for i, block in enumerate(self.layers if stacked is None else ()):
             r = self.rope_of_layer[i]
             x = block(x, pos, tables[r] if r is not None else None, cache)  # (B, T, D)
+        x = x if stacked is None else stacked
         if last_only:
             last = ((pos >= 0).sum(1) - 1).clamp(min=0)  # (B,) index of each row's last real token
             x = x[torch.arange(B, device=x.device), last][:, None]  # (B, 1, D)
         return self.logits(self.norm(x))
+
+    def decode_stack(self, x: torch.Tensor, tables: list, cache) -> torch.Tensor | None:
+        """x (B, 1, D) after every layer in one C++ call (engine/decode_stack.py), or None where that does not run."""
+        if self.eager:
+            return None
+        if self.stack is None:  # built once per weight layout: set_eager, a load or packing clear it (forget_stack)
+            self.stack = DecodeStack.build(self) or False
+        return self.stack(x, tables, cache) if self.stack else None
+
+    def forget_stack(self) -> None:
+        """Weights or modules changed: the fused decode step is built again at the next step."""
+        self.stack = None
 
     def set_eager(self, eager: bool = True) -> "Transformer":
         """eager: the reference path (every layer's plain ops, weights in their checkpoint layout), which the
@@ -166,6 +183,7 @@ class Transformer(nn.Module):
                 lin.weight.data = lin.weight.data.contiguous()
             setattr(parent, name, lin if eager else fast_projection(lin, self.onednn))
         self._copy_head(not eager and self.onednn)
+        self.forget_stack()
         return self
 
     def _copy_head(self, wanted: bool) -> None:
@@ -180,6 +198,7 @@ class Transformer(nn.Module):
 
     def _refresh_head_copy(self, _incompatible) -> None:
         self._copy_head(self.head_copy is not None)
+        self.forget_stack()
 
     def prepack(self, onednn: bool = True) -> "Transformer":
         """The fast path's projections in oneDNN's layout (engine/layers/onednn.py) where this CPU has it for

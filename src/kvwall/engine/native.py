@@ -1,7 +1,7 @@
 """Build the engine's C++ CPU kernels on first use (torch.utils.cpp_extension, needs a C++ compiler and ninja).
 
-The sources are package files, ``kernels/<name>.cpp`` with the shared prelude ``kernels/common.h``
-(includes, the SIMD vector type, the multiply-accumulate loops). Each kernel module
+The sources are package files, ``kernels/<name>.cpp`` with the headers it includes from ``kernels/*.h`` (common.h:
+includes, the SIMD vector type, the multiply-accumulate loops; packed.h: the packed matmul). Each kernel module
 (layers/scan_kernel.py, caches/quant_kernel.py, layers/latent_kernel.py) asks for its kernel by
 name; the build is cached under ~/.cache/torch_extensions/kvwall (TORCH_EXTENSIONS_DIR), in a folder named by
 a hash of the sources, the flags and torch's version: two checkouts with the same sources share one build, and a
@@ -23,7 +23,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-KERNELS = Path(__file__).parent / "kernels"  # the .cpp files and common.h, shipped as package data
+KERNELS = Path(__file__).parent / "kernels"  # the .cpp files and the headers they include, shipped as package data
 REQUIRE = "KVWALL_REQUIRE_KERNELS"  # "1": a kernel that does not build raises instead of falling back
 ERRORS: dict[str, str] = {}  # kernel name -> why its build failed (the compiler's first error line)
 
@@ -64,8 +64,8 @@ def build_dir(name: str, flags: list[str]) -> Path:
     import torch
 
     h = hashlib.sha256()
-    for part in (source(name).read_bytes(), (KERNELS / "common.h").read_bytes(), " ".join(flags).encode(),
-                 torch.__version__.encode()):
+    headers = [h.read_bytes() for h in sorted(KERNELS.glob("*.h"))]  # any a source may include
+    for part in (source(name).read_bytes(), *headers, " ".join(flags).encode(), torch.__version__.encode()):
         h.update(part)
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions") / "kvwall"
     return root / f"{name}-{h.hexdigest()[:16]}"

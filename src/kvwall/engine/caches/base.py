@@ -11,6 +11,10 @@
                                       update(), then softmax attention of q (B, Hq, T, D) over what it
                                       returns -> (B, Hq, T, Dv). A cache that can attend in its own
                                       storage format (the quantized one, at decode) overrides it.
+    decode_blocks(batch)              for a step where each row adds one token at its end: the layers' fp32
+                                      pools, block table and lengths (paged_decode's arguments), which
+                                      the fused decode step (engine/decode_stack.py) writes and reads
+                                      itself; None (the default) where the cache cannot hand them over
     nbytes()                          bytes of K/V storage held (scales/zero points included, position
                                       bookkeeping excluded): equal to kvwall.predict's figure
 
@@ -74,6 +78,9 @@ class KVCache:
             m = visible(pos, k_pos, window, sink)  # (B, 1, T, S)
             self._masks[key] = (k_pos, None if bool(m.all()) else m)
         return self._masks[key][1]
+
+    def decode_blocks(self, batch: int):
+        return None
 
     def nbytes(self) -> int:
         raise NotImplementedError

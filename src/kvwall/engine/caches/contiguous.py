@@ -52,6 +52,7 @@ class ContiguousCache(KVCache):
         self.at = None  # this step's one position shared by every row's one new token, else None
         self.rows = torch.arange(batch, device=device)[:, None]  # (B, 1): row b is "block" b (attend's kernel)
         self.lengths = None  # (B,) at + 1 when `at` is set: the tokens every row holds
+        self.pools = None  # decode_blocks: ([K], [V]) of every layer, or False when a layer is not contiguous fp32
         self.layers = [self._layer(a, batch, max_len, dtype, device) if a else None for a in attention_specs(spec)]
         slots = torch.arange(max_len, device=device)[None]  # (1, max_len)
         for layer in self.layers:  # one slot table for all: KVCache.mask then works once per forward pass
@@ -93,6 +94,16 @@ class ContiguousCache(KVCache):
         if self.at is None or q.shape[0] * store.k.shape[1] < torch.get_num_threads():
             return None
         return in_place_kernel(q, store.k, softcap, sink)
+
+    def decode_blocks(self, batch: int):
+        """Each row is one block of max_len slots (as attend_rows reads it), at a step where every row's one new
+        token is at one position."""
+        if self.at is None:
+            return None
+        if self.pools is None:
+            fits = all(type(l) is ContiguousLayer and l.k.dtype == l.v.dtype == torch.float32 for l in self.layers)
+            self.pools = ([l.k for l in self.layers], [l.v for l in self.layers]) if fits else False
+        return (*self.pools, self.rows[:batch], self.lengths) if self.pools else None
 
     def attend_rows(self, kernel, q, store, lengths, window, scale):
         """q (B, Hq, 1, D) over the first lengths[b] slots of each row of `store` -> (B, Hq, 1, Dv)."""

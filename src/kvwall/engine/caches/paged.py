@@ -144,6 +144,14 @@ class PagedCache(KVCache):
         kp, vp = self.write(layer, k, v, pos)
         return attend_blocks(kernel, q, kp, vp, self.table, self.lengths, window, scale)  # (B, Hq, 1, Dv)
 
+    def decode_blocks(self, batch: int):
+        """The pools as they are, at a decode step over fp32 blocks that every layer has."""
+        if not (self.in_place and self.decoding) or not all(self.pools):
+            return None
+        if self.pools[0][0].dtype != torch.float32:
+            return None
+        return [k for k, _ in self.pools], [v for _, v in self.pools], self.table, self.lengths
+
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
         B, nb = self.table.shape
         x = pool[self.table]  # (B, nb, H, bs, D)

@@ -83,3 +83,57 @@ inline void dot_span(const float *coef, const float *rows, int64_t stride, int64
   for (; j < j1; ++j)
     for (int64_t k = 0; k < K; ++k) io[j] += coef[k] * rows[k * stride + j];
 }
+
+// One row: out = x * rsqrt(mean(x^2) + eps) * (offset + w), fp32 throughout (F.rms_norm's formula).
+inline void norm_row(const float *x, const float *w, float *out, int64_t D, float eps, float offset) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + W <= D; i += W) {
+    const Vec v = Vec::loadu(x + i);
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  float ss = hsum(acc);
+  for (; i < D; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / float(D) + eps);
+  const Vec vr(r), vo(offset);
+  for (i = 0; i + W <= D; i += W) (Vec::loadu(x + i) * vr * (vo + Vec::loadu(w + i))).store(out + i);
+  for (; i < D; ++i) out[i] = x[i] * r * (offset + w[i]);
+}
+
+inline float dot(const float *a, const float *b, int64_t n) {  // Σ a[i] b[i]
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One (row, KV head) job of decode attention: the rep query heads qq (rep, D) that read KV head h, over the n
+// tokens a row holds (its new one written: the queries are at position n - 1), or the last `window` of them
+// (window 0: all); token t's key is kp[((blk[t / bs] * H + h) * bs + t % bs) * D] (blk: the row's block table; a
+// contiguous cache is one block of bs = max_len slots) and its value likewise in vp (Dv wide).
+// -> yy (rep, Dv): softmax(q k * scale) v, left as it was for a row holding nothing. s: scratch.
+inline void attend_job(const float *qq, int64_t rep, int64_t D, int64_t Dv, const float *kp, const float *vp,
+                       const int64_t *blk, int64_t H, int64_t h, int64_t bs, int64_t n, int64_t window, float scale,
+                       float *yy, std::vector<float> &s) {
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0, N = n - lo;
+  if (N <= 0) return;  // a row holding nothing
+  s.assign(rep * N, 0.f);  // (rep, N) scores, then weights
+  for (int64_t t = lo; t < n; ++t) {  // key t, read where it lies in its block
+    const float *k = kp + ((blk[t / bs] * H + h) * bs + t % bs) * D;
+    for (int64_t r = 0; r < rep; ++r) s[r * N + t - lo] = dot(qq + r * D, k, D) * scale;
+  }
+  for (int64_t r = 0; r < rep; ++r) {
+    float *w = s.data() + r * N;
+    const float l = exp_shifted(w, 0, N).second;
+    std::fill(yy + r * Dv, yy + (r + 1) * Dv, 0.f);
+    for (int64_t t0 = lo; t0 < n;) {  // values a block's run of tokens at a time: (run, Dv) contiguous rows
+      const int64_t t1 = std::min(n, (t0 / bs + 1) * bs);
+      const float *v = vp + ((blk[t0 / bs] * H + h) * bs + t0 % bs) * Dv;
+      dot_span(w + t0 - lo, v, Dv, t1 - t0, yy + r * Dv, 0, Dv);
+      t0 = t1;
+    }
+    for (int64_t j = 0; j < Dv; ++j) yy[r * Dv + j] /= l;
+  }
+}

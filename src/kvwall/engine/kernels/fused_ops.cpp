@@ -2,22 +2,6 @@
 // the residual add + RMSNorm (layers/norm.py rms_kernel says why) and SwiGLU's silu(gate) * up (layers/mlp.py).
 #include "common.h"
 
-// One row: out = x * rsqrt(mean(x^2) + eps) * (offset + w), fp32 throughout (F.rms_norm's formula).
-inline void norm_row(const float *x, const float *w, float *out, int64_t D, float eps, float offset) {
-  Vec acc(0.f);
-  int64_t i = 0;
-  for (; i + W <= D; i += W) {
-    const Vec v = Vec::loadu(x + i);
-    acc = at::vec::fmadd(v, v, acc);
-  }
-  float ss = hsum(acc);
-  for (; i < D; ++i) ss += x[i] * x[i];
-  const float r = 1.f / std::sqrt(ss / float(D) + eps);
-  const Vec vr(r), vo(offset);
-  for (i = 0; i + W <= D; i += W) (Vec::loadu(x + i) * vr * (vo + Vec::loadu(w + i))).store(out + i);
-  for (; i < D; ++i) out[i] = x[i] * r * (offset + w[i]);
-}
-
 // x (..., D) fp32; h: None, or the residual branch to add first (x's shape); w (D,) fp32.
 // -> [s, y]: s = x + h (x itself when h is None), y = rms_norm(s) * (offset + w), both (..., D).
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> h, torch::Tensor w,

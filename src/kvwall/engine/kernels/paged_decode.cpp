@@ -1,15 +1,6 @@
 // Decode attention read in place from a paged pool (caches/paged_kernel.py says why and when).
 #include "common.h"
 
-inline float dot(const float *a, const float *b, int64_t n) {  // Σ a[i] b[i]
-  Vec acc(0.f);
-  int64_t i = 0;
-  for (; i + W <= n; i += W) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // q (B, H, rep, D) fp32: row b's query heads grouped by the KV head they read; kp (NB, H, bs, D) and
 // vp (NB, H, bs, Dv) fp32: the pool's blocks; table (B, nb) int64: row b's position t is in block
 // table[b, t / bs], slot t % bs; lengths (B,) int64: tokens row b holds, its new one written already, so its
@@ -37,27 +28,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kp, torch::Tensor vp, 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s;
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / H, h = job % H, n = len[b];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0, N = n - lo;
-      if (N <= 0) continue;  // a row holding nothing
-      const float *qq = pq + job * rep * D;
-      float *yy = py + job * rep * Dv;
-      s.assign(rep * N, 0.f);  // (rep, N) scores, then weights
-      for (int64_t t = lo; t < n; ++t) {  // key t, read where it lies in its block
-        const float *k = pk + ((tab[b * nb + t / bs] * H + h) * bs + t % bs) * D;
-        for (int64_t r = 0; r < rep; ++r) s[r * N + t - lo] = dot(qq + r * D, k, D) * float(scale);
-      }
-      for (int64_t r = 0; r < rep; ++r) {
-        float *w = s.data() + r * N;
-        const float l = exp_shifted(w, 0, N).second;
-        for (int64_t t0 = lo; t0 < n;) {  // values a block's run of tokens at a time: (run, Dv) contiguous rows
-          const int64_t t1 = std::min(n, (t0 / bs + 1) * bs);
-          const float *v = pv + ((tab[b * nb + t0 / bs] * H + h) * bs + t0 % bs) * Dv;
-          dot_span(w + t0 - lo, v, Dv, t1 - t0, yy + r * Dv, 0, Dv);
-          t0 = t1;
-        }
-        for (int64_t j = 0; j < Dv; ++j) yy[r * Dv + j] /= l;
-      }
+      const int64_t b = job / H;
+      attend_job(pq + job * rep * D, rep, D, Dv, pk, pv, tab + b * nb, H, job % H, bs, len[b], window, float(scale),
+                 py + job * rep * Dv, s);
     }
   });
   return y;

@@ -167,6 +167,14 @@ class Attention(SequenceMixer):
         y = cache.attend(self.index, q, k, v, pos, self.scale, self.window, self.softcap)  # (B, Hq, T, Dv)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_q * self.dv))  # (B, T, hidden)
 
+    def stack_parts(self) -> dict | None:
+        """This layer's part of the fused decode step (engine/decode_stack.py): every op of forward() but a
+        softcap, which the step does not have."""
+        if self.softcap:
+            return None
+        return dict(qkv=self.wqkv, o=self.wo, q_norm=self.q_norm, k_norm=self.k_norm, nq=self.n_q, nkv=self.n_kv,
+                    d=self.d, dv=self.dv, window=self.window or 0, scale=self.scale)
+
     def query_key(self, qkv: torch.Tensor, rope: RopeTables | None) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k each on its own: q/k norms first (Qwen3, Gemma 3), then the reference rotation."""
         B, T, _ = qkv.shape

@@ -7,6 +7,8 @@ The caches never look at mixer types: they ask the layer's class (through kvwall
 and build(m, spec, index) makes the torch module for layer `index` of the model spec, and
     checkpoint_names(m, hf, me, fused)  engine parameter name -> the Hugging Face tensors it is made of
                      (concatenated along dim 0), for a layer whose tensors sit under `hf` (the engine's under `me`)
+A module may also offer its weights to the fused decode step (engine/decode_stack.py):
+    stack_parts()    its part of one C++ layer, or None (the default: the layer runs module by module)
 Each mixer module ends with ``MIXER = <its class>``: kvwall.engine.mixers finds it by the spec's kind.
 """
 
@@ -45,3 +47,6 @@ class SequenceMixer(nn.Module):
     @staticmethod
     def rotary(m) -> tuple:
         return None, 0
+
+    def stack_parts(self) -> dict | None:
+        return None

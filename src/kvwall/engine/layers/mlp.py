@@ -43,7 +43,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.d_ff = spec.d_ff
         self.act = activation(spec.activation)
-        self.silu = spec.activation == "silu"
+        self.activation = spec.activation
         self.w13 = nn.Linear(hidden, 2 * spec.d_ff, bias=spec.bias)
         self.w2 = nn.Linear(spec.d_ff, hidden, bias=spec.bias)
         self.eager = False  # True: the reference ops only (Transformer.set_eager)
@@ -56,9 +56,15 @@ class GatedMLP(nn.Module):
         gate, up = gu.split(self.d_ff, dim=-1)  # (B, T, F) each
         return self.w2(self.act(gate) * up)  # (B, T, D)
 
+    def stack_parts(self) -> dict | None:
+        """This layer's part of the fused decode step (engine/decode_stack.py): SwiGLU or GeGLU (tanh)."""
+        if self.activation not in ("silu", "gelu_tanh"):
+            return None
+        return dict(up=self.w13, down=self.w2, gelu=self.activation == "gelu_tanh")
+
     def kernel(self, gu: torch.Tensor):
         """silu_mul for SwiGLU's fast path on fp32 CPU tensors outside autograd, else None (torch's ops)."""
-        if self.eager or not self.silu or gu.dtype != torch.float32 or gu.device.type != "cpu":
+        if self.eager or self.activation != "silu" or gu.dtype != torch.float32 or gu.device.type != "cpu":
             return None
         return None if torch.is_grad_enabled() and gu.requires_grad else silu_mul_kernel()
 

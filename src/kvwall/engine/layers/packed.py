@@ -189,6 +189,7 @@ def pack_head(model: nn.Module, fmt: Format | None = None, table=None, head=None
     if model.lm_head is not None and (fmt is not None or head is not None):
         got = quantize(model.lm_head.weight.data, fmt) + (fmt,) if fmt is not None else head
         model.lm_head = PackedLinear(*got, model.spec.hidden)
+    model.forget_stack()  # its fused decode step held the float matrices
 
 
 def pack_model(model: nn.Module, fmt: Format | None = None, source=None) -> nn.Module:
@@ -213,6 +214,7 @@ def pack_model(model: nn.Module, fmt: Format | None = None, source=None) -> nn.M
                 setattr(parent, name, PackedLinear(*got, child.in_features, bias))
     if fmt is not None and fmt.head is not None:
         pack_head(model, fmt.head)
+    model.forget_stack()  # its fused decode step held the float matrices
     return model
 
 

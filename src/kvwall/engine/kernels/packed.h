@@ -1,0 +1,262 @@
+// y = x W^T with W held packed (layers/packed.py says the layout): never dequantized as a whole.
+//
+// Each thread takes R output rows at a time, dequantizes just those R rows into an L1 buffer
+// (w = d q + c per group: one convert + one FMA per weight) and multiplies every row of x by them
+// (R independent FMA chains: x is loaded once per R weights). At batch 1 each weight is read once
+// from memory as bits/8 bytes; at batch M the dequantization is shared by M rows.
+// Included by packed_linear.cpp (PackedLinear's kernel) and decode_stack.cpp (a whole decode step).
+#pragma once
+#include "common.h"
+
+constexpr int64_t R = 4;  // output rows dequantized and multiplied together
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// n float16 values -> floats (a row's scales or zeros: once per row, not once per group)
+inline void halves_to_float(const at::Half *h, int64_t n, float *out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(h + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(h + i))));
+#endif
+  for (; i < n; ++i) out[i] = float(h[i]);
+}
+
+// o[j] = d code(p[j]) + c for j < n, where code is the byte (BITS 8), its low nibble (SHIFT 0) or its high
+// one (SHIFT 4): 16 (AVX-512) or 8 (AVX2) bytes widened to int32 lanes per step. (A plain loop, which gcc
+// vectorises badly for 16-element runs, made int4 g32 4x slower than int4 g128: 221 vs 57 us at 576x1536.)
+template <int BITS, int SHIFT>
+inline void dequant_run(const uint8_t *__restrict p, int64_t n, float d, float c, float *__restrict o) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 vd = _mm512_set1_ps(d), vc = _mm512_set1_ps(c);
+  for (; j + 16 <= n; j += 16) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p + j)));
+    if constexpr (BITS == 4) b = _mm512_and_si512(_mm512_srli_epi32(b, SHIFT), _mm512_set1_epi32(15));
+    _mm512_storeu_ps(o + j, _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(b), vc));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vd = _mm256_set1_ps(d), vc = _mm256_set1_ps(c);
+  for (; j + 8 <= n; j += 8) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p + j)));
+    if constexpr (BITS == 4) b = _mm256_and_si256(_mm256_srli_epi32(b, SHIFT), _mm256_set1_epi32(15));
+    _mm256_storeu_ps(o + j, _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(b), vc));
+  }
+#endif
+  for (; j < n; ++j) o[j] = d * float(BITS == 8 ? p[j] : (p[j] >> SHIFT) & 15) + c;
+}
+
+// One packed row's K weights as floats. q: the row's bytes; s, z: its groups' scale and zero as floats (z null:
+// symmetric, c = -2^(bits-1) d). 4-bit groups hold element j in the low nibble of byte j and element
+// j + len/2 in the high nibble (GGUF Q4's order), so both halves unpack as contiguous runs.
+template <int BITS>
+inline void dequant_row(const uint8_t *__restrict q, const float *s, const float *z, int64_t K, int64_t G,
+                        float *__restrict w) {
+  constexpr float OFF = float(1 << (BITS - 1));
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
+    const int64_t len = std::min(G, K - k0);
+    const float d = s[g], c = z ? z[g] : -OFF * d;
+    if constexpr (BITS == 8) {
+      dequant_run<8, 0>(q + k0, len, d, c, w + k0);
+    } else {
+      dequant_run<4, 0>(q + k0 / 2, len / 2, d, c, w + k0);
+      dequant_run<4, 4>(q + k0 / 2, len / 2, d, c, w + k0 + len / 2);
+    }
+  }
+}
+
+// out[m, r] = x[m] . w[r] for r < RR (RR rows of K floats in w), every m < M
+template <int RR>
+inline void dot_rows_x(const float *x, int64_t M, int64_t K, const float *w, float *out, int64_t ldo) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float *xm = x + m * K;
+    Vec a[RR];
+    for (int r = 0; r < RR; ++r) a[r] = Vec(0.f);
+    int64_t k = 0;
+    for (; k + W <= K; k += W) {
+      const Vec xv = Vec::loadu(xm + k);
+      for (int r = 0; r < RR; ++r) a[r] = at::vec::fmadd(xv, Vec::loadu(w + r * K + k), a[r]);
+    }
+    for (int r = 0; r < RR; ++r) {
+      float t = hsum(a[r]);
+      for (int64_t kk = k; kk < K; ++kk) t += xm[kk] * w[r * K + kk];
+      out[m * ldo + r] = t;
+    }
+  }
+}
+
+// Batch 1 without the L1 buffer: Σ_k x_k (d q_k + c) = d Σ_k x_k q_k + c Σ_k x_k per group, so each code is
+// converted and multiplied by x once (one FMA) and the group's scale is applied to a vector of partial sums;
+// Σ_k x_k per group (xs) is shared by every row. R rows at a time share each load of x.
+#if defined(__AVX512F__)
+using VF = __m512;
+constexpr int64_t L = 16;  // floats per vector; bytes of codes widened per step
+inline VF vzero() { return _mm512_setzero_ps(); }
+inline VF vload(const float *p) { return _mm512_loadu_ps(p); }
+inline VF vset(float v) { return _mm512_set1_ps(v); }
+inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(VF v) { return _mm512_reduce_add_ps(v); }
+inline __m512i widen(const uint8_t *p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+}
+inline VF codes8(const uint8_t *p) { return _mm512_cvtepi32_ps(widen(p)); }
+inline void codes4(const uint8_t *p, VF &lo, VF &hi) {
+  const __m512i b = widen(p);
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+#define KVWALL_FUSED 1
+#elif defined(__AVX2__) && defined(__FMA__)
+using VF = __m256;
+constexpr int64_t L = 8;
+inline VF vzero() { return _mm256_setzero_ps(); }
+inline VF vload(const float *p) { return _mm256_loadu_ps(p); }
+inline VF vset(float v) { return _mm256_set1_ps(v); }
+inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(VF v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+inline __m256i widen(const uint8_t *p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
+}
+inline VF codes8(const uint8_t *p) { return _mm256_cvtepi32_ps(widen(p)); }
+inline void codes4(const uint8_t *p, VF &lo, VF &hi) {
+  const __m256i b = widen(p);
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+#define KVWALL_FUSED 1
+#endif
+
+#ifdef KVWALL_FUSED
+// Whether every group (the last, shorter one too) splits into whole vectors: 8-bit len % L, 4-bit (len/2) % L.
+inline bool fused_fits(int bits, int64_t K, int64_t G) {
+  const int64_t per = bits == 8 ? L : 2 * L;
+  return G % per == 0 && (K % G) % per == 0;
+}
+
+// y[n0 + r] for r < RR: one row of x (K) against RR packed rows (sf, cf: their scales and c per group)
+template <int BITS, int RR>
+inline void fused_rows(const float *x, const float *xs, const uint8_t *q, int64_t QB, const float *sf,
+                       const float *cf, int64_t NG, int64_t K, int64_t G, float *y) {
+  VF acc[RR];
+  for (int r = 0; r < RR; ++r) acc[r] = vzero();
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
+    const int64_t len = std::min(G, K - k0);
+    VF part[RR];
+    for (int r = 0; r < RR; ++r) part[r] = vzero();
+    if constexpr (BITS == 8) {
+      for (int64_t j = 0; j < len; j += L) {
+        const VF xv = vload(x + k0 + j);
+        for (int r = 0; r < RR; ++r) part[r] = vfma(xv, codes8(q + r * QB + k0 + j), part[r]);
+      }
+    } else {
+      const int64_t h = len / 2;
+      for (int64_t j = 0; j < h; j += L) {
+        const VF xlo = vload(x + k0 + j), xhi = vload(x + k0 + h + j);
+        for (int r = 0; r < RR; ++r) {
+          VF lo, hi;
+          codes4(q + r * QB + k0 / 2 + j, lo, hi);
+          part[r] = vfma(xhi, hi, vfma(xlo, lo, part[r]));
+        }
+      }
+    }
+    for (int r = 0; r < RR; ++r) acc[r] = vfma(vset(sf[r * NG + g]), part[r], acc[r]);
+  }
+  for (int r = 0; r < RR; ++r) {
+    float t = vsum(acc[r]);
+    for (int64_t g = 0; g < NG; ++g) t += cf[r * NG + g] * xs[g];
+    y[r] = t;
+  }
+}
+
+template <int BITS>
+torch::Tensor run_one(const torch::Tensor &x, const torch::Tensor &q, const torch::Tensor &s, const torch::Tensor &z,
+                      int64_t G) {
+  constexpr float OFF = float(1 << (BITS - 1));
+  const int64_t K = x.size(1), N = q.size(0), NG = s.size(1), QB = q.size(1);
+  auto y = torch::empty({1, N}, x.options());
+  const float *xp = x.data_ptr<float>();
+  const uint8_t *qp = q.data_ptr<uint8_t>();
+  const at::Half *sp = s.data_ptr<at::Half>(), *zp = z.defined() ? z.data_ptr<at::Half>() : nullptr;
+  float *yp = y.data_ptr<float>();
+  std::vector<float> xs(NG, 0.f);  // Σ x over each group
+  for (int64_t k = 0; k < K; ++k) xs[k / G] += xp[k];
+  const int64_t tiles = (N + R - 1) / R;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * R)), [&](int64_t t0, int64_t t1) {
+    std::vector<float> sf(R * NG), cf(R * NG);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * R, rows = std::min(R, N - n0);
+      halves_to_float(sp + n0 * NG, rows * NG, sf.data());  // rows n0.. are contiguous: one conversion
+      if (zp) halves_to_float(zp + n0 * NG, rows * NG, cf.data());
+      else
+        for (int64_t i = 0; i < rows * NG; ++i) cf[i] = -OFF * sf[i];
+      if (rows == R) {
+        fused_rows<BITS, R>(xp, xs.data(), qp + n0 * QB, QB, sf.data(), cf.data(), NG, K, G, yp + n0);
+      } else {
+        for (int64_t r = 0; r < rows; ++r)
+          fused_rows<BITS, 1>(xp, xs.data(), qp + (n0 + r) * QB, QB, sf.data() + r * NG, cf.data() + r * NG, NG, K,
+                              G, yp + n0 + r);
+      }
+    }
+  });
+  return y;
+}
+#endif
+
+template <int BITS>
+torch::Tensor run(const torch::Tensor &x, const torch::Tensor &q, const torch::Tensor &s, const torch::Tensor &z,
+                  int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), NG = s.size(1), QB = q.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>();
+  const uint8_t *qp = q.data_ptr<uint8_t>();
+  const at::Half *sp = s.data_ptr<at::Half>(), *zp = z.defined() ? z.data_ptr<at::Half>() : nullptr;
+  float *yp = y.data_ptr<float>();
+  const int64_t tiles = (N + R - 1) / R;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * M / 4));  // ~16k FMAs a task at least
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> w(R * K);
+    std::vector<float> part(M * R), sf(NG), zf(NG);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * R, rows = std::min(R, N - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        halves_to_float(sp + (n0 + r) * NG, NG, sf.data());
+        if (zp) halves_to_float(zp + (n0 + r) * NG, NG, zf.data());
+        dequant_row<BITS>(qp + (n0 + r) * QB, sf.data(), zp ? zf.data() : nullptr, K, G, w.data() + r * K);
+      }
+      if (rows == R) {
+        dot_rows_x<R>(xp, M, K, w.data(), part.data(), R);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) dot_rows_x<1>(xp, M, K, w.data() + r * K, part.data() + r, R);
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; ++r) yp[m * N + n0 + r] = part[m * R + r];
+    }
+  });
+  return y;
+}
+
+// x (M, K) float32 contiguous; q (N, K bits/8) uint8; s, z (N, ceil(K/G)) float16 (z undefined: symmetric)
+inline torch::Tensor packed_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, c10::optional<torch::Tensor> z,
+                            int64_t bits, int64_t group) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x: contiguous (M, K) float32");
+  TORCH_CHECK(q.dtype() == torch::kUInt8 && q.is_contiguous(), "q: contiguous uint8");
+  TORCH_CHECK(s.dtype() == torch::kFloat16 && s.is_contiguous(), "scales: contiguous float16");
+  TORCH_CHECK(q.size(1) * 8 == x.size(1) * bits, "q's row bytes do not match K");
+  const torch::Tensor zz = z.has_value() ? z->contiguous() : torch::Tensor();
+#ifdef KVWALL_FUSED
+  if (x.size(0) == 1 && fused_fits(bits, x.size(1), group)) return bits == 8 ? run_one<8>(x, q, s, zz, group)
+                                                                            : run_one<4>(x, q, s, zz, group);
+#endif
+  if (bits == 8) return run<8>(x, q, s, zz, group);
+  TORCH_CHECK(bits == 4, "bits must be 4 or 8");
+  return run<4>(x, q, s, zz, group);
+}

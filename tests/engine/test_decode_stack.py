@@ -1,0 +1,231 @@
+"""The fused decode step (engine/decode_stack.py, kernels/decode_stack.cpp) against the layer-by-layer fast path and
+the eager reference, with every layer feature it takes, float and packed weights, contiguous and paged caches; its
+decode steps against a full forward; and the steps it must leave to the layers."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from native_kernels import built  # noqa: E402
+
+from kvwall.engine import decode_stack  # noqa: E402
+from kvwall.engine.caches import make_cache  # noqa: E402
+from kvwall.engine.caches.paged import PagedCache  # noqa: E402
+from kvwall.engine.layers.packed import pack_model  # noqa: E402
+from kvwall.engine.model import Transformer  # noqa: E402
+from kvwall.spec.formats import get_format  # noqa: E402
+from kvwall.spec.hf import spec_from_config  # noqa: E402
+
+MODELS = {
+    "llama": {},  # GQA: 4 query heads over 2 KV heads, SwiGLU
+    "qwen2": {},  # q, k, v biases
+    "gemma3_text": {"head_dim": 12, "query_pre_attn_scalar": 10, "sliding_window": 4},  # (1 + w) norms, q/k norms,
+    # sandwich norms, GeGLU (tanh), a sliding window on 5 of every 6 layers and their own rotary table
+}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return built(decode_stack.kernel_module, "decode_stack")
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """2 threads, as CI has: the stack wants a (row, KV head) attention job per thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def stacked(monkeypatch):
+    """Counts the steps the stack took (returned x rather than None)."""
+    calls = []
+    inner = decode_stack.DecodeStack.__call__
+
+    def counting(self, x, tables, cache):
+        out = inner(self, x, tables, cache)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(decode_stack.DecodeStack, "__call__", counting)
+    return calls
+
+
+def model(model_type: str, layers: int = 7, seed: int = 0, **extra) -> Transformer:
+    cfg = {"model_type": model_type, "hidden_size": 48, "num_hidden_layers": layers, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 40, "max_position_embeddings": 64,
+           "rms_norm_eps": 1e-6, **MODELS.get(model_type, {}), **extra}
+    torch.manual_seed(seed)
+    m = Transformer(spec_from_config(cfg, name="tiny"))
+    for p in m.parameters():
+        p.data.normal_(0, 0.3)
+    return m.set_eager(False)
+
+
+def decode(m: Transformer, prompt: torch.Tensor, steps: int, cache: str = "contiguous", mode: str = "stack"):
+    """Greedy decode after `prompt` (B, T): (logits of each step (B, steps, V), the tokens fed to the steps
+    (B, steps), at positions T .. T + steps - 1).
+    mode: "stack" (the fused step), "layers" (the fast path layer by layer) or "eager" (the reference)."""
+    if mode == "eager":
+        m.set_eager(True)
+    if mode == "layers":
+        m.stack = False  # the stack is built again at the next step once this is None
+    B, T = prompt.shape
+    c = make_cache(cache, m.spec, B, T + steps + 1)
+    with torch.inference_mode():
+        nxt = m(prompt, None, c)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        logits, tokens = [], []
+        for i in range(steps):
+            tokens.append(nxt)
+            out = m(nxt, torch.full((B, 1), T + i), c)  # (B, 1, V)
+            logits.append(out)
+            nxt = out[:, -1].argmax(-1, keepdim=True)
+    if mode == "eager":
+        m.set_eager(False)
+    m.stack = None if mode == "layers" else m.stack
+    return torch.cat(logits, 1), torch.cat(tokens, 1)
+
+
+@pytest.mark.parametrize("model_type", list(MODELS))
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_stack_equals_the_layers_and_the_reference(kernel, stacked, model_type, cache, batch):
+    m = model(model_type)
+    prompt = torch.randint(0, 40, (batch, 5), generator=torch.Generator().manual_seed(batch))
+    got, tokens = decode(m, prompt, 9, cache)
+    assert stacked and all(stacked), "every decode step went through the stack"
+    stacked.clear()
+    layers, layer_tokens = decode(m, prompt, 9, cache, "layers")
+    eager, eager_tokens = decode(m, prompt, 9, cache, "eager")
+    assert not any(stacked)
+    torch.testing.assert_close(got, layers, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+    assert torch.equal(tokens, layer_tokens) and torch.equal(tokens, eager_tokens)
+    assert got.abs().max() > 1  # not a degenerate model
+
+
+@pytest.mark.parametrize("fmt", ["int4:g32", "int8", "q4_1"])
+def test_packed_weights_equal_the_layers(kernel, stacked, fmt):
+    """Packed projections take packed.h's kernel inside the stack, as PackedLinear does outside it."""
+    m = pack_model(model("llama"), get_format(fmt))
+    prompt = torch.randint(0, 40, (2, 4), generator=torch.Generator().manual_seed(1))
+    got, tokens = decode(m, prompt, 8)
+    assert all(stacked)
+    layers, layer_tokens = decode(m, prompt, 8, mode="layers")
+    torch.testing.assert_close(got, layers, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, layer_tokens)
+
+
+def test_the_stack_follows_changed_weights(kernel, stacked):
+    """Built at the first step, the stack is built again after packing or a load: it never runs stale weights."""
+    m = model("llama", layers=2)
+    prompt = torch.randint(0, 40, (1, 4), generator=torch.Generator().manual_seed(6))
+    decode(m, prompt, 2)
+    pack_model(m, get_format("int8"))  # new modules
+    got, _ = decode(m, prompt, 4)
+    torch.testing.assert_close(got, decode(m, prompt, 4, mode="layers")[0], rtol=1e-5, atol=1e-5)
+    other = model("llama", layers=2, seed=1)
+    m2 = model("llama", layers=2)
+    decode(m2, prompt, 2)
+    m2.load_state_dict(other.state_dict(), assign=True)  # new parameter objects
+    torch.testing.assert_close(decode(m2, prompt, 4)[0], decode(other, prompt, 4)[0], rtol=1e-5, atol=1e-5)
+    assert all(stacked)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_decode_steps_equal_a_full_forward(kernel, stacked, model_type):
+    """Each step's logits equal a forward over the prompt and the tokens fed, without a cache (T > 1: no stack)."""
+    m = model(model_type)
+    prompt = torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(2))
+    got, tokens = decode(m, prompt, 10)
+    assert all(stacked)
+    with torch.inference_mode():
+        full = m(torch.cat([prompt, tokens], 1))  # (B, 16, V)
+    torch.testing.assert_close(got, full[:, 6:], rtol=1e-4, atol=1e-4)
+
+
+def test_rows_of_different_lengths_in_a_paged_cache(kernel, stacked):
+    """Serving's case: rows at different positions, each adding one token at its end, blocks scattered in the pool;
+    equal to the layers over the same pool (and their tokens to the same rows decoded one at a time)."""
+    m = model("llama", layers=3)
+    lengths = [3, 17, 9]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 40, (n,), generator=g) for n in lengths]
+
+    def run(mode: str):
+        m.set_eager(False)
+        m.stack = None if mode == "stack" else False
+        c = PagedCache(m.spec, batch=3, block_size=4, n_blocks=40)
+        order = torch.randperm(40, generator=torch.Generator().manual_seed(4)).tolist()
+        c.blocks.free.clear()
+        c.blocks.free.extend(order)
+        tok = torch.zeros(3, max(lengths), dtype=torch.long)
+        pos = torch.full((3, max(lengths)), -1)
+        for b, p in enumerate(prompts):  # right-padded prefill
+            tok[b, :len(p)], pos[b, :len(p)] = p, torch.arange(len(p))
+        with torch.inference_mode():
+            out = m(tok, pos, c, last_only=True)[:, -1].argmax(-1, keepdim=True)  # (3, 1)
+            steps = []
+            for i in range(6):
+                at = torch.tensor([[n + i] for n in lengths])  # (3, 1): each row's end
+                logits = m(out, at, c)
+                assert c.decoding
+                steps.append(logits)
+                out = logits[:, -1].argmax(-1, keepdim=True)
+        return torch.cat(steps, 1)
+
+    got = run("stack")
+    assert stacked and all(stacked)
+    torch.testing.assert_close(got, run("layers"), rtol=1e-5, atol=1e-5)
+
+
+def test_steps_the_stack_leaves_to_the_layers(kernel, stacked):
+    """Autograd, a cache it cannot write (int8 KV), too few attention jobs for the threads, and a model with a layer
+    it does not run (Gemma 2's attention softcap) all run layer by layer."""
+    m = model("llama", layers=2)
+    prompt = torch.randint(0, 40, (1, 4), generator=torch.Generator().manual_seed(5))
+    c = make_cache("contiguous", m.spec, 1, 8)
+    with torch.inference_mode():
+        m(prompt, None, c)
+    with torch.enable_grad():  # grad on: the layers, which record a graph
+        out = m(torch.tensor([[7]]), torch.tensor([[4]]), c)
+    assert out.requires_grad and stacked == [False]
+    stacked.clear()
+    decode(m, prompt, 3, "int8")
+    assert stacked and not any(stacked)
+    stacked.clear()
+    torch.set_num_threads(4)  # 1 row x 2 KV heads < 4 threads
+    decode(m, prompt, 3)
+    assert stacked and not any(stacked)
+    gemma2 = model("gemma2", layers=2, head_dim=12, query_pre_attn_scalar=12, attn_logit_softcapping=50.0)
+    assert gemma2.spec.layers[0].mixer.softcap
+    assert decode_stack.DecodeStack.build(gemma2) is None
+    stacked.clear()
+    decode(gemma2, prompt, 2)
+    assert not stacked
+
+
+def test_the_stack_checks_its_arguments_before_writing(kernel):
+    """A block table entry outside the pool, or a pool of another shape, is an error and nothing is written."""
+    m = model("llama", layers=2)
+    c = make_cache("contiguous", m.spec, 1, 8)
+    with torch.inference_mode():
+        m(torch.tensor([[1, 2, 3]]), None, c)
+        c.step(torch.tensor([[3]]))
+        ks, vs, table, lengths = c.decode_blocks(1)
+        before = [k.clone() for k in ks]
+        tables = [rot(torch.tensor([[3]]), torch.float32) for rot in m.rotary]
+        cos = [t.cos.reshape(1, -1) for t in tables]
+        sin = [t.sin_swapped.reshape(1, -1) for t in tables]
+        x = torch.randn(1, 48)
+        stack = decode_stack.DecodeStack.build(m).stack
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            stack.step(x.clone(), cos, sin, ks, vs, torch.tensor([[5]]), lengths)
+        with pytest.raises(RuntimeError, match="do not match"):
+            stack.step(x.clone(), cos, sin, [k[:, :1] for k in ks], vs, table, lengths)
+        with pytest.raises(RuntimeError, match="outside its block table"):
+            stack.step(x.clone(), cos, sin, ks, vs, table, torch.tensor([9]))
+        assert all(torch.equal(a, b) for a, b in zip(ks, before))
