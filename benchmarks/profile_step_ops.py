@@ -3,10 +3,12 @@
     python benchmarks/profile_step_ops.py [MODEL] [--weights native,fp32] [--batch 1,16] [--steps 16]
 
 For each weight format and batch: load MODEL (a short name or a .gguf) as `kvwall bench --weights` does,
-prefill 16 random tokens into a contiguous cache, then time `--steps` decode steps twice: bare (the median
-step, what `kvwall bench` reports), and with a timer around every projection, the cache's attention and the
-embedding, summed per op group (qkv_proj, attention, o_proj, mlp, lm_head, embedding). What the timers do not
-cover (norms, rotary, activations, residual adds, Python) is "rest". The prediction is `kvwall bench`'s
+prefill 16 random tokens into a contiguous cache, then time `--steps` decode steps three ways, in turn: bare (the
+median step, what `kvwall bench` reports: through the fused decode stack, engine/decode_stack.py, where the model
+has one), bare layer by layer, and layer by layer with a timer around every projection, the cache's attention and
+the embedding, summed per op group (qkv_proj, attention, o_proj, mlp, lm_head, embedding): the stack's one call
+has no parts to time. What the timers do not cover (norms, rotary, activations, residual adds, Python) is
+"rest". The prediction is `kvwall bench`'s
 (kvwall.measure.real_bench.predict) on the `local` profile, split the same way; its fixed per-layer and per-step
 costs are its "rest".
 """
@@ -54,30 +56,36 @@ def instrument(model, cache) -> Timers:
     return t
 
 
-def measure(path: str, weights: str, batch: int, steps: int) -> tuple[float, dict[str, float]]:
-    """(median bare step, {group: median seconds per step}) of one model at one batch."""
+def measure(path: str, weights: str, batch: int, steps: int) -> tuple[float, float, dict[str, float], bool]:
+    """(median bare step in the default fast path, the same layer by layer, {group: median seconds per step}
+    of the layer-by-layer step with its timers, whether the model has a fused decode stack) of one model at one
+    batch: the three kinds of step in turn."""
     from kvwall.engine.caches import make_cache
     from kvwall.engine.load import load_model
 
     model = load_model(path, weights=weights)
-    cache = make_cache("contiguous", model.spec, batch, 16 + 2 * steps + 8)
+    cache = make_cache("contiguous", model.spec, batch, 16 + 3 * steps + 8)
     tok = torch.randint(0, 10000, (batch, 16), generator=torch.Generator().manual_seed(batch))  # (B, T)
     tok = model(tok, None, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
     timers, pos = instrument(model, cache), 16
-    bare, per = [], collections.defaultdict(list)
-    for i in range(2 * steps + 2):
-        timers.on, timers.total = i % 2 == 1, collections.Counter()  # timed and bare steps in turn
+    bare, per, fused = {"stack": [], "layers": []}, collections.defaultdict(list), False
+    for i in range(3 * steps + 3):
+        kind = ("stack", "layers", "timed")[i % 3]
+        model.stack = None if kind == "stack" else False  # False: layer by layer (None: the stack, built again)
+        timers.on, timers.total = kind == "timed", collections.Counter()
         t0 = time.perf_counter()
         tok = model(tok, torch.full((batch, 1), pos), cache)[:, -1].argmax(-1, keepdim=True)
         took, pos = time.perf_counter() - t0, pos + 1
-        if i < 2:
+        fused |= kind == "stack" and bool(model.stack)
+        if i < 3:
             continue
         if timers.on:
             for g, s in list(timers.total.items()) + [("(step, timed)", took)]:
                 per[g].append(s)
         else:
-            bare.append(took)
-    return statistics.median(bare), {g: statistics.median(v) for g, v in per.items()}
+            bare[kind].append(took)
+    return (statistics.median(bare["stack"]), statistics.median(bare["layers"]),
+            {g: statistics.median(v) for g, v in per.items()}, fused)
 
 
 def predicted(arch, weights: str, batch: int, context: int) -> tuple[float, dict[str, float]]:
@@ -112,14 +120,15 @@ def main() -> None:
     arch = gguf_arch(a.model)
     for w in a.weights.split(","):
         for b in (int(x) for x in a.batch.split(",")):
-            step, got = measure(arch.checkpoint, w, b, a.steps)
+            step, layers, got, fused = measure(arch.checkpoint, w, b, a.steps)
             got["rest"] = got.pop("(step, timed)") - sum(got.values())
-            p_step, want = predicted(arch, w, b, 16 + a.steps)
-            print(f"\n{a.model} --weights {w}, batch {b}: measured {step * 1e3:.2f} ms/step (bare median), "
-                  f"predicted {p_step * 1e3:.2f} ms ({p_step / step - 1:+.0%})")
-            print(f"  {'op group':<12}{'measured ms':>12}{'predicted ms':>14}")
+            p_step, want = predicted(arch, w, b, 16 + 3 * a.steps // 2)
+            how = "the fused decode stack" if fused else "no fused decode stack for this model"
+            print(f"\n{a.model} --weights {w}, batch {b}: measured {step * 1e3:.2f} ms/step (bare median, {how}; "
+                  f"layer by layer {layers * 1e3:.2f}), predicted {p_step * 1e3:.2f} ms ({p_step / step - 1:+.0%})")
+            print(f"  {'op group':<12}{'layer by layer ms':>18}{'predicted ms':>14}")
             for g in sorted(set(got) | set(want), key=lambda g: -got.get(g, 0)):
-                print(f"  {g:<12}{got.get(g, 0) * 1e3:>12.2f}{want.get(g, 0) * 1e3:>14.2f}")
+                print(f"  {g:<12}{got.get(g, 0) * 1e3:>18.2f}{want.get(g, 0) * 1e3:>14.2f}")
 
 
 if __name__ == "__main__":

@@ -128,12 +128,14 @@ struct Stack {
   }
 
   // Shapes a step relies on, checked before anything is written: a wrong pool or table must not write out of bounds.
-  void check_layer(const Layer &L, const torch::Tensor &k, const torch::Tensor &v, const std::vector<torch::Tensor> &cos,
-                   int64_t B, int64_t D, const int64_t *tab, int64_t nb, const int64_t *len) const {
+  void check_layer(const Layer &L, const torch::Tensor &k, const torch::Tensor &v,
+                   const std::vector<torch::Tensor> &cos, int64_t B, int64_t D, const int64_t *tab, int64_t nb,
+                   const int64_t *len) const {
     TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.is_contiguous() &&
                     v.is_contiguous(), "K/V pools: contiguous fp32");
     TORCH_CHECK(k.dim() == 4 && k.size(1) == L.nkv && k.size(3) == L.d && v.dim() == 4 && v.size(0) == k.size(0) &&
-                    v.size(1) == L.nkv && v.size(2) == k.size(2) && v.size(3) == L.dv, "the pools do not match the layer");
+                    v.size(1) == L.nkv && v.size(2) == k.size(2) && v.size(3) == L.dv,
+                "the pools do not match the layer");
     TORCH_CHECK(L.norm1.numel() == D && L.norm2.numel() == D, "norm weights must be (D,)");
     TORCH_CHECK(L.rope < int64_t(cos.size()) && (L.rope < 0 || cos[L.rope].size(1) == L.d),
                 "a layer's rotary table is missing or not head-wide");
