@@ -202,6 +202,24 @@ def _packed_copies(fmt, shape: tuple[int, int], total_bytes: int) -> list:
                                  fmt, shape[1]) for _ in range(n - 1)]
 
 
+class StackCall:
+    """A projection called as the fused decode step calls it: its kernel's Proj, from C++ (engine/decode_stack.py)."""
+
+    def __init__(self, proj, in_features: int):
+        self.proj, self.in_features = proj, in_features
+
+    def __call__(self, x):  # (B, T, K) -> (B T, N)
+        return self.proj(x.reshape(-1, self.in_features))
+
+
+def stack_call(lin):
+    """`lin` as the fused decode step calls it (StackCall), or `lin` itself when the stack's kernel does not build."""
+    from kvwall.engine.decode_stack import kernel_module, proj
+
+    mod = kernel_module()
+    return lin if mod is None else StackCall(proj(mod, lin), lin.in_features)
+
+
 def line_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     """(bytes/s, fixed seconds) of time = fixed + bytes / rate through two (bytes, seconds) points; None when they
     give no positive slope and intercept (a busy spell timed the small one slow)."""
@@ -216,10 +234,13 @@ def line_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
 def packed_rates(total_bytes: int = 128 << 20, runs: int = 3) -> tuple[dict, dict]:
     """Per packed kernel ("matmul:int4", "matmul:int8"): ({rows: packed weight bytes/s}, fixed seconds per call) of
     the engine's PackedLinear (engine/layers/packed.py) over distinct cold matrices of two PACKED_SHAPES: time =
-    fixed + bytes / rate at each of PACKED_ROWS rows, the fixed cost from 1 row (the Python wrapper and the
-    kernel's setup, whatever the rows). One rate at 3072 x 768 alone folded that cost into the rate: SmolLM2's
-    576-wide projections at batch 1 took 21 us + bytes / 9.3 GB/s each (benchmarks/profile_step_ops.py), 43 us
-    for o_proj's 207 KB. Without the kernel: ({}, {}) (the reference path dequantizes the whole matrix)."""
+    fixed + bytes / rate at each of PACKED_ROWS rows, the fixed cost from 1 row (the kernel's setup, whatever
+    the rows). One rate at 3072 x 768 alone folded that cost into the rate: SmolLM2's 576-wide projections at
+    batch 1 took 21 us + bytes / 9.3 GB/s each (benchmarks/profile_step_ops.py), 43 us for o_proj's 207 KB.
+    Each matrix is called as a decode step calls it: from C++ inside the fused decode stack (stack_call) where
+    that builds, since the layers of every model it takes run there; PackedLinear's Python wrapper, which a
+    layer-by-layer step also pays, cost 17 us a call more (2026-12-03), 2 ms of SmolLM2's 12 ms int4 step.
+    Without the kernel: ({}, {}) (the reference path dequantizes the whole matrix)."""
     import torch
 
     from kvwall.engine.layers.packed import packed_kernel
@@ -233,8 +254,9 @@ def packed_rates(total_bytes: int = 128 << 20, runs: int = 3) -> tuple[dict, dic
         for name in PACKED_FORMATS:
             fmt = get_format(name)
             sets = [_packed_copies(fmt, shape, total_bytes) for shape in PACKED_SHAPES]
+            calls = [[stack_call(lin) for lin in mats] for mats in sets]
             kernel = matmul_kernel(fmt)
-            rates[kernel], fixed[kernel] = _rates_and_fixed(sets, [m[0].weight_bytes() for m in sets], PACKED_ROWS,
+            rates[kernel], fixed[kernel] = _rates_and_fixed(calls, [m[0].weight_bytes() for m in sets], PACKED_ROWS,
                                                             runs)
     return rates, fixed
 

@@ -170,7 +170,7 @@ struct Stack {
         std::copy_n(row + (L.nq + H) * d + j * dv, dv, pv + ((blk * H + j) * bs + t % bs) * dv);
       }
     }
-    auto y = torch::zeros({B, L.nq * dv}, qkv.options());
+    auto y = torch::empty({B, L.nq * dv}, qkv.options());  // every row holds a token: attend_job writes it all
     float *py = y.data_ptr<float>();
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> s;
@@ -189,7 +189,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def_readwrite("w", &Proj::w).def_readwrite("q", &Proj::q).def_readwrite("s", &Proj::s)
       .def_readwrite("z", &Proj::z).def_readwrite("b", &Proj::b)
-      .def_readwrite("bits", &Proj::bits).def_readwrite("group", &Proj::group).def_readwrite("fn", &Proj::fn);
+      .def_readwrite("bits", &Proj::bits).def_readwrite("group", &Proj::group).def_readwrite("fn", &Proj::fn)
+      .def("__call__", &Proj::operator(), "x (B, K) fp32 contiguous -> (B, N), as a step calls it");
   py::class_<Layer>(m, "Layer")
       .def(py::init<>())
       .def_readwrite("qkv", &Layer::qkv).def_readwrite("o", &Layer::o).def_readwrite("up", &Layer::up)
