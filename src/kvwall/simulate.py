@@ -45,7 +45,9 @@ ASSUMPTIONS = {
     "scheduler": "kvwall serve's: chunked prefill under a token budget, admission by free KV blocks, "
                  "preemption by recompute (newest first)",
     "step_time": "roofline of the step's exact mix (run_mix): per op max(compute, memory) (a calibrated `local` "
-                 "profile: its measured rates), plus links and the device's fixed step cost",
+                 "profile: its measured rates), plus links and the device's fixed step cost (a `local` profile's "
+                 "per-layer cost is the fused decode step's where every row adds one token to a model of attention "
+                 "+ gated MLP layers, else the layer-by-layer one)",
     "kv_pool": "one GPU's memory - reserve - its share of the weights, in blocks over every attention layer",
     "runner_cost": "a calibrated `local` profile's serving cost per step beyond the forward (the runner's "
                    "scheduling, tables and sampling, and the server streaming tokens to its clients), fixed + per "
@@ -165,11 +167,11 @@ class StepClock:
         """The per-token ops (projections, MLPs, experts, embedding, links) and the LM head, plus the device's
         fixed step cost: identical layers timed once and counted (time_ops on the whole list took 8 ms). `tokens`
         and `seqs` are one GPU's."""
-        key = (tokens, absorbed)
+        key = (tokens, absorbed, tokens == seqs)
         if key not in self._token_part:
             st, tp = Step(1, 0, tokens), self.par.tp
             kernel = matmul_kernel(self.fm.weights)  # packed weights pay the packed block's fixed cost (roofline's)
-            t = step_overhead(self.spec, self.roof.device, kernel)
+            t = step_overhead(self.spec, self.roof.device, kernel, decode=tokens == seqs)  # one token a row: fused
             t += self.roof.op_time(embedding(self.spec, tokens, self.fm))
             for layer, count in self._layers:
                 ops = layer_ops(0, layer, self.spec, st, self.fm, tp, absorbed, self.par.ep)

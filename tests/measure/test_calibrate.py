@@ -211,11 +211,12 @@ def test_the_engine_op_model_is_printed_in_one_line():
 
     p = {"matmul_rows_Bps": {"1": 20e9, "16": 5e9}, "op_bandwidth_Bps": {"attention": 25e9, "attention:int8": 6e9},
          "op_flops": {"attention": 70e9, "attention:prefill": 120e9}, "layer_overhead_s": 7.5e-4,
-         "mixer_overhead_s": {"mamba": 3.1e-4}, "step_overhead_s": 5e-4}
+         "mixer_overhead_s": {"mamba": 3.1e-4}, "step_overhead_s": 5e-4, "unfused_overhead_s": 1.3e-4}
     line = _op_model(p)
     assert line.startswith("matmul weights 20.0 / 5.0 GB/s at 1 / 16 rows; decode attention 25.0 GB/s + 70.0 GFLOP/s")
     assert "prefill attention 120.0 GFLOP/s" in line and "int8 cache attention 6.0 GB/s" in line
-    assert line.endswith("dispatch attention 0.75, mamba 0.31 ms per block, 0.50 ms per step")
+    assert line.endswith("dispatch attention 0.75, mamba 0.31 ms per block (+0.13 attention layer by layer), "
+                         "0.50 ms per step")
     serving = _op_model({**p, "paged_pool": {"fixed_s": 2.4e-4, "s_per_byte": 2.5e-10},
                          "runner_step": {"fixed_s": 1.5e-3, "per_row_s": 1e-4}})
     # 2.5e-10 s a byte = 250 ms per GB
@@ -244,6 +245,19 @@ def test_a_rate_and_a_fixed_cost_from_two_sizes():
     assert rate == pytest.approx(1e10) and fixed == pytest.approx(2e-5)
     assert line_fit([(1e6, 5e-4), (4e6, 4e-4)]) is None
     assert line_fit([(1e6, 0.5e-4), (4e6, 4.2e-4)]) is None
+
+
+def test_the_unfused_block_cost_is_read_and_checked(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
+    profile = {"memory_bytes": 1 << 30, "memory_bandwidth_Bps": 1e10, "peak_flops": {"fp32": 1e11},
+               "unfused_overhead_s": 1.3e-4}
+    (tmp_path / "local-device.json").write_text(json.dumps(profile))
+    assert get_device("local").unfused_overhead_s == 1.3e-4
+    (tmp_path / "local-device.json").write_text(json.dumps({**profile, "unfused_overhead_s": -1}))
+    with pytest.raises(KvwallError, match="unfused_overhead_s"):
+        get_device("local")
+    (tmp_path / "local-device.json").write_text(json.dumps({k: v for k, v in profile.items() if "unfused" not in k}))
+    assert get_device("local").unfused_overhead_s == 0.0  # a profile from before: nothing charged
 
 
 def test_a_negative_packed_block_cost_is_a_damaged_profile(tmp_path, monkeypatch):

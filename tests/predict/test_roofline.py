@@ -302,6 +302,27 @@ def test_a_packed_model_pays_its_kernels_fixed_costs():
     assert decode(TINY, 10, 1, int8, Roof(dev)).overhead_s == pytest.approx(5e-4 + 1e-3)
 
 
+def test_a_step_the_engine_runs_layer_by_layer_pays_the_unfused_cost():
+    """unfused_overhead_s is added per attention block to a step the engine does not run through its fused decode
+    stack: a prefill (more than one token a row), or any step of a model whose layers are not all attention +
+    gated MLP (Jamba: Mamba layers and MoE). Hand numbers: TINY is one attention + MLP block."""
+    from dataclasses import replace
+
+    dev = replace(get_device("h100-sxm"), layer_overhead_s=1e-3, step_overhead_s=5e-4, unfused_overhead_s=2e-4,
+                  mixer_overhead_s={"mamba": 3e-3})
+    assert decode(TINY, 10, 1, F16, Roof(dev)).overhead_s == pytest.approx(5e-4 + 1e-3)
+    assert prefill(TINY, 8, 1, F16, Roof(dev)).overhead_s == pytest.approx(5e-4 + 1e-3 + 2e-4)
+    packed = replace(dev, packed_overhead_s={"matmul:int4": 3e-4})
+    int4 = Formats(get_format("int4"), F16.kv, F16.state)
+    assert prefill(TINY, 8, 1, int4, Roof(packed)).overhead_s == pytest.approx(5e-4 + 3e-4 + 2e-4)
+    jamba = load_spec("jamba-v0.1")
+    kinds = [layer.mixer.kind for layer in jamba.layers]
+    attention, mamba = kinds.count("attention"), kinds.count("mamba")
+    assert attention == 4 and mamba == 28  # 1 : 7
+    want = 5e-4 + attention * (1e-3 + 2e-4) + mamba * 3e-3
+    assert decode(jamba, 10, 1, F16, Roof(dev)).overhead_s == pytest.approx(want)
+
+
 def test_a_float_matmul_pays_the_fixed_cost_per_call_of_its_kernel():
     """A float matrix's op (kernel "") pays op_fixed_s["matmul"] per call on top of its bytes at the row rate
     (calibrate fits both through two matrix sizes); a packed matrix pays its own kernel's, and the attention

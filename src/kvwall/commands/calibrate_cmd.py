@@ -77,7 +77,8 @@ def _op_model(p: dict) -> str:
     parts += [f"{k.split(':')[1]} cache attention {g(v)} GB/s" for k, v in bw.items() if k.startswith("attention:")]
     mixers = {"attention": p.get("layer_overhead_s"), **p.get("mixer_overhead_s", {})}
     parts.append("dispatch " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in mixers.items() if v is not None)
-                 + f" ms per block, {p.get('step_overhead_s', 0) * 1e3:.2f} ms per step")
+                 + f" ms per block (+{(p.get('unfused_overhead_s') or 0) * 1e3:.2f} attention layer by layer), "
+                 f"{p.get('step_overhead_s', 0) * 1e3:.2f} ms per step")
     pool, runner = p.get("paged_pool") or {}, p.get("runner_step") or {}
     if pool:  # what `simulate` adds for kvwall serve: its paged pool per attention layer, its runner per step
         parts.append(f"serving pool {pool['fixed_s'] * 1e3:.2f} ms + {pool['s_per_byte'] * 1e12:.0f} ms/GB gathered "

@@ -128,6 +128,7 @@ class Calibration:
             "op_flops": info.get("op_flops", {}), "op_fixed_s": info.get("op_fixed_s", {}),
             "matmul_rows_Bps": info.get("matmul_rows_Bps", {}), "packed_rows_Bps": info.get("packed_rows_Bps", {}),
             "packed_overhead_s": info.get("packed_overhead_s", {}),
+            "unfused_overhead_s": info.get("unfused_overhead_s", 0.0),
             "paged_pool": info.get("paged_pool", {}), "runner_step": info.get("runner_step", {}),
             "source": f"measured by `kvwall calibrate` on {info['hostname']} at {self.started}",
             "unconfirmed": [], "notes": self.notes(), "busy_warning": self.busy_warning(),
@@ -238,7 +239,8 @@ def _engine(cal: Calibration, s: Settings, run: _Run) -> None:
     costs = run.step("engine: dispatch per block", overhead.engine_overheads, rates, steps=steps)
     cal.info["layer_overhead_s"] = costs["attention"]
     cal.info["step_overhead_s"] = costs["step"]
-    cal.info["mixer_overhead_s"] = {k: v for k, v in costs.items() if k not in ("attention", "step")}
+    cal.info["unfused_overhead_s"] = costs["unfused"]
+    cal.info["mixer_overhead_s"] = {k: v for k, v in costs.items() if k not in ("attention", "step", "unfused")}
     cal.info["packed_overhead_s"] = run.step("engine: packed block dispatch", overhead.packed_layer_overheads,
                                              rates, steps=steps)
     # kvwall serve's pool and its runner around the forward, charged by `simulate`

@@ -28,9 +28,10 @@ def _arch_spec(arch: str, layers: int):
     return spec_from_config(config, name=f"{arch}-{layers}")
 
 
-def _decoder(spec, context: int = 64, weights=None):
+def _decoder(spec, context: int = 64, weights=None, fused: bool = True):
     """A decode step of `spec` (random weights; projections packed to Format `weights` when given) after a
-    `context`-token prefill: call it with a step index."""
+    `context`-token prefill, through the fused decode stack where it takes the model (fused=False: layer by layer,
+    as the engine runs a prefill chunk or a mixed step): call it with a step index."""
     import torch
 
     from kvwall.engine.caches import make_cache
@@ -42,6 +43,7 @@ def _decoder(spec, context: int = 64, weights=None):
     if weights is not None:
         pack_model(model, weights)
     model.prepack()  # float projections as a loaded model holds them (oneDNN's layout where it runs)
+    model.stack = None if fused else False  # False: no fused decode stack (engine/decode_stack.py)
     cache = make_cache("contiguous", spec, 1, context + 1024)
     with torch.inference_mode():
         model(torch.ones(1, context, dtype=torch.long), torch.arange(context)[None], cache)
@@ -84,7 +86,9 @@ def engine_overheads(rates, steps: int = 30) -> dict[str, float]:
     """Per-layer cost by kind of block beyond the op model on device `rates` (this machine's measured op
     rates, its overheads ignored), and the per-step rest ("step", from the attention models). The two depths
     are timed in turn, ROUNDS times: one pair's slope moved 0.57-1.0 ms per layer between runs a minute apart
-    (2 cores, 30 steps of 4-11 ms); the median round's is kept."""
+    (2 cores, 30 steps of 4-11 ms); the median round's is kept. Attention blocks run through the fused decode
+    stack, as a decode step of such a model does; "unfused" is what an attention block costs more layer by layer
+    (a prefill chunk, a mixed step: 0.13 ms on SmolLM2's fp32 blocks side by side, 2026-12-03)."""
     from kvwall.predict.memory import Formats
     from kvwall.predict.roofline import Roof, decode
     from kvwall.spec.formats import get_format
@@ -102,6 +106,8 @@ def engine_overheads(rates, steps: int = 30) -> dict[str, float]:
         out[kind] = max(((t_hi - t_lo) - (p_hi - p_lo)) / (hi - lo), 0.0)
         if kind == "attention":
             out["step"] = max(t_lo - p_lo - lo * out[kind], 0.0)
+            u_lo, u_hi = _rounds(*(_decoder(s, fused=False) for s in specs), steps)
+            out["unfused"] = max(((u_hi - u_lo) - (t_hi - t_lo)) / (hi - lo), 0.0)
     return out
 
 

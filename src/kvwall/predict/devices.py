@@ -45,6 +45,10 @@ class Device:
     matmul_rows: dict = field(default_factory=dict)  # matmul rows M -> weight bytes/s reached at M rows
     packed_rows: dict = field(default_factory=dict)  # "matmul:int4" / "matmul:int8" -> {rows M -> weight bytes/s}
     packed_overhead_s: dict = field(default_factory=dict)  # "matmul:int4" ... -> per attention block, weights packed
+    # the figures above are for decode steps the engine runs through its fused decode stack
+    # (engine/decode_stack.py); a step it runs layer by layer (a prefill chunk, a mixed step) pays this much more
+    # per attention block (measured for `local`; 0 in the catalog)
+    unfused_overhead_s: float = 0.0
     # kvwall serve's paged pool per attention layer per forward, beyond a contiguous cache: {"fixed_s",
     # "s_per_byte"} of the bytes it gathers (measure.overhead.paged_pool_cost); empty: not charged
     paged_pool: dict = field(default_factory=dict)
@@ -52,12 +56,14 @@ class Device:
     # (overhead.runner_step_cost)
     runner_step: dict = field(default_factory=dict)
 
-    def layer_overhead(self, kind: str | None, weights_kernel: str = "") -> float:
+    def layer_overhead(self, kind: str | None, weights_kernel: str = "", fused: bool = True) -> float:
         """Fixed cost per layer of this mixer kind; an attention block whose projections run a packed kernel
-        (`weights_kernel`, "matmul:int4" ...) at the cost measured for that path, where it was."""
+        (`weights_kernel`, "matmul:int4" ...) at the cost measured for that path, where it was; one not in a fused
+        decode step (`fused` False) pays unfused_overhead_s more."""
+        extra = 0.0 if fused or kind != "attention" else self.unfused_overhead_s
         if kind == "attention" and weights_kernel in self.packed_overhead_s:
-            return self.packed_overhead_s[weights_kernel]
-        return self.mixer_overhead_s.get(kind or "", self.layer_overhead_s)
+            return self.packed_overhead_s[weights_kernel] + extra
+        return self.mixer_overhead_s.get(kind or "", self.layer_overhead_s) + extra
 
     def flops(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s for a compute dtype (or its same-width twin; fp32 for a 16-bit dtype)."""
@@ -101,6 +107,7 @@ def _from_entry(name: str, e: dict) -> Device:
         matmul_rows=_rows_table(e.get("matmul_rows_Bps")),
         packed_rows={f: _rows_table(t) for f, t in (e.get("packed_rows_Bps") or {}).items()},
         packed_overhead_s={k: float(v) for k, v in (e.get("packed_overhead_s") or {}).items()},
+        unfused_overhead_s=float(e.get("unfused_overhead_s") or 0.0),
         paged_pool={k: float(v) for k, v in (e.get("paged_pool") or {}).items()},
         runner_step={k: float(v) for k, v in (e.get("runner_step") or {}).items()},
     )
@@ -154,7 +161,7 @@ def _profile_problem(e: object) -> str | None:
     if not isinstance(e, dict):
         return f"it holds a JSON {type(e).__name__}, not an object"
     figures = [(key, e.get(key), True) for key in ("memory_bytes", "memory_bandwidth_Bps")]
-    for key in ("layer_overhead_s", "step_overhead_s"):
+    for key in ("layer_overhead_s", "step_overhead_s", "unfused_overhead_s"):
         if e.get(key) is not None:
             figures.append((key, e[key], False))
     for key, above_zero in (("peak_flops", True), ("op_bandwidth_Bps", True), ("mixer_overhead_s", False),

@@ -204,7 +204,7 @@ def time_ops(spec: ModelSpec, step: Step, ops: list[Op], roof: Roof, par: Parall
     """The step's ops on the roofline, one after another, plus the device's fixed cost per step."""
     par = par or Parallel()
     ops.extend(pipeline_sends(spec, par.local(step.tokens), par))
-    overhead = step_overhead(spec, roof.device, weights_kernel(ops))
+    overhead = step_overhead(spec, roof.device, weights_kernel(ops), decode=step.new == 1)
     per_op, total = [], overhead
     for op in ops:
         t = roof.op_time(op)
@@ -231,12 +231,22 @@ def _check_finite(phase: str, per_op: list[dict], total: float, roof: Roof) -> N
                       "figures and the options")
 
 
-def step_overhead(spec: ModelSpec, device: Device, kernel: str = "") -> float:
+def step_overhead(spec: ModelSpec, device: Device, kernel: str = "", decode: bool = True) -> float:
     """The device's fixed dispatch cost of one step: per layer by its mixer kind (and the packed `kernel` its
-    projections run, Device.layer_overhead), plus the rest."""
+    projections run, Device.layer_overhead), plus the rest. `decode`: every row adds one token, a step the
+    engine runs in one fused call when it takes every layer (fused_stack)."""
     rest = device.step_overhead_s if device.step_overhead_s is not None else device.layer_overhead_s
     kinds = (layer.mixer.kind if layer.mixer is not None else None for layer in spec.layers)
-    return rest + sum(device.layer_overhead(k, kernel) for k in kinds)
+    fused = decode and fused_stack(spec)
+    return rest + sum(device.layer_overhead(k, kernel, fused) for k in kinds)
+
+
+def fused_stack(spec: ModelSpec) -> bool:
+    """Whether the engine's fused decode step (engine/decode_stack.py) takes this model: attention and a gated MLP
+    in every layer. By kind only: the few such layers it leaves to the layer-by-layer path (a softcap, partial
+    rotary, LayerNorm) are not told apart here."""
+    return all(layer.mixer is not None and layer.mixer.kind == "attention" and layer.ffn is not None
+               and layer.ffn.kind == "mlp" and layer.ffn.gated for layer in spec.layers)
 
 
 def default_compute_dtype(fm: Formats) -> str:
@@ -288,7 +298,7 @@ def pipelined(spec: ModelSpec, step: Step, fm: Formats, roof: Roof, par: Paralle
     send = roof.op_time(Op("pipeline send", None, link_bytes=par.local(micro.tokens) * spec.hidden * ACT_BYTES,
                            kind=LINK))
     slowest = max(stages) + (send if pp > 1 else 0.0)
-    fixed = step_overhead(spec, roof.device, weights_kernel(ops))
+    fixed = step_overhead(spec, roof.device, weights_kernel(ops), decode=step.new == 1)
     total = (m + pp - 1) * slowest + fixed
     steady = max(m, pp) * slowest + fixed
     if not (math.isfinite(total) and total >= 0):
