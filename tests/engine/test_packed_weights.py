@@ -217,6 +217,57 @@ def test_gguf_blocks_repack_bit_for_bit(tmp_path, qtype):
         torch.testing.assert_close(native(tokens), plain(tokens), rtol=1e-4, atol=1e-4)
 
 
+def test_q4_k_repacks_as_q4_1_within_fp16_rounding():
+    """Random Q4_K blocks (any bytes are a block once d and dmin are finite) repacked as Q4_1 dequantize to what the
+    gguf package's own dequantizer gives, within the fp16 rounding of each sub-block's d sc and dmin m: 2^-11 of
+    15 |d'| + |m'| per weight."""
+    gg = pytest.importorskip("gguf")
+    import numpy as np
+    from types import SimpleNamespace
+
+    from gguf.quants import dequantize as reference
+
+    from kvwall.engine.gguf import repack
+
+    N, K, rng = 6, 512, np.random.default_rng(0)
+    raw = rng.integers(0, 256, (N, K // 256, 144), dtype=np.uint8)  # (rows, blocks, block bytes)
+    d_dmin = rng.uniform(1e-3, 2e-2, (N, K // 256, 2)).astype(np.float16)
+    raw[..., 0:4] = np.frombuffer(d_dmin.tobytes(), np.uint8).reshape(N, K // 256, 4)
+    tensor = SimpleNamespace(tensor_type=gg.GGMLQuantizationType.Q4_K, shape=np.array([K, N]), data=raw.reshape(N, -1))
+    q, d, m, fmt = repack(tensor)
+    assert fmt.name == "q4_1" and q.shape == (N, K // 2) and d.shape == m.shape == (N, K // 32)
+    mine = dequantize(q, d, m, 4, K, 32)  # (N, K)
+    want = torch.from_numpy(reference(raw.reshape(N, -1), gg.GGMLQuantizationType.Q4_K).reshape(N, K).copy())
+    bound = (15 * d.float().abs() + m.float().abs()).repeat_interleave(32, 1) * 2.0 ** -11
+    assert ((mine - want).abs() <= bound + 1e-9).all()
+    assert (m < 0).any() and want.abs().max() > 0.1  # mins subtracted, weights of a real scale
+
+
+@pytest.mark.real
+def test_gemma3_q4_k_matrices_are_held_packed():
+    """The real Gemma 3 270M file (Q4_K_M): its Q4_K projections are held as Q4_1 blocks (its Q8_0 token table as
+    Q8_0, the Q6_K ones dequantized), and the logits stay those of the dequantized load up to the scales' fp16
+    rounding."""
+    from kvwall.spec.gguf_meta import packaged_path
+
+    try:
+        path = packaged_path("gemma-3-270m")
+    except KvwallError as exc:
+        pytest.skip(str(exc))
+    native, plain = load_model(path, weights="native"), load_model(path)
+    gg = pytest.importorskip("gguf")
+    kinds = {t.name: t.tensor_type.name for t in gg.GGUFReader(path).tensors}
+    parts = [("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)]
+    want = sum(all(kinds[f"blk.{i}.{p}.weight"] == "Q4_K" for p in group) for i in range(18) for group in parts)
+    held = [m.fmt.name for m in native.modules() if isinstance(m, PackedLinear)]
+    assert want > 0 and held.count("q4_1") == want and set(held) <= {"q4_1", "q8_0"}  # an engine matrix: all Q4_K
+    tokens = ids(1, 12)
+    with torch.no_grad():
+        a, b = native(tokens), plain(tokens)
+    assert (a - b).abs().max() <= 0.02 * b.abs().max()
+    assert torch.equal(a[0, -1].topk(5).indices, b[0, -1].topk(5).indices)
+
+
 def test_smollm2_q4_1_native_bytes_equal_the_predictor():
     """The real model's file: every projection is Q4_1, so held natively in bf16 it is `--weight-format q4_1`."""
     from kvwall.spec.gguf_meta import packaged_path

@@ -79,8 +79,9 @@ class GGUFCheckpoint:
         return self._fix(name, _dequantize(self.weight_map[name]))
 
     def packed(self, name: str):
-        """(q, scale, zero, Format) of a Q4_0 / Q4_1 / Q8_0 tensor in PackedLinear's layout, the file's own bits
-        (Q/K rows put back in HF order like get's); None for any other type (it stays dequantized)."""
+        """(q, scale, zero, Format) of a Q4_0 / Q4_1 / Q8_0 tensor in PackedLinear's layout, the file's own bits, or
+        of a Q4_K one as Q4_1 blocks (repack_q4_k) (Q/K rows put back in HF order like get's); None for any other
+        type (it stays dequantized)."""
         got = repack(self.weight_map[name])
         return None if got is None else (*(self._fix(name, t) if t is not None else None for t in got[:3]), got[3])
 
@@ -122,6 +123,8 @@ def repack(tensor):
     PackedLinear's (q, scale, zero, Format), bit for bit: Q4_1 w = d q + m is int4 g32 with zero m; Q4_0
     w = d (q - 8) is int4 g32 symmetric; Q8_0 w = d q (signed) is int8 g32 symmetric with codes q + 128.
     Nibble order is already PackedLinear's (low nibble element j, high nibble j + 16). None for other types."""
+    if tensor.tensor_type.name == "Q4_K":
+        return repack_q4_k(tensor)
     kind = _BLOCKS.get(tensor.tensor_type.name)
     if kind is None:
         return None
@@ -134,6 +137,30 @@ def repack(tensor):
         codes = (codes.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     zero = half(2) if name == "q4_1" else None
     return torch.from_numpy(np.ascontiguousarray(codes)), half(0), zero, get_format(name)
+
+
+def repack_q4_k(tensor):
+    """A Q4_K tensor (ggml-common.h block_q4_K: 256 weights as fp16 d and dmin, 8 six-bit scales and mins in 12
+    bytes, 128 nibble bytes) as Q4_1 blocks, one per 32-weight sub-block j: w = d sc_j q - dmin m_j is Q4_1's
+    d' q + m' with d' = d sc_j and m' = -dmin m_j, each rounded to fp16 (the only loss: at most 2^-11 of each,
+    relative). 5.0 bits a weight where the file holds 4.5. A chunk of 64 weights keeps sub-block 2c in its 32
+    bytes' low nibbles and 2c + 1 in their high ones; Q4_1 wants element i of a block low and i + 16 high."""
+    N, K = _torch_shape(tensor)
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(N, K // 256, 144)  # (N, blocks, block bytes)
+    d, dmin = (raw[..., at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))  # (N, blocks, 1)
+    s = raw[..., 4:16].astype(np.uint8)  # (N, blocks, 12): get_scale_min_k4's bytes
+    lo_sc, lo_m = s[..., 0:4] & 63, s[..., 4:8] & 63  # sub-blocks 0..3
+    hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)  # sub-blocks 4..7
+    hi_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    sc = np.concatenate([lo_sc, hi_sc], -1).astype(np.float32)  # (N, blocks, 8)
+    mn = np.concatenate([lo_m, hi_m], -1).astype(np.float32)
+    qs = raw[..., 16:].reshape(N, K // 256, 4, 1, 32)  # (N, blocks, chunk, 1, byte)
+    codes = np.concatenate([qs & 15, qs >> 4], 3).reshape(N, K // 32, 32)  # (N, sub-blocks, 32) in weight order
+    q = codes[..., :16] | (codes[..., 16:] << 4)  # (N, sub-blocks, 16): Q4_1's order
+    scale = (d * sc).astype(np.float16).reshape(N, K // 32)
+    zero = (-(dmin * mn)).astype(np.float16).reshape(N, K // 32)
+    return (torch.from_numpy(np.ascontiguousarray(q.reshape(N, K // 2))), torch.from_numpy(scale),
+            torch.from_numpy(zero), get_format("q4_1"))
 
 
 def gguf_spec(ckpt: GGUFCheckpoint):
