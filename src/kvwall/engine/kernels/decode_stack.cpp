@@ -115,12 +115,17 @@ struct Stack {
     for (size_t i = 0; i < layers.size(); ++i) {
       const Layer &L = layers[i];
       norm_rows(px, L.norm1, h.data_ptr<float>(), B, D, float(eps), float(offset));
-      torch::Tensor a = attention(L, L.qkv(h), kp[i], vp[i], cos, sin, tab, nb, len);  // (B, Hq Dv)
-      a = L.o(a);  // (B, D)
+      torch::Tensor qkv = L.qkv(h);  // (B, (Hq + Hkv) d + Hkv dv)
+      TORCH_CHECK(qkv.size(1) == (L.nq + L.nkv) * L.d + L.nkv * L.dv, "qkv's width does not match the heads");
+      torch::Tensor a = L.o(attention(L, qkv, kp[i], vp[i], cos, sin, tab, nb, len));  // (B, Hq dv) -> (B, D)
+      TORCH_CHECK(a.sizes() == x.sizes(), "o's output is not (B, D)");
       if (L.post1.defined()) norm_rows(a.data_ptr<float>(), L.post1, a.data_ptr<float>(), B, D, eps, offset);
       add_into(px, a.data_ptr<float>(), B * D);
       norm_rows(px, L.norm2, h.data_ptr<float>(), B, D, float(eps), float(offset));
-      torch::Tensor m = L.down(gate(L.up(h), L.gelu));  // (B, D)
+      torch::Tensor gu = L.up(h);  // (B, 2F): [gate, up]
+      TORCH_CHECK(gu.size(1) % 2 == 0, "gate and up must be the same width");
+      torch::Tensor m = L.down(gate(gu, L.gelu));  // (B, D)
+      TORCH_CHECK(m.sizes() == x.sizes(), "down's output is not (B, D)");
       if (L.post2.defined()) norm_rows(m.data_ptr<float>(), L.post2, m.data_ptr<float>(), B, D, eps, offset);
       add_into(px, m.data_ptr<float>(), B * D);
     }
