@@ -122,7 +122,8 @@ def repack(tensor):
     """A Q4_0 / Q4_1 / Q8_0 tensor's blocks (ggml-common.h: fp16 d, [fp16 m,] 16 nibble bytes or 32 int8) as
     PackedLinear's (q, scale, zero, Format), bit for bit: Q4_1 w = d q + m is int4 g32 with zero m; Q4_0
     w = d (q - 8) is int4 g32 symmetric; Q8_0 w = d q (signed) is int8 g32 symmetric with codes q + 128.
-    Nibble order is already PackedLinear's (low nibble element j, high nibble j + 16). None for other types."""
+    Nibble order is already PackedLinear's (low nibble element j, high nibble j + 16). Q4_K: repack_q4_k.
+    None for other types."""
     if tensor.tensor_type.name == "Q4_K":
         return repack_q4_k(tensor)
     kind = _BLOCKS.get(tensor.tensor_type.name)
@@ -148,7 +149,7 @@ def repack_q4_k(tensor):
     N, K = _torch_shape(tensor)
     raw = np.asarray(tensor.data, dtype=np.uint8).reshape(N, K // 256, 144)  # (N, blocks, block bytes)
     d, dmin = (raw[..., at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))  # (N, blocks, 1)
-    s = raw[..., 4:16].astype(np.uint8)  # (N, blocks, 12): get_scale_min_k4's bytes
+    s = raw[..., 4:16]  # (N, blocks, 12): get_scale_min_k4's bytes
     lo_sc, lo_m = s[..., 0:4] & 63, s[..., 4:8] & 63  # sub-blocks 0..3
     hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)  # sub-blocks 4..7
     hi_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)

@@ -149,10 +149,12 @@ class Transformer(nn.Module):
             x = x + self.pos_embed(pos.clamp(min=0))
         tables = [rot(pos, x.dtype) for rot in self.rotary]
         stacked = self.decode_stack(x, tables, cache) if T == 1 else None
-        for i, block in enumerate(self.layers if stacked is None else ()):
-            r = self.rope_of_layer[i]
-            x = block(x, pos, tables[r] if r is not None else None, cache)  # (B, T, D)
-        x = x if stacked is None else stacked
+        if stacked is not None:
+            x = stacked  # every layer in one call
+        else:
+            for i, block in enumerate(self.layers):
+                r = self.rope_of_layer[i]
+                x = block(x, pos, tables[r] if r is not None else None, cache)  # (B, T, D)
         if last_only:
             last = ((pos >= 0).sum(1) - 1).clamp(min=0)  # (B,) index of each row's last real token
             x = x[torch.arange(B, device=x.device), last][:, None]  # (B, 1, D)

@@ -137,3 +137,21 @@ inline void attend_job(const float *qq, int64_t rep, int64_t D, int64_t Dv, cons
     for (int64_t j = 0; j < Dv; ++j) yy[r * Dv + j] /= l;
   }
 }
+
+// One row of a gated MLP's activation: o[i] = act(g[i]) * u[i] for i < F, act silu (g / (1 + e^-g)) or, gelu,
+// the tanh approximation 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))). Shared by fused_ops.cpp's silu_mul
+// and decode_stack.cpp.
+inline void gate_row(const float *g, const float *u, float *o, int64_t F, bool gelu) {
+  const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+  int64_t i = 0;
+  for (; i + W <= F; i += W) {
+    const Vec gv = Vec::loadu(g + i);
+    const Vec a = gelu ? Vec(0.5f) * gv * (Vec(1.f) + (Vec(k0) * (gv + Vec(k1) * gv * gv * gv)).tanh())
+                       : gv / (Vec(1.f) + gv.neg().exp());
+    (a * Vec::loadu(u + i)).store(o + i);
+  }
+  for (; i < F; ++i) {
+    const float x = g[i];
+    o[i] = (gelu ? 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))) : x / (1.f + std::exp(-x))) * u[i];
+  }
+}

@@ -56,22 +56,7 @@ torch::Tensor gate(const torch::Tensor &gu, bool gelu) {
   auto y = torch::empty({B, F}, gu.options());
   const float *pg = gu.data_ptr<float>();
   float *py = y.data_ptr<float>();
-  const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
-  for (int64_t r = 0; r < B; ++r) {
-    const float *g = pg + r * 2 * F, *u = g + F;
-    float *o = py + r * F;
-    int64_t i = 0;
-    for (; i + W <= F; i += W) {
-      const Vec gv = Vec::loadu(g + i);
-      const Vec a = gelu ? Vec(0.5f) * gv * (Vec(1.f) + (Vec(k0) * (gv + Vec(k1) * gv * gv * gv)).tanh())
-                         : gv / (Vec(1.f) + gv.neg().exp());
-      (a * Vec::loadu(u + i)).store(o + i);
-    }
-    for (; i < F; ++i) {
-      const float x = g[i];
-      o[i] = (gelu ? 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))) : x / (1.f + std::exp(-x))) * u[i];
-    }
-  }
+  for (int64_t r = 0; r < B; ++r) gate_row(pg + r * 2 * F, pg + r * 2 * F + F, py + r * F, F, gelu);
   return y;
 }
 

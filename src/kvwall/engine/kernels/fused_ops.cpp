@@ -53,16 +53,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   const float *pg = gu.data_ptr<float>();
   float *py = y.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(F, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float *g = pg + r * 2 * F, *u = g + F;
-      float *o = py + r * F;
-      int64_t i = 0;
-      for (; i + W <= F; i += W) {
-        const Vec gv = Vec::loadu(g + i);
-        (gv / (Vec(1.f) + gv.neg().exp()) * Vec::loadu(u + i)).store(o + i);
-      }
-      for (; i < F; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
+    for (int64_t r = r0; r < r1; ++r) gate_row(pg + r * 2 * F, pg + r * 2 * F + F, py + r * F, F, false);
   });
   return y;
 }
