@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/validate_serving.py [--model smollm2-135m] [--rates 0.5,2,8]
         [--kv-memory 16MiB,256MiB] [--requests 48] [--prompt-tokens 128] [--output-tokens 32] [--json out.json]
         [--shared-prefix WORDS] [--save DIR]    (then, after a new `kvwall calibrate`: --replay DIR, which simulates the saved runs again)
+        [--plot out.png]                        (or, from earlier --json files, no server: --rows A.json,B.json --plot out.png)
 
 For each KV budget it starts `kvwall serve` on a free loopback port (fp32 weights and pool), and for each
 offered rate it runs `kvwall loadtest` (Poisson arrivals, streamed, ignore_eos). The requests the server
@@ -169,8 +170,20 @@ def main() -> None:
     p.add_argument("--replay", metavar="DIR", help="no server: simulate the runs saved in DIR again (after a new "
                    "`kvwall calibrate`)")
     p.add_argument("--vllm-python", help="measure vLLM's CPU server (python of its venv) instead of kvwall serve")
+    p.add_argument("--plot", metavar="PNG", help="draw measured (solid) and simulated (dashed) throughput, p50 TTFT "
+                   "and p50 TPOT against the offered rate, a line per server and KV pool")
+    p.add_argument("--rows", metavar="JSON[,JSON]", help="no server, no simulation: print and --plot the rows of "
+                   "earlier --json files")
     args = p.parse_args()
     rows, seed = [], 0
+    if args.rows:
+        for f in args.rows.split(","):
+            rows += [r | {"server": r.get("server", "kvwall")} for r in json.loads(Path(f).read_text())]
+        for r in rows:
+            print_row(r)
+        if args.plot:
+            plot(rows, Path(args.plot))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         if args.replay:
             runs = [json.loads(f.read_text()) for f in Path(args.replay).glob("*.json")]
@@ -180,6 +193,8 @@ def main() -> None:
                 print_row(rows[-1])
             if args.json:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
+            if args.plot:
+                plot(rows, Path(args.plot))
             return
         for kv in args.kv_memory.split(","):
             proc, url = (start_vllm if args.vllm_python else start_server)(args, kv)
@@ -195,6 +210,46 @@ def main() -> None:
                 proc.wait(timeout=60)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, Path(args.plot))
+
+
+PANELS = [("req/s", "completed requests / s", False), ("TTFT p50", "p50 time to first token (s)", True),
+          ("TPOT p50", "p50 time per output token (ms)", False)]
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    """Measured (solid) and simulated (dashed) figures against the offered rate: a line per server and pool."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.2))
+    groups = dict.fromkeys((r.get("server", "kvwall"), r["kv_memory"]) for r in rows)
+    for (server, kv), color in zip(groups, plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        mine = sorted((r for r in rows if (r.get("server", "kvwall"), r["kv_memory"]) == (server, kv)),
+                      key=lambda r: r["rate"])
+        rates = [r["rate"] for r in mine]
+        for ax, (name, _, _) in zip(axes, PANELS):
+            scale = 1e3 if name.startswith("TPOT") else 1.0
+            ax.plot(rates, [r[name]["measured"] * scale for r in mine], marker="o", color=color,
+                    label=f"{server} serve, {kv}")
+            ax.plot(rates, [r[name]["simulated"] * scale for r in mine], marker="x", ls="--", color=color,
+                    alpha=0.8, label=f"simulated as {server}, {kv}")
+    for ax, (name, label, log) in zip(axes, PANELS):
+        ax.set_xscale("log", base=2)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("offered load (requests / s)")
+        ax.set_ylabel(label)
+        ax.set_title(f"{name}: measured (solid) and kvwall simulate (dashed)", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 def print_row(r: dict) -> None:

@@ -2,6 +2,7 @@
 reproduces hand-computed queueing; the CLI's errors are one line."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -30,10 +31,15 @@ def test_clock_equals_the_mixed_roofline(model, par):
 
 
 class Constant:
-    """A fake clock: every step takes `dt` seconds (on one stage; `pp` stages take dt / pp each)."""
+    """A fake clock: every step takes `dt` seconds (on one stage; `pp` stages take dt / pp each), plus
+    `per_request` for each request's first chunk in it (counted in `firsts`)."""
 
-    def __init__(self, dt, pp=1, ep=1):
-        self.dt, self.par = dt, Parallel(1, pp, ep)
+    def __init__(self, dt, pp=1, ep=1, per_request=0.0):
+        self.dt, self.par, self.per_request, self.firsts = dt, Parallel(1, pp, ep), per_request, 0
+
+    def request_time(self, first):
+        self.firsts += first
+        return self.per_request * first
 
     def stages(self, total, rows):
         return [total / self.par.pp] * self.par.pp
@@ -84,9 +90,11 @@ def test_littles_law_on_the_trace():
 def test_a_small_pool_preempts_and_still_finishes_everything():
     reqs = [Request(k, 0.0, 40, 40) for k in range(8)]
     pool = Pool(block_size=16, block_bytes=1, n_blocks=12, available_bytes=12)  # 6 blocks per request at the end
-    run = simulate(reqs, Constant(0.01), pool, chunk=64, max_batch=8)
+    clock = Constant(0.01)
+    run = simulate(reqs, clock, pool, chunk=64, max_batch=8)
     assert run["preemptions"] > 0
     assert all(len(r.token_times) == 40 for r in run["records"])
+    assert clock.firsts == 8  # each request's fixed cost once: a recompute after preemption pays none
 
 
 def test_pipeline_keeps_two_micro_batches_in_flight():
@@ -143,6 +151,10 @@ def test_a_shared_prefix_is_computed_once():
     reqs = with_shared_prefix([Request(k, 0.0, 8, 2) for k in range(2)], 32)
     run = simulate(reqs, clock, POOL, max_batch=1)
     assert [rows[0] for rows in clock.rows] == [(0, 40), (40, 1), (32, 8), (40, 1)]
+    # a fixed cost of 0.05 s per request: the second pays it on its first chunk although it starts at token 32,
+    # so its first token comes at 0.1 + 0.05 (first request's prefill) + 0.1 (its decode) + 0.1 + 0.05
+    recs = simulate(reqs, Constant(0.1, per_request=0.05), POOL, max_batch=1)["records"]
+    assert [r.ttft for r in recs] == pytest.approx([0.15, 0.4])
     assert run["prefix_cached_tokens"] == 32 and report(run)["prefix_cached_tokens"] == 32
     alone = simulate([Request(k, 0.0, 40, 2) for k in range(2)], Constant(0.1), POOL, max_batch=1)
     assert alone["prefix_cached_tokens"] == 0  # equal lengths, nothing declared shared: nothing taken
@@ -240,17 +252,26 @@ def test_cli_bad_dataset(tmp_path, capsys):
     assert "line 2" in capsys.readouterr().err
 
 
-def test_expected_roof_adds_its_request_cost_once_per_first_chunk():
+def test_expected_roof_request_cost_beside_the_forward():
+    """The clock times the forward alone (= run_mix); the expected roof's fixed cost per request is
+    request_time(first requests), the busiest expert-parallel GPU's share, and not the tensor-parallel TTFT term."""
+    from kvwall.catalog import efficiency
     from kvwall.predict.expected import expected_roof
 
     spec = load_spec("llama-3-8b")
     fm = Formats.for_spec(spec)
     roof = expected_roof(get_device("h100"), "bf16", fm, spec)
-    assert roof.request_overhead_s > 0
+    request_s = efficiency()["params"]["request_s"]
+    assert roof.request_overhead_s == request_s > 0
     clock = StepClock(spec, fm, roof)
-    rows = [(0, 64), (0, 32), (100, 1), (50, 16)]  # two first chunks
-    want = run_mix(spec, [Step(1, p, n) for p, n in rows], fm, roof).time_s + 2 * roof.request_overhead_s
-    assert clock.time(rows) == pytest.approx(want, rel=1e-12)
+    rows = [(0, 64), (0, 32), (100, 1), (50, 16)]
+    assert clock.time(rows) == pytest.approx(run_mix(spec, [Step(1, p, n) for p, n in rows], fm, roof).time_s,
+                                             rel=1e-12)
+    assert clock.request_time(2) == pytest.approx(2 * request_s) and clock.request_time(0) == 0
+    assert StepClock(spec, fm, roof, Parallel(1, 1, 2)).request_time(3) == pytest.approx(2 * request_s)  # 3 over 2
+    # the tensor-parallel TTFT term is a batch-1 benchmark's latency, not a cost the serving step pays
+    tp4 = expected_roof(get_device("h100"), "bf16", fm, spec, tp=4)
+    assert tp4.tp_ttft_s > 0 and StepClock(spec, fm, tp4, Parallel(4)).request_time(1) == pytest.approx(request_s)
 
 
 def test_clock_with_pipeline_stages():

@@ -47,7 +47,9 @@ ASSUMPTIONS = {
     "step_time": "roofline of the step's exact mix (run_mix): per op max(compute, memory) (a calibrated `local` "
                  "profile: its measured rates), plus links and the device's fixed step cost (a `local` profile's "
                  "per-layer cost is the fused decode step's where every row adds one token to a model of attention "
-                 "+ gated MLP layers, else the layer-by-layer one)",
+                 "+ gated MLP layers, else the layer-by-layer one); expected mode's fixed cost per request (request_s) on a "
+                 "request's first step, but not its tensor-parallel TTFT term (request_tp_s: fitted on batch-1 TTFT "
+                 "runs, nothing says it holds the GPUs)",
     "kv_pool": "one GPU's memory - reserve - its share of the weights, in blocks over every attention layer",
     "runner_cost": "a calibrated `local` profile's serving cost per step beyond the forward (the runner's "
                    "scheduling, tables and sampling, and the server streaming tokens to its clients), fixed + per "
@@ -55,8 +57,8 @@ ASSUMPTIONS = {
     "pool_cost": "a calibrated `local` profile's paged pool cost (scatter, gather of each row's blocks padded to "
                  "the longest row, mask) per attention layer per forward, fixed + per byte gathered; 0 elsewhere",
     "prefix_cache": "only a declared shared prefix is shared (kvwall serve's prefix cache over sealed blocks; "
-                    "the expected roof's fixed cost per request is charged on rows from token 0, so not to a request "
-                    "whose prompt starts in the cache); every request runs to its output length",
+                    "the expected roof's fixed cost per request is charged on a request's first chunk, wherever the "
+                    "cache left it, and not again after a preemption); every request runs to its output length",
     "pipeline": "with pp stages, up to pp micro-batches in flight (pp schedulers over one shared pool, a new "
                 "request to the one with the fewest unfinished); layers split evenly, the LM head on the last stage",
     "expert_parallel": "with ep GPUs, one scheduler over their pools together (batch and chunk limits x ep); each "
@@ -68,8 +70,8 @@ MAX_STEPS = 50_000_000  # a stuck scheduler is a bug, not an endless loop
 class StepClock:
     """The roofline time of a scheduler step, fast: the per-token part cached by (tokens, sequences); the
     per-sequence ops (attention over each cache, SSM scans) computed once per distinct mixer and (past, new)
-    row, added up over the rows with numpy. Equals `run_mix` on the same rows (a test holds it), plus the roof's
-    fixed cost per request (expected mode) on each request's first chunk."""
+    row, added up over the rows with numpy. Equals `run_mix` on the same rows (a test holds it); the roof's fixed
+    cost per request (expected mode) is `request_time`, which the simulator adds once per request."""
 
     def __init__(self, spec: ModelSpec, fm: Formats, roof: Roof, par: Parallel | None = None, block_size: int = 16):
         self.spec, self.fm, self.roof, self.par = spec, fm, roof, par or Parallel()
@@ -103,6 +105,11 @@ class StepClock:
         return sum(n * (cost.get("fixed_s", 0.0) + gathered * b * cost.get("s_per_byte", 0.0))
                    for b, n in self._pooled)
 
+    def request_time(self, first: int) -> float:
+        """The roof's fixed cost per request (expected mode: request_s) for a step that starts `first` requests'
+        prompts (the busiest expert-parallel GPU's share); not roof.tp_ttft_s (Roof says why)."""
+        return self.roof.request_overhead_s * self.par.local(first) if first else 0.0
+
     def runner_time(self, rows: list[tuple[int, int]]) -> float:
         """What kvwall serve adds to a step beyond its forwards (the runner's scheduling and sampling, the server
         streaming the tokens), where the device measured it (Device.runner_step; 0 otherwise): fixed + per row,
@@ -134,8 +141,6 @@ class StepClock:
         chunks = [] if absorbed else [self._row(p, n, absorbed) for p, n in rows if n > 1]
         tokens = len(pasts) + (sum(n for _, n in rows if n > 1) if chunks else 0)
         total = self._per_token(local(tokens), local(len(rows)), absorbed)
-        if self.roof.request_overhead_s:  # once per request (its TTFT)
-            total += self.roof.request_overhead_s * local(sum(1 for p, _ in rows if p == 0))
         decode = self._decode_work(pasts, absorbed)  # (ops, 2): FLOPs, bytes
         decode = decode / ep if ep > 1 else decode
         if not chunks:
@@ -289,9 +294,10 @@ def simulate(requests: list[Request], clock: StepClock, pool: Pool, chunk: int =
                 freed |= bool(step.preempted)
                 if step.chunks:
                     rows = [(c.start, c.n) for c in step.chunks]
+                    first = sum(1 for c in step.chunks if _first(c))
                     gauges = (sum(len(x.running) for x in engines), sum(len(x.waiting) for x in engines),
                               engines[0].used_blocks(), len(step.preempted))
-                    flight[v] = (pipe.send(t, clock, rows, split_prefill), step, gauges)
+                    flight[v] = (pipe.send(t, clock, rows, split_prefill, first), step, gauges)
         ends = [(f[0], v) for v, f in enumerate(flight) if f]
         arrival = clients.next_arrival()
         if not ends:
@@ -333,9 +339,11 @@ class Pipeline:
         self.free_at = [0.0] * pp  # when each stage is next free
         self.busy = 0.0  # stage-seconds worked
 
-    def send(self, t: float, clock: StepClock, rows: list[tuple[int, int]], split_prefill: bool) -> float:
-        """A micro-batch of `rows` sent at t: returns when it leaves the last stage (its tokens are sampled)."""
-        total = _step_time(clock, rows, split_prefill)
+    def send(self, t: float, clock: StepClock, rows: list[tuple[int, int]], split_prefill: bool,
+             first: int = 0) -> float:
+        """A micro-batch of `rows`, `first` of them requests' first chunks, sent at t: returns when it leaves the
+        last stage (its tokens are sampled)."""
+        total = _step_time(clock, rows, split_prefill) + clock.request_time(first)
         for k, dt in enumerate(clock.stages(total, rows)):  # [total] without a pipeline
             t = max(t, self.free_at[k]) + dt
             self.free_at[k] = t
@@ -379,6 +387,12 @@ def _job(r: Request) -> Job:
     base = (r.id + 1) << 32
     own = r.prompt_tokens - r.shared_tokens
     return Job(r.id, list(range(r.shared_tokens)) + list(range(base, base + own)), r.output_tokens)
+
+
+def _first(c) -> bool:
+    """Whether a chunk is its request's first (from where the prefix cache left it, never after a preemption):
+    where the expected roof's fixed cost per request is paid."""
+    return c.start == c.request.cached_tokens and not c.request.preemptions
 
 
 def _step_time(clock: StepClock, rows: list[tuple[int, int]], split_prefill: bool) -> float:

@@ -23,7 +23,8 @@ ROWS = {r["id"]: r for r in catalog.measurements()}
 GPTFAST = "gptfast-a100-llama2-7b-bf16"
 # Given figures (not the fitted ones), so that the arithmetic below is independent of the fit.
 GIVEN = {k: 1.0 for k in PARAMS} | {"bw_weights": 0.5, "bw_cache": 0.25, "gqa_exponent": 1.0, "compute": 0.5,
-                                    "layer_s": 1e-4, "step_s": 1e-3, "collective_s": 1e-5, "request_s": 2e-3}
+                                    "layer_s": 1e-4, "step_s": 1e-3, "collective_s": 1e-5, "request_s": 2e-3,
+                                    "request_tp_s": 1e-3}
 
 
 def test_gptfast_llama2_7b_by_hand():
@@ -37,6 +38,28 @@ def test_gptfast_llama2_7b_by_hand():
     assert tpot == pytest.approx(17.269e-3, rel=1e-4)
     r = predict_row(ROWS[GPTFAST], "expected", GIVEN)
     assert r["mode"] == "expected" and r["predicted"] == pytest.approx(1 / tpot, rel=2e-3)  # activations: < 0.2 %
+
+
+def test_a_tensor_parallel_prefill_pays_the_request_cost_per_extra_gpu():
+    """TTFT of Llama-2-70B on 4 GPUs (128-token prompt): request_s + request_tp_s x 3 on top of the step, so
+    5 ms more of request_tp_s adds 15 ms; on one GPU (Llama-2-7B) it adds nothing."""
+    def ttft(row_id, extra):
+        return predict_row(ROWS[row_id], "expected", GIVEN | {"request_tp_s": extra})["predicted"]
+
+    tp4, tp1 = "trtllm-h100-sxm-llama2-70b-tp4-ttft-128", "trtllm-h100-sxm-llama2-7b-ttft-128"
+    assert ROWS[tp4]["tp"] == 4 and ROWS[tp1]["tp"] == 1 and ROWS[tp4]["metric"] == "ttft_s"
+    assert ttft(tp4, 6e-3) - ttft(tp4, 1e-3) == pytest.approx(3 * 5e-3, rel=1e-9)
+    assert ttft(tp1, 6e-3) == ttft(tp1, 1e-3)
+    # `kvwall speed` / `roofline` time the prefill phase with the same term
+    from kvwall.predict.memory import Parallel
+    from kvwall.predict.roofline import prefill
+
+    spec = load_spec("llama-2-70b")
+    fm = Formats.for_spec(spec)
+    roofs = [expected_roof(get_device("h100-sxm"), "bf16", fm, spec, 4, GIVEN | {"request_tp_s": x})
+             for x in (1e-3, 6e-3)]
+    times = [prefill(spec, 128, 1, fm, r, Parallel(4)).time_s for r in roofs]
+    assert times[1] - times[0] == pytest.approx(3 * 5e-3, rel=1e-9)
 
 
 def test_grouped_ops_time_like_the_roofline():

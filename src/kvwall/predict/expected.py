@@ -11,7 +11,10 @@ same max(FLOPs / peak, bytes / bandwidth) per op, and replaces the peaks by fitt
   group = query heads per KV head (an exponent near 1: the kernels re-read K/V for every query head);
 * math at peak x ``compute`` (x ``fp8_compute`` when the math is fp8);
 * fixed costs: ``layer_s`` per layer per step, ``step_s`` per step, ``collective_s`` x (tp - 1) per
-  all-reduce, ``request_s`` once per prefill (TTFT).
+  all-reduce, ``request_s`` once per prefill (TTFT), and ``request_tp_s`` x (tp - 1) more on a tensor-parallel
+  prefill: the table's TP TTFT rows took 7-13 ms more than their bytes and FLOPs at 128 and at 2,048 prompt
+  tokens alike. Those are batch-1 runs of a benchmark harness, so that part is a TTFT (Roof.tp_ttft_s), not a
+  cost a serving step pays (the simulator does not charge it).
 
 Device classes (a class, not a device, because the table has few rows per device): ``hbm`` (datacenter GPUs
 with HBM), ``gddr`` (workstation and consumer GPUs), ``amd`` (AMD Instinct), ``unified`` (Apple SoCs and CPUs:
@@ -49,6 +52,7 @@ PARAMS = {
     "step_s": ("seconds per step outside the layers (sampling, scheduling)", 100e-6, False),
     "collective_s": ("seconds per all-reduce per extra GPU, x (tp - 1)", 10e-6, False),
     "request_s": ("seconds per prefill (a request's TTFT) beyond its step", 2e-3, False),
+    "request_tp_s": ("seconds per prefill per extra tensor-parallel GPU, x (tp - 1)", 1e-3, False),
 }
 
 
@@ -97,7 +101,7 @@ def expected_roof(device: Device, dtype: str, fm: Formats, spec: ModelSpec, tp: 
                   mixer_overhead_s={}, step_overhead_s=p["step_s"])
     compute = p["compute"] * (p["fp8_compute"] if dtype == "fp8" else 1.0)
     return Roof(dev, dtype, compute_eff=min(compute, 1.0), link_latency_s=p["collective_s"] * max(tp - 1, 1),
-                mode="expected", request_overhead_s=p["request_s"])
+                mode="expected", request_overhead_s=p["request_s"], tp_ttft_s=p["request_tp_s"] * (tp - 1))
 
 
 def make_roof(mode: str, device: Device, dtype: str, fm: Formats, spec: ModelSpec, tp: int = 1) -> Roof:

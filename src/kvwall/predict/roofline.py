@@ -44,6 +44,9 @@ class Roof:
     link_latency_s: float = 5e-6  # per collective; NCCL small-message latency is a few microseconds
     mode: str = "ideal"  # "ideal" (datasheet peaks) or "expected" (fitted fractions, predict/expected.py)
     request_overhead_s: float = 0.0  # fixed cost of a prefill (a request's TTFT) beyond its step
+    # a tensor-parallel run's extra fixed TTFT (expected mode's request_tp_s x (tp - 1)), fitted on batch-1 TTFT
+    # runs: charged to a prefill phase, not to a serving step (simulate), where nothing says it holds the GPUs
+    tp_ttft_s: float = 0.0
 
     @property
     def peak(self) -> float:
@@ -122,6 +125,7 @@ class Roof:
                 "link_latency_s": self.link_latency_s, "machine_balance": self.balance,
                 "op_bandwidth_Bps": {k: v * self.mem_eff for k, v in self.device.op_bandwidth.items()},
                 "layer_overhead_s": self.device.layer_overhead_s, "request_overhead_s": self.request_overhead_s,
+                "tp_ttft_s": self.tp_ttft_s,
                 "op_flops": {k: v * self.compute_eff for k, v in self.device.op_flops.items()},
                 "op_fixed_s": dict(self.device.op_fixed_s),
                 "matmul_rows_Bps": {m: v * self.mem_eff for m, v in self.device.matmul_rows.items()},
@@ -265,8 +269,8 @@ def weights_kernel(ops: list[Op]) -> str:
 def prefill(spec, prompt: int, batch: int, fm: Formats, roof: Roof, par: Parallel | None = None) -> PhaseResult:
     """The prompt's step, plus the roof's fixed cost per request (0 on the ideal roof)."""
     r = run_step(spec, Step(batch, 0, prompt), fm, roof, par, name="prefill")
-    r.time_s += roof.request_overhead_s
-    r.overhead_s += roof.request_overhead_s
+    r.time_s += roof.request_overhead_s + roof.tp_ttft_s
+    r.overhead_s += roof.request_overhead_s + roof.tp_ttft_s
     return r
 
 

@@ -1,0 +1,43 @@
+"""benchmarks/validate_serving.py without a server: a row's error against hand numbers, and `--rows` printing
+and plotting earlier --json files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+
+import validate_serving as vs  # noqa: E402
+
+MEASURED = {"request_throughput": 2.0, "output_token_throughput": 64.0, "ttft_s": {"p50": 0.25, "p99": 0.5},
+            "tpot_s": {"p50": 0.040, "p99": 0.080}, "cached_prompt_tokens": 0}
+SIMULATED = {"request_throughput": 2.2, "output_token_throughput": 70.4, "ttft_s": {"p50": 0.2, "p99": 0.6},
+             "tpot_s": {"p50": 0.030, "p99": 0.080}, "preemptions": 0, "prefix_cached_tokens": 0}
+
+
+def test_row_errors_by_hand():
+    r = vs.row("16MiB", 2.0, MEASURED, SIMULATED)
+    assert r["req/s"]["error"] == pytest.approx(0.10)  # 2.2 / 2.0 - 1
+    assert r["TTFT p50"]["error"] == pytest.approx(-0.20) and r["TTFT p99"]["error"] == pytest.approx(0.20)
+    assert r["TPOT p50"]["error"] == pytest.approx(-0.25) and r["TPOT p99"]["error"] == pytest.approx(0.0)
+
+
+def test_rows_prints_and_plots_earlier_runs(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    a = [vs.row(kv, rate, MEASURED, SIMULATED) | {"server": "kvwall"} for kv in ("16MiB", "256MiB")
+         for rate in (0.5, 2.0)]
+    b = [vs.row("32MiB", 2.0, MEASURED, SIMULATED)]  # an older file: no "server" key
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    png = tmp_path / "fig" / "v.png"
+    monkeypatch.setattr(sys, "argv", ["validate_serving.py", "--rows", f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}",
+                                      "--plot", str(png)])
+    vs.main()
+    out = capsys.readouterr().out.splitlines()
+    assert len([line for line in out if line.startswith("kv ")]) == 5
+    assert "TTFT p50 250.0/200.0 (-20%)" in out[0] and out[-1] == f"wrote {png}"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
