@@ -9,12 +9,13 @@ same max(FLOPs / peak, bytes / bandwidth) per op, and replaces the peaks by fitt
   (int8, int4: the dequantization costs), x ``int4_weights`` again for 4-bit ones;
 * attention over the cache at bandwidth x ``bw_cache`` x the class factor / group ^ ``gqa_exponent``, where
   group = query heads per KV head (an exponent near 1: the kernels re-read K/V for every query head);
-* math at peak x ``compute`` (x ``fp8_compute`` when the math is fp8);
+* math at peak x ``compute`` (x ``fp8_compute`` when the math is fp8, x ``compute_amd`` on the amd class);
 * fixed costs: ``layer_s`` per layer per step, ``step_s`` per step, ``collective_s`` x (tp - 1) per
   all-reduce, ``request_s`` once per prefill (TTFT), and ``request_tp_s`` x (tp - 1) more on a tensor-parallel
   prefill: the table's TP TTFT rows took 7-13 ms more than their bytes and FLOPs at 128 and at 2,048 prompt
   tokens alike. Those are batch-1 runs of a benchmark harness, so that part is a TTFT (Roof.tp_ttft_s), not a
-  cost a serving step pays (the simulator does not charge it).
+  cost a serving step pays (the simulator does not charge it). ``tp`` is the collective group, so with --ep the
+  ep GPUs pay it too: an extrapolation, as the table has tensor-parallel rows only.
 
 Device classes (a class, not a device, because the table has few rows per device): ``hbm`` (datacenter GPUs
 with HBM), ``gddr`` (workstation and consumer GPUs), ``amd`` (AMD Instinct), ``unified`` (Apple SoCs and CPUs:
@@ -45,6 +46,7 @@ PARAMS = {
     "bw_cache": ("fraction of bandwidth reached by attention over the cache at group 1 (hbm class)", 0.7, False),
     "gqa_exponent": ("attention bandwidth falls as group ^ -this (group = query heads per KV head)", 0.3, False),
     "compute": ("fraction of the 16-bit peak reached by the math", 0.5, False),
+    "compute_amd": ("compute factor of the amd class relative to the others", 1.0, True),
     "fp8_compute": ("extra factor on the fraction of peak when the math is fp8", 1.0, True),
     "int_weights": ("bandwidth factor for integer (int8 / int4) weights: dequantization", 0.8, False),
     "int4_weights": ("extra bandwidth factor for 4-bit integer weights", 1.0, True),
@@ -99,7 +101,7 @@ def expected_roof(device: Device, dtype: str, fm: Formats, spec: ModelSpec, tp: 
     cache = device.bandwidth * p["bw_cache"] * scale * group_of(spec) ** -p["gqa_exponent"]
     dev = replace(device, op_bandwidth={"matmul": weights, "attention": cache}, layer_overhead_s=p["layer_s"],
                   mixer_overhead_s={}, step_overhead_s=p["step_s"])
-    compute = p["compute"] * (p["fp8_compute"] if dtype == "fp8" else 1.0)
+    compute = p["compute"] * (p["fp8_compute"] if dtype == "fp8" else 1.0) * (p["compute_amd"] if cls == "amd" else 1.0)
     return Roof(dev, dtype, compute_eff=min(compute, 1.0), link_latency_s=p["collective_s"] * max(tp - 1, 1),
                 mode="expected", request_overhead_s=p["request_s"], tp_ttft_s=p["request_tp_s"] * (tp - 1))
 
