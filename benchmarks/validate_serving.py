@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/validate_serving.py [--model smollm2-135m] [--rates 0.5,2,8]
         [--kv-memory 16MiB,256MiB] [--requests 48] [--prompt-tokens 128] [--output-tokens 32] [--json out.json]
         [--shared-prefix WORDS] [--save DIR]    (then, after a new `kvwall calibrate`: --replay DIR, which simulates the saved runs again)
-        [--plot out.png]                        (or, from earlier --json files, no server: --rows A.json,B.json --plot out.png)
+        [--plot out.png]    (from earlier --json files, no server: --rows A.json,B.json --plot out.png)
 
 For each KV budget it starts `kvwall serve` on a free loopback port (fp32 weights and pool), and for each
 offered rate it runs `kvwall loadtest` (Poisson arrivals, streamed, ignore_eos). The requests the server

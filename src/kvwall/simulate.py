@@ -47,9 +47,9 @@ ASSUMPTIONS = {
     "step_time": "roofline of the step's exact mix (run_mix): per op max(compute, memory) (a calibrated `local` "
                  "profile: its measured rates), plus links and the device's fixed step cost (a `local` profile's "
                  "per-layer cost is the fused decode step's where every row adds one token to a model of attention "
-                 "+ gated MLP layers, else the layer-by-layer one); expected mode's fixed cost per request (request_s) on a "
-                 "request's first step, but not its tensor-parallel TTFT term (request_tp_s: fitted on batch-1 TTFT "
-                 "runs, nothing says it holds the GPUs)",
+                 "+ gated MLP layers, else the layer-by-layer one); expected mode's fixed cost per request "
+                 "(request_s) on a request's first step, but not its tensor-parallel TTFT term (request_tp_s: "
+                 "fitted on batch-1 TTFT runs, nothing says it holds the GPUs)",
     "kv_pool": "one GPU's memory - reserve - its share of the weights, in blocks over every attention layer",
     "runner_cost": "a calibrated `local` profile's serving cost per step beyond the forward (the runner's "
                    "scheduling, tables and sampling, and the server streaming tokens to its clients), fixed + per "

@@ -282,14 +282,16 @@ def test_the_packed_kernels_fixed_costs_are_printed():
 
 def test_paged_pool_cost_measured(calibrated, monkeypatch):
     """The serving pool's cost per attention layer: saved under "paged_pool", read back by the local device,
-    a fixed part between 0 and 50 ms (0.24-0.36 ms measured here on a quiet machine) and a gather no faster than 3x the streaming read
-    (bytes through aten::index, a copy and attention cannot beat one plain read by that much)."""
+    a fixed part between 0 and 50 ms (0.24-0.36 ms measured here on a quiet machine) and a gather no faster than 10x the
+    streaming read: a bound against an order-of-magnitude slip in the bytes counted, not a rate. Quiet profiles gave
+    1.2-2.4x (the gathered blocks partly stay in the caches), and on 2026-12-03, under load, the two steps of one
+    calibrate read 30 GB/s gathered against 9.6 GB/s streamed (3.1x), so a 3x bound failed on a sound profile."""
     pytest.importorskip("torch")
     printed, home = calibrated
     cost = printed["paged_pool"]
     assert set(cost) == {"fixed_s", "s_per_byte"}
     assert 0 <= cost["fixed_s"] < 0.05, cost  # 21.7 ms under load 5 on 2 cores: a sanity bound, not a rate
-    assert cost["s_per_byte"] == 0 or 1 / cost["s_per_byte"] < 3 * printed["memory_bandwidth_Bps"], cost
+    assert cost["s_per_byte"] == 0 or 1 / cost["s_per_byte"] < 10 * printed["memory_bandwidth_Bps"], cost
     runner = printed["runner_step"]  # the serving runner around a step: under 50 ms fixed, 10 ms a row
     assert set(runner) == {"fixed_s", "per_row_s"}
     assert 0 <= runner["fixed_s"] < 0.05 and 0 <= runner["per_row_s"] < 0.01, runner
