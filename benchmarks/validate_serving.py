@@ -178,7 +178,7 @@ def main() -> None:
     rows, seed = [], 0
     if args.rows:
         for f in args.rows.split(","):
-            rows += [r | {"server": r.get("server", "kvwall")} for r in json.loads(Path(f).read_text())]
+            rows += json.loads(Path(f).read_text())
         for r in rows:
             print_row(r)
         if args.plot:
@@ -226,10 +226,9 @@ def plot(rows: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.2))
-    groups = dict.fromkeys((r.get("server", "kvwall"), r["kv_memory"]) for r in rows)
-    for (server, kv), color in zip(groups, plt.rcParams["axes.prop_cycle"].by_key()["color"]):
-        mine = sorted((r for r in rows if (r.get("server", "kvwall"), r["kv_memory"]) == (server, kv)),
-                      key=lambda r: r["rate"])
+    group = lambda r: (r.get("server", "kvwall"), r["kv_memory"])  # noqa: E731  (rows of a --replay: no server)
+    for (server, kv), color in zip(dict.fromkeys(map(group, rows)), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        mine = sorted((r for r in rows if group(r) == (server, kv)), key=lambda r: r["rate"])
         rates = [r["rate"] for r in mine]
         for ax, (name, _, _) in zip(axes, PANELS):
             scale = 1e3 if name.startswith("TPOT") else 1.0

@@ -49,6 +49,11 @@ class Roof:
     tp_ttft_s: float = 0.0
 
     @property
+    def prefill_overhead_s(self) -> float:
+        """What a prefill phase (a TTFT) pays beyond its step: the fixed cost per request and the TP TTFT term."""
+        return self.request_overhead_s + self.tp_ttft_s
+
+    @property
     def peak(self) -> float:
         return self.device.flops(self.dtype) * self.compute_eff
 
@@ -269,8 +274,8 @@ def weights_kernel(ops: list[Op]) -> str:
 def prefill(spec, prompt: int, batch: int, fm: Formats, roof: Roof, par: Parallel | None = None) -> PhaseResult:
     """The prompt's step, plus the roof's fixed cost per request (0 on the ideal roof)."""
     r = run_step(spec, Step(batch, 0, prompt), fm, roof, par, name="prefill")
-    r.time_s += roof.request_overhead_s + roof.tp_ttft_s
-    r.overhead_s += roof.request_overhead_s + roof.tp_ttft_s
+    r.time_s += roof.prefill_overhead_s
+    r.overhead_s += roof.prefill_overhead_s
     return r
 
 

@@ -82,7 +82,7 @@ def phase_time(prep: Prepared, ops: list[tuple[Op, int]], roof: Roof, is_prefill
     """What run_step (and prefill) give for these ops: fixed costs + the sum of each op's time."""
     t = step_overhead(prep.spec, roof.device, weights_kernel([op for op, _ in ops]), decode=not is_prefill)
     t += sum(n * roof.op_time(op) for op, n in ops)
-    return t + roof.request_overhead_s + roof.tp_ttft_s if is_prefill else t
+    return t + roof.prefill_overhead_s if is_prefill else t
 
 
 def figures(prep: Prepared, roof: Roof) -> dict:
