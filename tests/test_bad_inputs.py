@@ -94,6 +94,8 @@ CONFIG_CASES = [  # (family, field, value, what the message must name)
     ("gpt2", "n_layer", 200_000, "n_layer"), ("nemotron", "n_groups", 0, "n_groups"),
     ("nemotron", "hybrid_override_pattern", 5, "hybrid_override_pattern"), ("nemotron", "mamba_num_heads", 0, "mamba_num_heads"),
     ("nemotron", "num_key_value_heads", 0, "num_key_value_heads"),
+    ("nemotron", "time_step_limit", [0.5, 0.1], "time_step_limit"), ("nemotron", "time_step_limit", [-1, 1], "time_step_limit"),
+    ("mamba2", "time_step_limit", [0, "x"], "time_step_limit"),
 ]
 
 

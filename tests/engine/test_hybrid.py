@@ -116,17 +116,20 @@ def test_jamba_attention_has_no_positions(hybrid):
     assert m.inner_norms and m.inner_norm_eps == 1e-5 == model.spec.norm_eps  # rms_norm_eps, dt/B/C norms too
 
 
-def test_nemotron_h_step_size_is_clamped_at_time_step_min(tmp_path):
-    """transformers clamps Δ to [time_step_min, inf) in its prefill scan: with dt_bias = -10, softplus gives
-    ~4.5e-5 and the clamp (0.001) decides the output; the engine must clamp the same."""
-    ref = make_checkpoint("nemotron_h", tmp_path / "ckpt", seed=3)
+@pytest.mark.parametrize("limit", [(0.01, math.inf), (0.0, math.inf)])
+def test_nemotron_h_step_size_is_clamped_to_time_step_limit(tmp_path, limit):
+    """transformers (>= 5.25) clamps Δ to the config's time_step_limit in its prefill scan, as mamba_ssm does; an
+    older transformers clamped at time_step_min (0.001) instead. With dt_bias = -10, softplus gives ~4.5e-5, so
+    a clamp at 0.01 decides the output, and with the default (0, inf) no clamp at 0.001 may be applied."""
+    ref = make_checkpoint("nemotron_h", tmp_path / "ckpt", seed=3, config={"time_step_limit": limit})
+    assert ref.config.time_step_min == 0.001
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.endswith("dt_bias"):
                 p.fill_(-10.0)
     ref.save_pretrained(tmp_path / "ckpt")
     model = load_model(tmp_path / "ckpt")
-    assert next(l.mixer for l in model.spec.layers if isinstance(l.mixer, Mamba2)).dt_limit == (0.001, math.inf)
+    assert next(l.mixer for l in model.spec.layers if isinstance(l.mixer, Mamba2)).dt_limit == limit
     x = ids(length=20)
     with torch.no_grad():
         assert (model(x) - ref(x).logits).abs().max().item() < 1e-4

@@ -80,8 +80,11 @@ def randomize(model, seed: int = 0) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
-def make_checkpoint(family: str, path, seed: int = 0, **save_kw):
+def make_checkpoint(family: str, path, seed: int = 0, config: dict | None = None, **save_kw):
+    """A random `family` checkpoint saved at path (config: fields over the tiny config); returns the model."""
     cfg = _configs()[family]()
+    for key, value in (config or {}).items():
+        setattr(cfg, key, value)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()

@@ -385,13 +385,20 @@ def _json_float(x: Any) -> float:
     return float(x["__float__"]) if isinstance(x, dict) else float(x)
 
 
+def _dt_limit(c: Config) -> tuple[float, float]:
+    """The range the Mamba-2 step size Δ is clamped to: time_step_limit (Nemotron-H's remote code also says
+    mamba_dt_limit), default (0, inf) = no clamp. transformers < 5.25 clamped Nemotron-H's prefill at
+    time_step_min instead; 5.25 reads time_step_limit as mamba_ssm does, and so do we."""
+    return tuple(_json_float(x) for x in c.get("time_step_limit", c.get("mamba_dt_limit", (0.0, math.inf))))
+
+
 def parse_mamba2(c: Config, name: str) -> ModelSpec:
     hidden = c.positive("hidden_size")
     mixer = Mamba2(
         n_heads=c.positive("num_heads"), head_dim=c.positive("head_dim"), d_state=c.positive("state_size"),
         n_groups=c.get("n_groups", 1), d_conv=c.positive("conv_kernel"),
         conv_bias=bool(c.get("use_conv_bias", True)), proj_bias=bool(c.get("use_bias", False)),
-        dt_limit=tuple(_json_float(x) for x in c.get("time_step_limit", (0.0, math.inf))),
+        dt_limit=_dt_limit(c),
     )
     expand = c.get("expand", 2)
     if mixer.d_inner != int(expand * hidden):
@@ -474,11 +481,9 @@ def parse_nemotron_h(c: Config, name: str) -> ModelSpec:
     n = c.get("num_hidden_layers", len(pattern))
     if len(pattern) != n:
         raise KvwallError(f"{c.where}: hybrid_override_pattern has {len(pattern)} blocks but num_hidden_layers is {n}")
-    # transformers clamps the step size to [time_step_min, inf) (not time_step_limit)
-    dt_min = float(c.get("time_step_min", c.get("mamba_dt_min", 0.001)))
     mamba = Mamba2(c.positive("mamba_num_heads"), c.positive("mamba_head_dim"), c.positive("ssm_state_size"),
                    c.get("n_groups", 1), c.get("conv_kernel", 4), bool(c.get("use_conv_bias", True)),
-                   bool(c.get("use_bias", False)), dt_limit=(dt_min, math.inf))
+                   bool(c.get("use_bias", False)), dt_limit=_dt_limit(c))
     n_q = c.positive("num_attention_heads")
     hd = c.get("attention_head_dim") or c.get("head_dim") or hidden // n_q
     bias = bool(c.get("attention_bias", False))

@@ -105,8 +105,21 @@ def _field_problem(key: str, value: Any) -> str | None:
     if key == "eos_token_id":
         ok = _is_int(value) and value >= -1 or _is_list_of(value, lambda x: _is_int(x) and x >= 0)
         return None if ok else "it must be a token id (a whole number >= 0, or -1 for none) or a list of them"
-    if key == "time_step_limit":
-        return None if isinstance(value, list) and len(value) == 2 else "it must be a list of two numbers"
+    if key in ("time_step_limit", "mamba_dt_limit"):
+        return _range_problem(value)
+    return None
+
+
+def _range_problem(value: Any) -> str | None:
+    """[lo, hi] with 0 <= lo <= hi (hi may be transformers' {"__float__": "Infinity"})."""
+    bad = "it must be a list of two numbers [low, high] with 0 <= low <= high"
+    if not isinstance(value, list) or len(value) != 2:
+        return bad
+    try:
+        lo, hi = (float(x["__float__"]) if isinstance(x, dict) else float(x) for x in value)
+    except (KeyError, TypeError, ValueError):
+        return bad
+    return None if 0 <= lo <= hi and not math.isnan(hi) else bad
     return None
 
 
