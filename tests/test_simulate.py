@@ -47,7 +47,7 @@ class Constant:
     def time(self, rows):
         return self.dt
 
-    def runner_time(self, rows):
+    def runner_time(self, rows, forward_s=0.0):
         return 0.0
 
 
@@ -373,6 +373,23 @@ def test_runner_cost_once_per_step_by_hand():
     assert _step_time(clock, rows, True) == pytest.approx(split, rel=1e-12)
     assert _step_time(clock, rows, False) == pytest.approx(clock.time(rows) + 1.6e-3, rel=1e-12)
     assert StepClock(spec, fm, Roof(get_device("h100"))).runner_time(rows) == 0.0  # not measured: not charged
+
+
+def test_runner_slowdown_scales_the_step_forwards_by_hand():
+    """A runner that slows the forwards beside it by 10 %: 1 ms + 0.2 ms a row + 0.1 x the forwards' time, the
+    split forwards' sum when kvwall serve runs them apart."""
+    from dataclasses import replace
+
+    from kvwall.simulate import _step_time
+
+    spec = load_spec("llama-3-8b")
+    fm = Formats.for_spec(spec)
+    cost = {"fixed_s": 1e-3, "per_row_s": 2e-4, "slowdown": 0.1}
+    clock = StepClock(spec, fm, Roof(replace(get_device("h100"), runner_step=cost)))
+    rows = [(5, 1), (0, 10), (7, 1)]
+    split = clock.time([(5, 1), (7, 1)]) + clock.time([(0, 10)])
+    assert _step_time(clock, rows, True) == pytest.approx(1.1 * split + 1.6e-3, rel=1e-12)
+    assert _step_time(clock, rows, False) == pytest.approx(1.1 * clock.time(rows) + 1.6e-3, rel=1e-12)
 
 
 def test_split_prefill_runs_one_forward_per_chunk_length():

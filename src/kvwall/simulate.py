@@ -110,12 +110,14 @@ class StepClock:
         prompts (the busiest expert-parallel GPU's share); not roof.tp_ttft_s (Roof says why)."""
         return self.roof.request_overhead_s * self.par.local(first) if first else 0.0
 
-    def runner_time(self, rows: list[tuple[int, int]]) -> float:
+    def runner_time(self, rows: list[tuple[int, int]], forward_s: float = 0.0) -> float:
         """What kvwall serve adds to a step beyond its forwards (the runner's scheduling and sampling, the server
-        streaming the tokens), where the device measured it (Device.runner_step; 0 otherwise): fixed + per row,
-        once per scheduler step."""
+        streaming the tokens, its threads slowing the forwards beside them), where the device measured it
+        (Device.runner_step; 0 otherwise): fixed + per row + slowdown x the step's `forward_s`, once per step."""
         cost = self.roof.device.runner_step
-        return cost.get("fixed_s", 0.0) + cost.get("per_row_s", 0.0) * len(rows) if cost and rows else 0.0
+        if not cost or not rows:
+            return 0.0
+        return cost.get("fixed_s", 0.0) + cost.get("per_row_s", 0.0) * len(rows) + cost.get("slowdown", 0.0) * forward_s
 
     def stages(self, total: float, rows: list[tuple[int, int]]) -> list[float]:
         """A step of `total` seconds over `rows` split over the pipeline's stages: the layers' share evenly (the
@@ -398,10 +400,8 @@ def _first(c) -> bool:
 def _step_time(clock: StepClock, rows: list[tuple[int, int]], split_prefill: bool) -> float:
     """One scheduler step: its forward (with `split_prefill`, one per group as kvwall serve runs them:
     forward_groups), plus the runner's cost around them."""
-    runner = clock.runner_time(rows)
-    if not split_prefill:
-        return clock.time(rows) + runner
-    return sum(clock.time(p) for p in forward_groups(rows, n=lambda r: r[1])) + runner
+    forward = sum(clock.time(p) for p in forward_groups(rows, n=lambda r: r[1])) if split_prefill else clock.time(rows)
+    return forward + clock.runner_time(rows, forward)
 
 
 def report(run: dict, slo_ttft: float | None = None, slo_tpot: float | None = None, points: int = 200) -> dict:

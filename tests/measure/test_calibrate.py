@@ -220,10 +220,10 @@ def test_the_engine_op_model_is_printed_in_one_line():
     assert line.endswith("dispatch attention 0.75, mamba 0.31 ms per block (+0.13 attention layer by layer), "
                          "0.50 ms per step")
     serving = _op_model({**p, "paged_pool": {"fixed_s": 2.4e-4, "s_per_byte": 2.5e-10},
-                         "runner_step": {"fixed_s": 1.5e-3, "per_row_s": 1e-4}})
+                         "runner_step": {"fixed_s": 1.5e-3, "per_row_s": 1e-4, "slowdown": 0.09}})
     # 2.5e-10 s a byte = 250 ms per GB
     assert serving.endswith("0.50 ms per step; serving pool 0.24 ms + 250 ms/GB gathered per layer; "
-                            "serving runner 1.50 ms + 0.10 ms a row per step")
+                            "serving runner 1.50 ms + 0.10 ms a row per step + 9% of its forwards")
 
 
 def test_a_busy_engine_section_is_warned_about():
@@ -295,10 +295,27 @@ def test_paged_pool_cost_measured(calibrated, monkeypatch):
     assert 0 <= cost["fixed_s"] < 0.05, cost  # 21.7 ms under load 5 on 2 cores: a sanity bound, not a rate
     assert cost["s_per_byte"] == 0 or 1 / cost["s_per_byte"] < 10 * printed["memory_bandwidth_Bps"], cost
     runner = printed["runner_step"]  # the serving runner around a step: under 50 ms fixed, 10 ms a row
-    assert set(runner) == {"fixed_s", "per_row_s"}
+    assert set(runner) == {"fixed_s", "per_row_s", "slowdown"}
     assert 0 <= runner["fixed_s"] < 0.05 and 0 <= runner["per_row_s"] < 0.01, runner
+    assert 0 <= runner["slowdown"] < 2, runner  # +9 % measured by hand; over 2x the forward is a counting slip
     monkeypatch.setenv("KVWALL_HOME", str(home))
     assert get_device("local").paged_pool == cost and get_device("local").runner_step == runner
+
+
+def test_runner_step_cost_by_hand(monkeypatch):
+    """The serving runner's three figures from made-up readings (forward ms, added ms): 2 layers at 1 row (5, 1.5)
+    and 32 rows (14, 8.6), 12 layers at 1 row (25, 3.5). Slowdown = (3.5 - 1.5) / (25 - 5) = 0.1; less 0.1 x
+    the forward, the 2-layer steps add 1.0 and 7.2 ms: 0.2 ms a row, 0.8 ms fixed."""
+    pytest.importorskip("torch")
+    from kvwall.measure import overhead
+
+    readings = {(2, 1): (5e-3, 1.5e-3), (2, 32): (14e-3, 8.6e-3), (12, 1): (25e-3, 3.5e-3)}
+    monkeypatch.setattr(overhead, "_runner_model", lambda layers: layers)
+    monkeypatch.setattr(overhead, "_runner_extra", lambda layers, rows, runs: readings[layers, rows])
+    cost = overhead.runner_step_cost()
+    assert cost == pytest.approx({"fixed_s": 0.8e-3, "per_row_s": 0.2e-3, "slowdown": 0.1}, rel=1e-9)
+    readings[12, 1] = (25e-3, 1.0e-3)  # a deep model that adds less than the shallow one: no negative slowdown
+    assert overhead.runner_step_cost()["slowdown"] == 0.0
 
 
 def _fake_steps(s, buf, dst, has_torch):

@@ -41,3 +41,21 @@ def test_rows_prints_and_plots_earlier_runs(tmp_path, monkeypatch, capsys):
     assert len([line for line in out if line.startswith("kv ")]) == 5
     assert "TTFT p50 250.0/200.0 (-20%)" in out[0] and out[-1] == f"wrote {png}"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("shared_prefix, expected", [(0, 0), (96, 64)])
+def test_trace_shares_prefix_tokens_only_with_a_shared_prefix(tmp_path, monkeypatch, shared_prefix, expected):
+    """Two random prompts may share a block's worth of leading words (one of 48 requests got 64 cached tokens in a
+    run without --shared-prefix): that must not make every replayed request share them. With --shared-prefix,
+    each request shares the most any request got from the server's cache."""
+    import argparse
+
+    samples = [{"ok": True, "start": 0.5 * i, "prompt_tokens": 128, "output_tokens": 32,
+                "cached_tokens": 64 if i == 3 else 0} for i in range(6)]
+    monkeypatch.setattr(vs, "kvwall_json", lambda argv: {"points": [SIMULATED]})
+    args = argparse.Namespace(shared_prefix=shared_prefix, model="smollm2-135m", requests=6, vllm_python=None,
+                              chunk=512, max_batch=64)
+    trace = tmp_path / "trace.jsonl"
+    assert vs.simulated(args, {"samples": samples}, "256MiB", 0.5, trace) == SIMULATED
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == 6 and {line["shared_tokens"] for line in lines} == {expected}

@@ -85,7 +85,7 @@ def _op_model(p: dict) -> str:
                      "per layer")
     if runner:
         parts.append(f"serving runner {runner['fixed_s'] * 1e3:.2f} ms + {runner['per_row_s'] * 1e3:.2f} ms a row "
-                     "per step")
+                     f"per step + {runner.get('slowdown', 0.0):.0%} of its forwards")
     return "; ".join(parts)
 
 

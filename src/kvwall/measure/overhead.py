@@ -512,6 +512,8 @@ def paged_pool_cost(runs: int = 7) -> dict[str, float]:
 
 
 RUNNER_ROWS = (1, 32)  # decode rows a step of the runner is timed at (its cost grows with the rows: per-row Python)
+RUNNER_DEPTHS = (2, 12)  # layers of the two GQA models (width 768): a ~5 ms and a ~25 ms forward at one row
+RUNNER_REPEATS = 5
 
 
 def _runner_decoding(model, rows: int):
@@ -527,35 +529,59 @@ def _runner_decoding(model, rows: int):
     return runner
 
 
-def runner_step_cost(runs: int = 7) -> dict[str, float]:
-    """{"fixed_s", "per_row_s"}: what kvwall serve adds to a decode step beyond its forward over the pool, on a
-    2-layer GQA model of width 768 (random weights) at RUNNER_ROWS rows, fixed + per row through the two points.
-
-    With the serving stack installed, measured as a client sees it: the median gap between streamed tokens of
-    that many clients (a client process, as `kvwall loadtest` is) through the real server (uvicorn and the
-    engine thread in one process, as `kvwall serve` runs them), less runner.forward() of as many decoding rows
-    (fastest of `runs`). The runner alone (scheduling, tables, sampling: runner.step() less runner.forward())
-    missed most of it: SmolLM2 served to one streaming client took 32.8-35.5 ms a token against 30.9 ms for
-    runner.step and 30.1 for the forward (benchmarks/profile_serve_step.py and loadtest, 2026-12-03).
-    Without starlette and uvicorn, the runner alone."""
+def _runner_model(layers: int):
+    """A GQA model of width 768 and `layers` layers, random weights, loaded as `kvwall serve` loads one."""
     import torch
 
     from kvwall.engine.model import Transformer
-    from kvwall.serve.scheduler import Chunk
 
     torch.manual_seed(0)
-    model = Transformer(_arch_spec("gqa", 2)).eval().prepack()  # as `kvwall serve` loads a model
-    costs = []
+    return Transformer(_arch_spec("gqa", layers)).eval().prepack()
+
+
+def _runner_extra(model, rows: int, runs: int) -> tuple[float, float]:
+    """(forward seconds, what serving adds to it): runner.forward() of `rows` decoding rows (fastest of `runs`), and
+    the median gap between streamed tokens of `rows` clients less that forward (runner.step() less it without
+    starlette and uvicorn)."""
+    from kvwall.serve.scheduler import Chunk
+
+    runner = _runner_decoding(model, rows)
+    chunks = [Chunk(r, r.computed - 1, 1) for r in runner.sched.running]  # rewrites each row's last slot
+    forward = _fastest_time(lambda: runner.forward(chunks), runs)
+    served = _served_token_gap(model, rows)
+    return forward, (served if served is not None else _fastest_time(runner.step, runs)) - forward
+
+
+def runner_step_cost(runs: int = 7) -> dict[str, float]:
+    """{"fixed_s", "per_row_s", "slowdown"}: what kvwall serve adds to a step beyond its forwards over the pool:
+    fixed + per row + `slowdown` x the forwards' own time. Timed on GQA models of width 768 (random weights):
+    the 2-layer one at RUNNER_ROWS rows gives fixed + per row through the two points; the 12-layer one at one
+    row, whose forward takes ~5x longer, gives the slowdown: the slope of the added time against the forward's.
+
+    Measured as a client sees it: the median gap between streamed tokens of that many clients (a client process,
+    as `kvwall loadtest` is) through the real server (uvicorn and the engine thread in one process, as
+    `kvwall serve` runs them), less runner.forward() of as many decoding rows (fastest of `runs`). The runner
+    alone (scheduling, tables, sampling: runner.step() less runner.forward()) missed most of it: SmolLM2 served
+    to one streaming client took 32.8-35.5 ms a token against 30.9 ms for runner.step and 30.1 for the forward
+    (benchmarks/profile_serve_step.py and loadtest, 2026-12-03). And the cost grows with the forward: the same
+    decode step took 30.3-30.7 ms from the main thread and 32.9-33.8 in the server's engine thread while a client
+    streamed, its 128-token prefill 221-229 against 240-257 ms (+9 % both), where the 2-layer model alone read
+    0.7 ms. Without starlette and uvicorn, the runner alone."""
+    import numpy as np
+    import torch
+
+    shallow, deep = (_runner_model(n) for n in RUNNER_DEPTHS)
     with torch.inference_mode():
-        for rows in RUNNER_ROWS:
-            runner = _runner_decoding(model, rows)
-            chunks = [Chunk(r, r.computed - 1, 1) for r in runner.sched.running]  # rewrites each row's last slot
-            forward = _fastest_time(lambda: runner.forward(chunks), runs)
-            served = _served_token_gap(model, rows)
-            costs.append(max((served if served is not None else _fastest_time(runner.step, runs)) - forward, 0.0))
-    (lo, hi), (c_lo, c_hi) = RUNNER_ROWS, costs
+        # one row at both depths, interleaved and the median of RUNNER_REPEATS: one reading of a 25 ms step's
+        # added time moved from 1.7 to 6.3 ms on a quiet host (2026-12-03 18:05)
+        ones = np.median([[_runner_extra(m, RUNNER_ROWS[0], runs) for m in (shallow, deep)]
+                          for _ in range(RUNNER_REPEATS)], axis=0)  # (depth, (forward, extra))
+        (t1, e1), (t_deep, e_deep) = ones
+        t32, e32 = _runner_extra(shallow, RUNNER_ROWS[1], runs)
+    slowdown = max((e_deep - e1) / (t_deep - t1), 0.0) if t_deep > t1 else 0.0
+    (lo, hi), c_lo, c_hi = RUNNER_ROWS, e1 - slowdown * t1, e32 - slowdown * t32
     per_row = max((c_hi - c_lo) / (hi - lo), 0.0)
-    return {"fixed_s": max(c_lo - lo * per_row, 0.0), "per_row_s": per_row}
+    return {"fixed_s": max(float(c_lo) - lo * per_row, 0.0), "per_row_s": float(per_row), "slowdown": float(slowdown)}
 
 
 SERVED_TOKENS = 48  # tokens each client streams: the gaps after the first few are steady decode steps

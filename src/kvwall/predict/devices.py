@@ -52,8 +52,8 @@ class Device:
     # kvwall serve's paged pool per attention layer per forward, beyond a contiguous cache: {"fixed_s",
     # "s_per_byte"} of the bytes it gathers (measure.overhead.paged_pool_cost); empty: not charged
     paged_pool: dict = field(default_factory=dict)
-    # and what it adds per step beyond the forwards (runner, streaming to clients): {"fixed_s", "per_row_s"}
-    # (overhead.runner_step_cost)
+    # and what it adds per step beyond the forwards (runner, streaming to clients): {"fixed_s", "per_row_s",
+    # "slowdown": a fraction of the forwards' time} (overhead.runner_step_cost)
     runner_step: dict = field(default_factory=dict)
 
     def layer_overhead(self, kind: str | None, weights_kernel: str = "", fused: bool = True) -> float:
