@@ -120,7 +120,6 @@ def _range_problem(value: Any) -> str | None:
     except (KeyError, TypeError, ValueError):
         return bad
     return None if 0 <= lo <= hi and not math.isnan(hi) else bad
-    return None
 
 
 def _whole_problem(value: Any, lo: int, hi: int) -> str | None:
