@@ -128,7 +128,7 @@ def measured_and_simulated(args, url: str, kv: str, rate: float, seed: int, trac
 def simulated(args, m: dict, kv: str, rate: float, trace: Path) -> dict:
     """`kvwall simulate --device local` over the requests the server saw (loadtest's samples), its settings."""
     # with --shared-prefix only: without it, two random prompts that happen to share a block's worth of leading
-    # words (64 cached tokens in one of 48 requests, 18:16 today) made every replayed request share them
+    # words (64 cached tokens in one of 48 requests, 2026-12-03 18:16) made every replayed request share them
     shared = max((s.get("cached_tokens", 0) for s in m["samples"] if s["ok"]), default=0) if args.shared_prefix else 0
     with trace.open("w") as f:  # what the server saw, replayed by the simulator
         for s in m["samples"]:

@@ -53,7 +53,7 @@ ASSUMPTIONS = {
     "kv_pool": "one GPU's memory - reserve - its share of the weights, in blocks over every attention layer",
     "runner_cost": "a calibrated `local` profile's serving cost per step beyond the forward (the runner's "
                    "scheduling, tables and sampling, and the server streaming tokens to its clients), fixed + per "
-                   "row; 0 elsewhere",
+                   "row + its measured slowdown x the step's forwards; 0 elsewhere",
     "pool_cost": "a calibrated `local` profile's paged pool cost (scatter, gather of each row's blocks padded to "
                  "the longest row, mask) per attention layer per forward, fixed + per byte gathered; 0 elsewhere",
     "prefix_cache": "only a declared shared prefix is shared (kvwall serve's prefix cache over sealed blocks; "

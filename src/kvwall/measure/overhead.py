@@ -573,7 +573,7 @@ def runner_step_cost(runs: int = 7) -> dict[str, float]:
     shallow, deep = (_runner_model(n) for n in RUNNER_DEPTHS)
     with torch.inference_mode():
         # one row at both depths, interleaved and the median of RUNNER_REPEATS: one reading of a 25 ms step's
-        # added time moved from 1.7 to 6.3 ms on a quiet host (2026-12-03 18:05)
+        # added time moved from 1.7 to 6.3 ms on this host, busy that day (2026-12-03 18:05)
         ones = np.median([[_runner_extra(m, RUNNER_ROWS[0], runs) for m in (shallow, deep)]
                           for _ in range(RUNNER_REPEATS)], axis=0)  # (depth, (forward, extra))
         (t1, e1), (t_deep, e_deep) = ones

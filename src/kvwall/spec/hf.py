@@ -380,16 +380,11 @@ def parse_mamba(c: Config, name: str) -> ModelSpec:
     return replace(spec, norm_eps=float(c.get("layer_norm_epsilon", 1e-5)))
 
 
-def _json_float(x: Any) -> float:
-    """A number, or transformers' spelling of one JSON cannot hold: {"__float__": "Infinity"}."""
-    return float(x["__float__"]) if isinstance(x, dict) else float(x)
-
-
 def _dt_limit(c: Config) -> tuple[float, float]:
     """The range the Mamba-2 step size Δ is clamped to: time_step_limit (Nemotron-H's remote code also says
     mamba_dt_limit), default (0, inf) = no clamp. transformers < 5.25 clamped Nemotron-H's prefill at
     time_step_min instead; 5.25 reads time_step_limit as mamba_ssm does, and so do we."""
-    return tuple(_json_float(x) for x in c.get("time_step_limit", c.get("mamba_dt_limit", (0.0, math.inf))))
+    return tuple(validate.json_float(x) for x in c.get("time_step_limit", c.get("mamba_dt_limit", (0.0, math.inf))))
 
 
 def parse_mamba2(c: Config, name: str) -> ModelSpec:

@@ -110,16 +110,21 @@ def _field_problem(key: str, value: Any) -> str | None:
     return None
 
 
+def json_float(x: Any) -> float:
+    """A number, or transformers' spelling of one JSON cannot hold: {"__float__": "Infinity"}."""
+    return float(x["__float__"]) if isinstance(x, dict) else float(x)
+
+
 def _range_problem(value: Any) -> str | None:
-    """[lo, hi] with 0 <= lo <= hi (hi may be transformers' {"__float__": "Infinity"})."""
+    """[lo, hi] with 0 <= lo <= hi (json_float's numbers: hi may be infinite; NaN fails the comparison)."""
     bad = "it must be a list of two numbers [low, high] with 0 <= low <= high"
     if not isinstance(value, list) or len(value) != 2:
         return bad
     try:
-        lo, hi = (float(x["__float__"]) if isinstance(x, dict) else float(x) for x in value)
+        lo, hi = map(json_float, value)
     except (KeyError, TypeError, ValueError):
         return bad
-    return None if 0 <= lo <= hi and not math.isnan(hi) else bad
+    return None if 0 <= lo <= hi else bad
 
 
 def _whole_problem(value: Any, lo: int, hi: int) -> str | None:
