@@ -81,7 +81,25 @@ def test_speed_runs_each_point_on_the_smallest_group_that_fits(capsys):
     assert [(r["tp"], r["gpus"]) for r in small["decode"]] == [(1, 1), (2, 2)]
     assert main(["speed", "llama-3-70b", "--device", "h100", "--tp", "1", "--context", "4k", "--json"]) == 0
     fixed = json.loads(capsys.readouterr().out)["models"][0]
-    assert fixed["decode"][0]["fits"] is False and "(!)" in fixed["notes"][0]
+    assert fixed["decode"][0]["fits"] is False and "(!)" in fixed["fit_warning"]
+
+
+def test_a_point_that_fits_nowhere_runs_on_the_widest_split_the_heads_allow(capsys):
+    """SmolLM2-135M has 9 query heads and 3 KV heads: tp 2, 4 and 8 do not split them, so its only group is one
+    GPU. Batch 64 x 64k tokens of bf16 cache is 30 layers x 3 heads x 64 x 2 (K, V) x 2 B = 23,040 B a token x
+    4,194,304 tokens = 96.6 GB, over an H100's 72 GB after the reserve: a what-if on that one GPU, with one
+    warning line (it used to fail with "tp=8 does not divide the 9 query heads" for a --tp nobody passed)."""
+    from kvwall.cli import main
+
+    assert 30 * 3 * 64 * 2 * 2 * 64 * 65536 == 96_636_764_160
+    argv = ["speed", "smollm2-135m", "--device", "h100", "--batch", "64", "--context", "1k,64k"]
+    assert main([*argv, "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)["models"][0]
+    assert [(r["tp"], r["fits"]) for r in m["decode"]] == [(1, True), (1, False)]
+    assert m["decode"][1]["tpot_s"] > m["decode"][0]["tpot_s"] > 0 and "(!)" in m["fit_warning"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("do not fit") == 1 and "warning: smollm2-135m: points marked (!)" in out
 
 
 def test_compare_names_the_group_that_holds_the_weights(capsys):

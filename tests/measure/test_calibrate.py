@@ -378,3 +378,22 @@ def test_a_quiet_machine_gets_no_warning(tmp_path, monkeypatch, capsys):
     assert [r["attempts"] for r in printed["measured"]["results"]] == [1, 1, 1]
     assert main(["calibrate", "--quick", "--out", str(tmp_path / "p.json")]) == 0
     assert "warning" not in capsys.readouterr().out
+
+
+def test_our_own_compiler_is_not_another_process():
+    """A first calibrate builds the C++ kernels in a child process (the compiler): that CPU time is ours. The
+    2026-12-04 first run on a quiet host warned "other processes took 41 %" for its own build. A child that
+    burns about 0.4 s of CPU (its own reading, printed) is the others' share in a plain watch and not in a
+    watch with children=True: the two shares differ by at least half the child's CPU over the watched spell."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    cpus = len(os.sched_getaffinity(0))
+    plain, ours, t0 = machine.OthersWatch(), machine.OthersWatch(children=True), time.perf_counter()
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\nprint(time.process_time())"
+    child_cpu = float(subprocess.run([sys.executable, "-c", burn], capture_output=True, text=True,
+                                     check=True).stdout)
+    wall = time.perf_counter() - t0
+    assert plain.share(cpus) - ours.share(cpus) >= 0.5 * child_cpu / (wall * cpus)

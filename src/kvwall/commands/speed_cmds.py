@@ -289,7 +289,7 @@ def _speed_row(name: str, args, contexts: list[int], prompt: int) -> tuple[dict,
     def point(context: int) -> dict:
         if auto:
             p = placement(spec, roof.device.memory_bytes, batch=args.batch, context=context, formats=fm)
-            par = Parallel(p.tp or TP_DEGREES[-1])
+            par = Parallel(p.group)
         else:
             par = common.parallel(args)
         fits = fits_on(spec, roof.device.memory_bytes, par, batch=args.batch, context=context, formats=fm)
@@ -304,11 +304,13 @@ def _speed_row(name: str, args, contexts: list[int], prompt: int) -> tuple[dict,
         r["tokens_per_s"] = 1 / r["tpot_s"]
         per_ctx.append(r)
     fits = all(r["fits"] for r in per_ctx)
+    where = f"{TP_DEGREES[-1]} GPUs" if auto else "this tp/pp"
+    warning = None if fits and first["fits"] else (
+        f"{spec.name}: points marked (!) do not fit {where} of {roof.device.name} (weights + batch x context of "
+        "cache, 10 % reserve); their times are what-ifs")
     return {"model": spec.name, "family": spec.family(), "formats": fm.as_dict(), "ttft_s": ttft,
             "ttft_fits": first["fits"], **{f"ttft_{k}": first[k] for k in GROUP}, "decode": per_ctx, "weights_fit": fits,
-            "notes": notes + ([] if fits else [f"{spec.name}: points marked (!) do not fit "
-                                                f"{'8 GPUs' if auto else 'this tp/pp'} of {roof.device.name}: "
-                                                "their times are what-ifs"])}, roof
+            "fit_warning": warning, "notes": notes}, roof
 
 
 GROUP = ("tp", "pp", "ep")  # a point's parallel sizes, as its cell names them
@@ -333,9 +335,8 @@ def _print_speed(data: dict) -> None:
                 "model's trained maximum are what-ifs; (tp N): on the smallest group of N GPUs that holds the "
                 "weights and the batch's cache (10% reserve), --tp/--pp to fix it; (!) does not fit, a what-if"))
     for m in out:
-        if not (m["weights_fit"] and m["ttft_fits"]):
-            console().print(f"[bold]warning:[/bold] {m['model']}: points marked (!) do not fit the device's memory "
-                            "(weights + batch x context of cache, 10 % reserve); their times are what-ifs")
+        if m["fit_warning"]:
+            console().print(f"[bold]warning:[/bold] {m['fit_warning']}")
         for note in m["notes"]:
             console().print(f"note: {note}")
     if data.get("plot"):

@@ -140,11 +140,18 @@ TP_DEGREES = (1, 2, 4, 8)  # one node's worth of GPUs
 
 @dataclass(frozen=True)
 class Placement:
-    """Where `batch` sequences of `context` tokens fit: the smallest tp (None: not on 8 GPUs of this device)."""
+    """Where `batch` sequences of `context` tokens fit: the smallest tp (None: not on 8 GPUs of this device);
+    `widest`: the largest degree the model's heads split into, the group a what-if that fits nowhere runs on."""
 
     tp: int | None
     batch: int
     context: int
+    widest: int = TP_DEGREES[-1]
+
+    @property
+    def group(self) -> int:
+        """The tp to time this placement on: where it fits, else the widest split (a what-if)."""
+        return self.tp or self.widest
 
     @property
     def fits(self) -> bool:
@@ -189,22 +196,24 @@ def fit_warning(spec: ModelSpec, memory_bytes: int, parallel: Parallel, *, batch
 def placement(spec: ModelSpec, memory_bytes: int, *, batch: int = 1, context: int = 4096,
               formats: Formats | None = None, reserve_bytes: int | None = None) -> Placement:
     """The smallest tensor-parallel degree in TP_DEGREES whose busiest GPU holds its weights and cache
-    (with the reserve); degrees the model's heads cannot be split into are skipped."""
+    (with the reserve); degrees the model's heads cannot be split into are skipped (SmolLM2's 9 heads: tp 1 only)."""
+    widest = 1
     for tp in TP_DEGREES:
         try:
             if fits_on(spec, memory_bytes, Parallel(tp), batch=batch, context=context, formats=formats,
                        reserve_bytes=reserve_bytes):
-                return Placement(tp, batch, context)
+                return Placement(tp, batch, context, tp)
         except KvwallError:  # tp does not divide the heads: try the next degree
             continue
-    return Placement(None, batch, context)
+        widest = tp
+    return Placement(None, batch, context, widest)
 
 
 def longest_on_group(spec: ModelSpec, memory_bytes: int, batch: int = 1,
                      formats: Formats | None = None) -> tuple[Placement, FitResult]:
     """The smallest tensor-parallel group that holds the weights, and the longest context `batch` gets on it."""
     p = placement(spec, memory_bytes, batch=batch, context=1, formats=formats)
-    return p, fit(spec, memory_bytes, batch=batch, formats=formats, parallel=Parallel(p.tp or TP_DEGREES[-1]))
+    return p, fit(spec, memory_bytes, batch=batch, formats=formats, parallel=Parallel(p.group))
 
 
 def compare_entry(spec: ModelSpec, formats: Formats, contexts: list[int], batch: int, memory_bytes: int) -> dict:
