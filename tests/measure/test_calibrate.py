@@ -189,6 +189,11 @@ def test_op_bandwidths_measured(calibrated):
     # FLOPs per second of decode attention and of MLA's kernel: below the GEMM peak, above nothing
     peak = max(printed["peak_flops"].values())
     assert all(0 < v < 2 * peak for v in printed["op_flops"].values()), printed["op_flops"]
+    from kvwall.measure.overhead import PREFILL_TOKENS
+
+    prefill = printed["prefill_attention_flops"]  # by prompt tokens; the longest is op_flops' one rate
+    assert [int(t) for t in prefill] == list(PREFILL_TOKENS) and all(0 < v < 2 * peak for v in prefill.values())
+    assert prefill[str(PREFILL_TOKENS[-1])] == printed["op_flops"]["attention:prefill"]
 
 
 def test_gemm_size_shrinks_to_the_time_budget():
@@ -217,6 +222,9 @@ def test_the_engine_op_model_is_printed_in_one_line():
     line = _op_model(p)
     assert line.startswith("matmul weights 20.0 / 5.0 GB/s at 1 / 16 rows; decode attention 25.0 GB/s + 70.0 GFLOP/s")
     assert "prefill attention 120.0 GFLOP/s" in line and "int8 cache attention 6.0 GB/s" in line
+    by_tokens = _op_model({**p, "prefill_attention_flops": {"128": 36e9, "2048": 75e9}})
+    assert "prefill attention 36.0 / 75.0 GFLOP/s at 128 / 2048 tokens; MLA" not in by_tokens  # no latent rate here
+    assert "prefill attention 36.0 / 75.0 GFLOP/s at 128 / 2048 tokens; int8" in by_tokens and "120.0" not in by_tokens
     assert line.endswith("dispatch attention 0.75, mamba 0.31 ms per block (+0.13 attention layer by layer), "
                          "0.50 ms per step")
     serving = _op_model({**p, "paged_pool": {"fixed_s": 2.4e-4, "s_per_byte": 2.5e-10},

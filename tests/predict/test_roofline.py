@@ -242,6 +242,30 @@ def test_prefill_attention_runs_at_its_own_rate():
     assert roof.op_time(token) == pytest.approx(2 * 32 * 256 * 64 / 20e9 + token.bytes / 10e9)
 
 
+def test_prefill_attention_rate_by_prompt_tokens():
+    """Measured at 128 and 2,048 prompt tokens (30 and 90 GFLOP/s), a 512-token prompt's attention runs at
+    60 GFLOP/s (halfway in log2: 512 = 2^9 between 2^7 and 2^11), a 64-token one at the 128-token rate and an
+    8k one at the 2,048-token rate; a chunk of 128 new tokens after 1,000 cached ones at the 128-token rate
+    (its query rows); without the table, the one rate in op_flops."""
+    from dataclasses import replace
+
+    dev = replace(get_device("h100-sxm"), op_bandwidth={"attention": 10e9},
+                  op_flops={"attention": 20e9, "attention:prefill": 100e9}, prefill_attention={128: 30e9, 2048: 90e9})
+    roof, spec = Roof(dev), load_spec("llama-2-7b")
+    fm = Formats.for_spec(spec)
+
+    def attention(past, new):
+        return next(o for o in step_ops(spec, Step(1, past, new), fm) if o.name == "attention")
+    for past, new, rate in ((0, 512, 60e9), (0, 64, 30e9), (0, 8192, 90e9), (1000, 128, 30e9)):
+        op = attention(past, new)
+        assert op.rows == new
+        assert roof.op_time(op) == pytest.approx(op.flops / rate + op.bytes / 10e9), (past, new)
+    assert attention(63, 1).rows == 0  # a decode token: the decode kernel's one rate
+    plain = Roof(replace(dev, prefill_attention={}))
+    op = attention(0, 512)
+    assert plain.op_time(op) == pytest.approx(op.flops / 100e9 + op.bytes / 10e9)
+
+
 def test_a_matmul_streams_its_weights_at_its_rows_rate():
     from dataclasses import replace
 

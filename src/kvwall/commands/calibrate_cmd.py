@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvwall.commands import common
 from kvwall.predict.devices import profile_path
+from kvwall.predict.step import PREFILL_ATTENTION
 from kvwall.report.tables import console, table
 
 
@@ -72,8 +73,14 @@ def _op_model(p: dict) -> str:
     if "attention" in bw:
         parts.append(f"decode attention {g(bw['attention'])} GB/s + " + (f"{g(fl['attention'])} GFLOP/s"
                                                                           if "attention" in fl else "no FLOP rate"))
-    parts += [f"{name} {g(fl[k])} GFLOP/s" for k, name in (("attention:prefill", "prefill attention"),
-                                                           ("latent", "MLA latent")) if k in fl]
+    prefill = p.get("prefill_attention_flops") or {}
+    if prefill:  # by prompt tokens; an older profile has the one rate
+        parts.append("prefill attention " + " / ".join(g(v) for v in prefill.values())
+                     + f" GFLOP/s at {' / '.join(prefill)} tokens")
+    elif PREFILL_ATTENTION in fl:
+        parts.append(f"prefill attention {g(fl[PREFILL_ATTENTION])} GFLOP/s")
+    if "latent" in fl:
+        parts.append(f"MLA latent {g(fl['latent'])} GFLOP/s")
     parts += [f"{k.split(':')[1]} cache attention {g(v)} GB/s" for k, v in bw.items() if k.startswith("attention:")]
     mixers = {"attention": p.get("layer_overhead_s"), **p.get("mixer_overhead_s", {})}
     parts.append("dispatch " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in mixers.items() if v is not None)

@@ -127,6 +127,7 @@ class Calibration:
             "step_overhead_s": info.get("step_overhead_s"), "mixer_overhead_s": info.get("mixer_overhead_s", {}),
             "op_flops": info.get("op_flops", {}), "op_fixed_s": info.get("op_fixed_s", {}),
             "matmul_rows_Bps": info.get("matmul_rows_Bps", {}), "packed_rows_Bps": info.get("packed_rows_Bps", {}),
+            "prefill_attention_flops": info.get("prefill_attention_flops", {}),
             "packed_overhead_s": info.get("packed_overhead_s", {}),
             "unfused_overhead_s": info.get("unfused_overhead_s", 0.0),
             "paged_pool": info.get("paged_pool", {}), "runner_step": info.get("runner_step", {}),
@@ -210,7 +211,7 @@ def _engine(cal: Calibration, s: Settings, run: _Run) -> None:
     """The engine's op model (kvwall.measure.overhead), ENGINE_STEPS steps, into cal.info."""
     from kvwall.measure import overhead
     from kvwall.predict.devices import _from_entry
-    from kvwall.predict.step import MATMUL
+    from kvwall.predict.step import MATMUL, PREFILL_ATTENTION
 
     quick = s.quick
     size = (128 << 20) if quick else (512 << 20)
@@ -220,9 +221,10 @@ def _engine(cal: Calibration, s: Settings, run: _Run) -> None:
     rows, rows_fixed = run.step("engine: matmul by rows", overhead.matmul_rows_bandwidth, size // 4)  # 4x the LLC
     attention, attention_flops = run.step("engine: decode attention", overhead.attention_rates, size)
     bandwidth = {"matmul": rows[1], "attention": attention}
-    flops = {"attention": attention_flops,
-             "attention:prefill": run.step("engine: prefill attention", overhead.prefill_attention_rate),
+    prefill = run.step("engine: prefill attention", overhead.prefill_attention_rates)
+    flops = {"attention": attention_flops, PREFILL_ATTENTION: prefill[max(prefill)],  # the rate without the table
              "latent": run.step("engine: MLA latent", overhead.latent_rate, attention, size)}
+    cal.info["prefill_attention_flops"] = {str(t): v for t, v in prefill.items()}
     fixed = {MATMUL: rows_fixed}
     for f in ("int8", "int4", "int2"):
         bandwidth[f"attention:{f}"], fixed[f"attention:{f}"] = run.step(

@@ -43,6 +43,7 @@ class Device:
     op_flops: dict = field(default_factory=dict)  # kernel -> FLOP/s of its arithmetic, paid on top of its bytes
     op_fixed_s: dict = field(default_factory=dict)  # kernel -> fixed seconds per call beyond bytes and FLOPs
     matmul_rows: dict = field(default_factory=dict)  # matmul rows M -> weight bytes/s reached at M rows
+    prefill_attention: dict = field(default_factory=dict)  # prompt tokens T -> FLOP/s of prefill attention at T
     packed_rows: dict = field(default_factory=dict)  # "matmul:int4" / "matmul:int8" -> {rows M -> weight bytes/s}
     packed_overhead_s: dict = field(default_factory=dict)  # "matmul:int4" ... -> per attention block, weights packed
     # the figures above are for decode steps the engine runs through its fused decode stack
@@ -105,6 +106,7 @@ def _from_entry(name: str, e: dict) -> Device:
         op_flops={k: float(v) for k, v in (e.get("op_flops") or {}).items() if v},
         op_fixed_s={k: float(v) for k, v in (e.get("op_fixed_s") or {}).items()},
         matmul_rows=_rows_table(e.get("matmul_rows_Bps")),
+        prefill_attention=_rows_table(e.get("prefill_attention_flops")),
         packed_rows={f: _rows_table(t) for f, t in (e.get("packed_rows_Bps") or {}).items()},
         packed_overhead_s={k: float(v) for k, v in (e.get("packed_overhead_s") or {}).items()},
         unfused_overhead_s=float(e.get("unfused_overhead_s") or 0.0),
@@ -166,7 +168,7 @@ def _profile_problem(e: object) -> str | None:
             figures.append((key, e[key], False))
     for key, above_zero in (("peak_flops", True), ("op_bandwidth_Bps", True), ("mixer_overhead_s", False),
                             ("op_flops", True), ("op_fixed_s", False), ("matmul_rows_Bps", True),
-                            ("packed_overhead_s", False),
+                            ("prefill_attention_flops", True), ("packed_overhead_s", False),
                             ("paged_pool", False), ("runner_step", False)):
         table = e.get(key) or {}
         if not isinstance(table, dict):
@@ -175,13 +177,13 @@ def _profile_problem(e: object) -> str | None:
     packed = e.get("packed_rows_Bps") or {}
     if not isinstance(packed, dict) or not all(isinstance(t, dict) for t in packed.values()):
         return f"'packed_rows_Bps' is {packed!r:.40}, not an object of objects"
-    tables = [("matmul_rows_Bps", e.get("matmul_rows_Bps") or {})]
+    tables = [(key, e.get(key) or {}) for key in ("matmul_rows_Bps", "prefill_attention_flops")]
     tables += [(f"packed_rows_Bps.{f}", t) for f, t in packed.items()]
     for key, table in tables:
         bad_rows = [k for k in table if not str(k).isdigit() or int(k) < 1]
         if bad_rows:
             return f"{key!r} has a key {bad_rows[0]!r}, not a row count >= 1"
-        if key != "matmul_rows_Bps":
+        if key.startswith("packed_rows_Bps."):  # the others' figures are checked above
             figures += [(f"{key}.{k}", v, True) for k, v in table.items() if v is not None]
     for name, value, above_zero in figures:
         problem = real_problem(value, above_zero)

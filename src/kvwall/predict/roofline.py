@@ -31,7 +31,7 @@ from kvwall.errors import KvwallError
 from kvwall.predict.devices import Device
 from kvwall.predict.memory import Formats, Parallel, pipeline_stages
 from kvwall.predict.ops import mixed_ops, step_ops
-from kvwall.predict.step import ACT_BYTES, CACHE, LINK, MATMUL, Op, Step, fixed_key
+from kvwall.predict.step import ACT_BYTES, CACHE, LINK, MATMUL, PREFILL_ATTENTION, Op, Step, fixed_key
 from kvwall.spec.model import ModelSpec
 
 
@@ -94,8 +94,11 @@ class Roof:
 
     def op_flop_rate(self, op: Op) -> float | None:
         """FLOP/s of an op's own arithmetic where its kernel was measured (`local`: attention, MLA's latent
-        attention), paid on top of its bytes; None: the op's compute overlaps its memory traffic (the roofline)."""
+        attention; prefill attention by its query tokens where measured at several), paid on top of its bytes;
+        None: the op's compute overlaps its memory traffic (the roofline)."""
         rate = self.device.op_flops.get(op.kernel) if op.kernel else None
+        if op.kernel == PREFILL_ATTENTION and op.rows and self.device.prefill_attention:
+            rate = log_interpolated(self.device.prefill_attention, op.rows)
         return rate * self.compute_eff if rate else None
 
     def work_time(self, op: Op, flops: float, nbytes: float) -> float:
@@ -142,14 +145,19 @@ def rows_bandwidth(table: dict[int, float], rows: float) -> float:
     """Weight bytes/s of a matmul of `rows` rows, from rates measured at some row counts: interpolated in
     log2(rows) between them; below the first, the first; past the last, the last one's FLOP rate (time grows
     with the rows: the matmul is compute-bound there)."""
+    last = max(table)
+    return table[last] * last / rows if rows >= last else log_interpolated(table, rows)
+
+
+def log_interpolated(table: dict[int, float], x: float) -> float:
+    """A rate measured at some sizes, at size `x`: interpolated in log2(x) between them, the nearest end's
+    outside them."""
     ms = sorted(table)
-    if rows <= ms[0]:
-        return table[ms[0]]
-    if rows >= ms[-1]:
-        return table[ms[-1]] * ms[-1] / rows
-    hi = next(i for i, m in enumerate(ms) if m >= rows)
+    if x <= ms[0] or x >= ms[-1]:
+        return table[ms[0] if x <= ms[0] else ms[-1]]
+    hi = next(i for i, m in enumerate(ms) if m >= x)
     lo_m, hi_m = ms[hi - 1], ms[hi]
-    w = (math.log2(rows) - math.log2(lo_m)) / (math.log2(hi_m) - math.log2(lo_m))
+    w = (math.log2(x) - math.log2(lo_m)) / (math.log2(hi_m) - math.log2(lo_m))
     return table[lo_m] + w * (table[hi_m] - table[lo_m])
 
 

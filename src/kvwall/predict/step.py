@@ -18,6 +18,7 @@ CACHE = "cache"  # work over the held tokens of the cache (attention; MLA's naiv
 SCAN = "scan"  # an SSM's state update
 GATHER = "gather"  # the embedding lookup
 LINK = "link"  # bytes over the interconnect (tensor / pipeline parallel)
+PREFILL_ATTENTION = "attention:prefill"  # the causal kernel over a step's fresh tokens (a calibrated kernel name)
 
 
 @dataclass
@@ -35,7 +36,8 @@ class Op:
     kind: str = MATMUL
     detail: str = ""  # printed after the name, e.g. "1.9 of 8 touched"
     rows: float = 0  # a matmul's rows (tokens multiplied by each weight; 0: not a matmul): on a CPU the rate
-    # its weights stream at depends on it (torch's fp32 matmul here: 21 GB/s at 1 row, 6.6 GB/s at 16)
+    # its weights stream at depends on it (torch's fp32 matmul here: 21 GB/s at 1 row, 6.6 GB/s at 16); a
+    # prefill attention's query tokens per sequence, which its FLOP rate depends on (36 GFLOP/s at 128, 75 at 2k)
 
     @property
     def label(self) -> str:

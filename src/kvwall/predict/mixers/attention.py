@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvwall.errors import KvwallError
 from kvwall.spec.formats import Format
-from kvwall.predict.step import ACT_BYTES, CACHE, Op, Step, matmul
+from kvwall.predict.step import ACT_BYTES, CACHE, PREFILL_ATTENTION, Op, Step, matmul
 from kvwall.spec.model import Attention
 
 
@@ -53,7 +53,7 @@ def attention_kernel(st: Step, kv: Format) -> str:
     kernel reads an integer cache as stored), or prefill's causal kernel over the step's fresh K/V (in the
     compute type, whatever the cache stores)."""
     if st.new > 1:
-        return "attention:prefill"
+        return PREFILL_ATTENTION
     return "attention" if kv.is_float() else f"attention:{kv.name}"
 
 
@@ -67,7 +67,7 @@ def ops(i: int, m: Attention, spec, st: Step, fm, tp: int, absorbed: bool) -> li
               cache_read=st.batch * st.held(m.window) * tb,
               cache_write=st.batch * min(st.new, m.window or st.new) * tb,
               act_bytes=T * q_heads * (m.head_dim + m.v_head_dim) * ACT_BYTES,
-              kernel=attention_kernel(st, fm.kv), kind=CACHE)
+              kernel=attention_kernel(st, fm.kv), kind=CACHE, rows=st.new if st.new > 1 else 0)
     return [matmul("qkv_proj", i, T, h, qkv_out, fm.weights), core,
             matmul("o_proj", i, T, q_heads * m.v_head_dim, h, fm.weights)]
 
