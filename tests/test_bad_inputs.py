@@ -198,6 +198,8 @@ OPTION_CASES = [  # (argv, what the message must name)
     (["roofline", M, "--tp", "0"], "--tp"),
     (["roofline", M, "--tp", "-1"], "--tp"),
     (["roofline", M, "--tp", "x"], "--tp"),
+    (["roofline", M, "--ep", "2"], "no routed experts"),
+    (["fit", M, "--memory", "0.5"], "a bare number is bytes"),
     (["roofline", M, "--pp", "0"], "--pp"),
     (["roofline", M, "--context", "0"], "context"),
     (["roofline", M, "--prompt", "-3"], "prompt"),

@@ -56,6 +56,25 @@ def test_speculate_json(capsys):
     assert data["rows"][0]["expected_tokens"] == pytest.approx(1.8)
 
 
+def test_speculate_says_when_the_pair_does_not_fit_and_what_the_ks_show(capsys):
+    """Llama-3-70B (141 GB of bf16 weights) beside Llama-3-8B's 16 GB on one 80 GB H100 (72 GB after the
+    reserve) does not fit: one warning naming both; Llama-3-8B (16.1 GB) beside Llama-3.2-1B (2.5 GB) and a 4k
+    cache (0.5 GiB) does. With acceptance 0 every draft is wasted (E[tokens] = 1 at any k): no k pays. With only
+    k = 1, 2 tried and k = 2 the best, nothing is known past it."""
+    from kvwall.cli import main
+
+    assert main(["speculate", "llama-3-70b", "--draft", "llama-3-8b", "--device", "h100", "--json"]) == 0
+    warning = json.loads(capsys.readouterr().out)["fit_warning"]
+    assert "does not fit" in warning and "llama-3-8b's weights" in warning
+    assert main(["speculate", "llama-3-8b", "--draft", "llama-3.2-1b", "--device", "h100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fit_warning"] is None
+    assert main(["speculate", "llama-3-8b", "--draft", "llama-3.2-1b", "--acceptance", "0"]) == 0
+    assert "no k tried pays" in capsys.readouterr().out
+    assert main(["speculate", "llama-3-8b", "--draft", "llama-3.2-1b", "--acceptance", "0.8", "--k", "1,2"]) == 0
+    out = capsys.readouterr().out
+    assert "best k = 2" in out and "the largest k tried" in out and "cost more than they add" not in out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["roofline", "gpt2", "--mem-eff", "1.5"], "--mem-eff"),
     (["roofline", "gpt2", "--batch", "0"], "bad batch"),
@@ -122,3 +141,20 @@ def test_roofline_pipeline_micro_batches(capsys):
     assert "skipped" in one  # 4 micro-batches do not divide a batch of 1
     assert eight["micro_batch"] == 2 and eight["bubble"] == 1 / 5 and eight["steady_idle"] == 0
     assert main(["roofline", "llama-3-8b", "--micro-batches", "2"]) == 2
+
+
+@pytest.mark.parametrize("argv", [["roofline", "llama-3-8b", "--tp", "2"], ["roofline", "mixtral-8x7b", "--ep", "8"],
+                                  ["roofline", "jamba-v0.1", "--tp", "2", "--pp", "4"],
+                                  ["speed", "llama-3-70b", "--context", "4k,128k"]])
+def test_json_is_strict_json(argv, capsys):
+    """--json parses under RFC 8259 (no bare Infinity / NaN, which JavaScript's JSON.parse and serde reject): a
+    collective moves no memory, so its intensity is null, not Infinity (64 of them at --tp 2, 2026-12-04)."""
+    from kvwall.cli import main
+
+    def refuse(name):
+        raise AssertionError(f"{name} in --json output")
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    if argv[0] == "roofline":
+        link = [o for ph in data["phases"] for o in ph["decode"]["ops"] if o["kind"] == "link"]
+        assert link and all(o["intensity"] is None and o["bytes"] == 0 for o in link)

@@ -12,6 +12,7 @@ from kvwall.predict.devices import get_device
 from kvwall.predict.memory import Formats, Parallel
 from kvwall.predict.roofline import Roof, run_mix
 from kvwall.predict.step import Step
+from kvwall import simulate as sim
 from kvwall.simulate import Pool, StepClock, kv_pool, report, simulate
 from kvwall.spec.resolve import load_spec
 from kvwall.workload import Lengths, Request, stream, summarize
@@ -213,6 +214,19 @@ def test_cli_json_and_find_rate(capsys):
     assert any(not ok and rate > p["rate"] for rate, ok in p["tried"])  # a faster rate failed
 
 
+def test_find_rate_never_counts_a_burst():
+    """A fake server whose p90 TTFT always meets the SLO and whose requests take 2 s end to end: 50 requests
+    at more than 25/s all arrive within one latency (50 / 25 = 2 s), a burst that says nothing about a rate,
+    so the search stops below 25/s and says the request count limited it; with 5,000 requests it goes to 2,500/s."""
+    def fake(n):
+        return lambda rate: {"requests": n, "completed": n, "ttft_s": {"p90": 0.1}, "e2e_s": {"p50": 2.0}}
+
+    small = sim.find_rate(fake(50), 1.0, None, 0.01, 10_000.0)
+    assert 25 / 1.5 < small["rate"] <= 25 and small["limited_by_requests"]
+    big = sim.find_rate(fake(5000), 1.0, None, 0.01, 10_000.0)
+    assert 2500 / 1.5 < big["rate"] <= 2500
+
+
 def test_cli_sweep(capsys, tmp_path):
     assert main(["simulate", "llama-3-70b", "--device", "h100", "--rate", "2", "--requests", "40", "--sweep",
                  "tp=4,8", "kv-format=bf16,fp8", "--json", "--plot", str(tmp_path / "p.png")]) == 0
@@ -238,6 +252,11 @@ def test_cli_shared_prefix_sweep(capsys):
     (["--find-rate"], "needs an SLO"), ([], "say how requests come"),
     (["--rate", "1", "--sweep", "banana=1"], "bad --sweep"), (["--rate", "1", "--sweep", "tp=x"], "bad --sweep value"),
     (["--rate", "1", "--prompt-tokens", "lognormal:mean=1"], "bad --prompt-tokens"),
+    (["--rate", "1", "--sweep", "tp=1", "tp=2"], "names tp twice"),
+    (["--find-rate", "--slo-ttft", "1s", "--rate", "3"], "--find-rate searches the rate itself"),
+    (["--find-rate", "--slo-ttft", "1s", "--concurrency", "3"], "--find-rate searches the rate itself"),
+    (["--rate", "1", "--ep", "2"], "no routed experts"),
+    (["--rate", "1", "--kv-memory", "1MB"], "give a larger --kv-memory"),
 ])
 def test_cli_errors_are_one_line(argv, msg, capsys):
     assert main(["simulate", "llama-3-8b", "--device", "h100", *argv]) == 2

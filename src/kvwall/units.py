@@ -69,7 +69,8 @@ def parse_bytes(text: str, what: str = "memory size") -> int:
         raise KvwallError(f"bad {what} {_short(str(text))!r}: more than an exbibyte; write e.g. 80GB")
     value = int(value)
     if value <= 0:
-        raise KvwallError(f"bad {what} {text!r}: it must be more than 0")
+        unit = "" if m.group(2) else " (a bare number is bytes: write e.g. 80GB)"
+        raise KvwallError(f"bad {what} {text!r}: it must be at least 1 byte{unit}")
     return value
 
 

@@ -66,6 +66,9 @@ def cmd_simulate(args) -> int:
     plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot else None
     if args.find_rate and not (args.slo_ttft or args.slo_tpot):
         raise KvwallError("--find-rate needs an SLO: give --slo-ttft and/or --slo-tpot, e.g. --slo-ttft 1s")
+    if args.find_rate and (args.rate is not None or args.concurrency is not None or _sweeps(args, "rate")
+                           or _sweeps(args, "concurrency")):
+        raise KvwallError("--find-rate searches the rate itself: drop --rate / --concurrency (or --find-rate)")
     if args.rate is None and args.concurrency is None and not args.find_rate and not _sweeps(args, "rate"):
         raise KvwallError("say how requests come: --rate R (Poisson, per second), --concurrency C, or --find-rate")
     runs = [_point(a) for a in _grid(args)]
@@ -83,12 +86,15 @@ def _sweeps(args, key: str) -> bool:
 
 def _grid(args) -> list[argparse.Namespace]:
     """The option sets a --sweep names (one, without it); each value parsed by the option's own rules."""
-    axes = []
+    axes, seen = [], set()
     for item in args.sweep or []:
         key, _, values = item.partition("=")
         if key not in SWEEPABLE or not values:
             raise KvwallError(f"bad --sweep {item!r}: write KEY=V1,V2 with KEY one of {', '.join(SWEEPABLE)}")
-        axes.append([(key, v.strip()) for v in values.split(",") if v.strip()])
+        if key in seen:
+            raise KvwallError(f"--sweep names {key} twice; give its values once: {key}=V1,V2")
+        seen.add(key)
+        axes.append([(key, v) for v in dict.fromkeys(v.strip() for v in values.split(",") if v.strip())])
     out = []
     for combo in itertools.product(*axes):
         a = copy.copy(args)
@@ -152,6 +158,9 @@ def _point(args) -> dict:
     if args.find_rate:
         found = sim.find_rate(run_at, args.slo_ttft, args.slo_tpot, *RATE_RANGE)
         out |= {"mode": "find-rate", "rate": found["rate"], "tried": found["tried"], **found["report"]}
+        if found["limited_by_requests"]:
+            out["notes"] = notes + [f"at higher rates the SLO held only because {args.requests} requests all arrived "
+                                    "within one median latency (a burst, not a rate): raise --requests to look further"]
     else:
         out |= {"mode": "concurrency" if args.concurrency else "rate", "rate": args.rate,
                 "concurrency": args.concurrency, **run_at(args.rate, args.concurrency)}
@@ -217,6 +226,8 @@ def _print(data: dict) -> None:
         if "pipeline_idle" in p:
             c.print(f"pipeline: up to {p['pp']} micro-batches in flight; stages idle {p['pipeline_idle']:.0%} of the "
                     "time (the bubble, and waiting for work)")
+        for note in p.get("notes", []):
+            c.print(f"note: {note}")
     c.print("simulated with kvwall serve's scheduler; each step's time from the roofline of its exact mix of "
             f"prefill chunks and decode tokens, {data['points'][0]['roof']} (--json: every assumption)")
     if len(data["points"]) > 1:

@@ -10,7 +10,7 @@ from kvwall.errors import KvwallError
 from kvwall.predict import devices as dev
 from kvwall.predict.expected import describe, expected_roof
 from kvwall.predict.fit import TP_DEGREES, fit, fit_warning, fits_on, placement
-from kvwall.predict.memory import Parallel
+from kvwall.predict.memory import Parallel, memory
 from kvwall.predict.roofline import (Roof, compute_bound_batch, decode, default_compute_dtype, energy_estimate,
                                      pipelined, prefill, speculative)
 from kvwall.predict.step import Step
@@ -355,8 +355,13 @@ def cmd_speculate(args) -> int:
     ks = parse_int_list(args.k, "k")
     rows = speculative(target, draft, ctx, ks, args.acceptance, fm_t, fm_d, roof, args.batch)
     best = max(rows, key=lambda r: r["speedup"])
+    # both models on one GPU (speculate models no parallelism): the target's weights and cache, the draft's weights
+    draft_weights = memory(draft, batch=1, context=1, formats=fm_d).weight_bytes
+    warning = fit_warning(target, roof.device.memory_bytes, Parallel(1), batch=args.batch, context=ctx,
+                          formats=fm_t, device=roof.device.name, beside=(f"{draft.name}'s weights", draft_weights),
+                          fix="a smaller --weight-format or --kv-format, a smaller draft, or a bigger --device")
     data = {"target": target.name, "draft": draft.name, "acceptance": args.acceptance, "context": ctx,
-            "batch": args.batch, "device": roof.device.name, "rows": rows, "best_k": best["k"],
+            "batch": args.batch, "device": roof.device.name, "rows": rows, "best_k": best["k"], "fit_warning": warning,
             "formula": "E[tokens] = (1 - a^(k+1)) / (1 - a); speed-up = E x t_target / (k t_draft + t_verify(k+1))",
             "mode": roof.mode, "mode_text": describe(roof), "assumptions": roof.assumptions()}
     return common.emit(args, data, _print_speculate)
@@ -372,7 +377,18 @@ def _print_speculate(data: dict) -> None:
                   [[r["k"], f"{r['expected_tokens']:.2f}", _ms(r["draft_s"]), _ms(r["verify_s"]),
                     _ms(r["time_per_token_s"]), f"{r['speedup']:.2f}x"] for r in rows],
                   caption=data["formula"] + " (Leviathan et al. 2023)"))
+    c.print(_speculate_verdict(rows, best))
+    if data["fit_warning"]:
+        c.print(f"[bold]warning:[/bold] {data['fit_warning']}")
+
+
+def _speculate_verdict(rows: list[dict], best: dict) -> str:
+    """One line: the best k and what the k's tried say beyond it (never more than they show)."""
+    if best["speedup"] < 1:
+        return f"no k tried pays (best {best['speedup']:.2f}x at k = {best['k']}): decode without a draft"
+    head = f"best k = {best['k']} ({best['speedup']:.2f}x); "
+    if best["k"] == max(r["k"] for r in rows):
+        return head + "the largest k tried: a larger one may pay more"
     losing = [r["k"] for r in rows if r["speedup"] < 1]
-    c.print(f"best k = {best['k']} ({best['speedup']:.2f}x); "
-            + (f"stops paying (speed-up < 1) at k = {losing[0]}" if losing else
-               f"every k tried pays; past k = {best['k']} extra drafts cost more than they add"))
+    return head + (f"stops paying (speed-up < 1) at k = {losing[0]}" if losing else
+                   f"every k tried pays; past k = {best['k']} extra drafts cost more than they add")

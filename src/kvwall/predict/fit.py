@@ -176,21 +176,25 @@ def fits_on(spec: ModelSpec, memory_bytes: int, parallel: Parallel, *, batch: in
     return need <= memory_bytes - reserve
 
 
+FIT_FIX = "more GPUs: --tp or --ep, a smaller --kv-format or --weight-format, or a smaller batch"
+
+
 def fit_warning(spec: ModelSpec, memory_bytes: int, parallel: Parallel, *, batch: int, context: int,
-                formats: Formats, device: str) -> str | None:
-    """None when the busiest GPU holds its weights and `batch` x `context` of cache (10 % reserve); else why
-    not, in one line with the sizes."""
+                formats: Formats, device: str, beside: tuple[str, int] | None = None,
+                fix: str = FIT_FIX) -> str | None:
+    """None when the busiest GPU holds its weights and `batch` x `context` of cache (10 % reserve), and the
+    bytes of `beside` (what, bytes: another model's weights on the same GPU); else why not, in one line."""
     from kvwall.units import fmt_bytes
 
     weights, need = _need(spec, batch, context, formats, parallel, None)
-    budget = memory_bytes - default_reserve(memory_bytes)
-    if need <= budget:
+    budget, extra = memory_bytes - default_reserve(memory_bytes), beside[1] if beside else 0
+    if need + extra <= budget:
         return None
     where = f"one {device}" if parallel.gpus == 1 else f"each of {parallel.gpus} {device} ({parallel.label()})"
+    also = f" + {fmt_bytes(extra)} of {beside[0]}" if beside else ""
     return (f"batch {batch} x context {context:,} does not fit: {fmt_bytes(weights)} of weights + "
-            f"{fmt_bytes(need - weights)} of cache per GPU, {fmt_bytes(budget)} on {where} after the 10 % reserve; "
-            "its times are what-ifs (more GPUs: --tp or --ep, a smaller --kv-format or --weight-format, or a smaller "
-            "batch)")
+            f"{fmt_bytes(need - weights)} of cache per GPU{also}, {fmt_bytes(budget)} on {where} after the 10 % "
+            f"reserve; its times are what-ifs ({fix})")
 
 
 def placement(spec: ModelSpec, memory_bytes: int, *, batch: int = 1, context: int = 4096,

@@ -237,6 +237,14 @@ def pipeline_stages(n_layers: int, pp: int) -> list[list[int]]:
     return stages
 
 
+def check_expert_parallel(spec: ModelSpec, ep: int) -> None:
+    """Expert parallel splits routed experts: on a model without them it would be data parallel under another
+    name (and expected mode's collective costs for a group that never talks)."""
+    if ep > 1 and not spec.has("moe"):
+        raise KvwallError(f"--ep {ep}: {spec.name} has no routed experts to split; expert parallel needs an MoE "
+                          "model (use --tp, or --pp, for a dense one)")
+
+
 def memory(spec: ModelSpec, *, batch: int = 1, context: int = 4096, formats: Formats | None = None,
            parallel: Parallel | None = None, block_size: int | None = None) -> MemoryReport:
     """Weights and cache for `batch` sequences of `context` tokens each."""
@@ -246,6 +254,7 @@ def memory(spec: ModelSpec, *, batch: int = 1, context: int = 4096, formats: For
         raise KvwallError(f"block size must be positive (got {block_size})")
     formats = formats or Formats.for_spec(spec)
     par = parallel or Parallel()
+    check_expert_parallel(spec, par.ep)
     layers = []
     for i, layer in enumerate(spec.layers):
         tb = token_bytes(layer, formats.kv, par.tp)

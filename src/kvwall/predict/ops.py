@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from kvwall.predict import mixers
 from kvwall.spec.formats import head_format
-from kvwall.predict.memory import Formats
+from kvwall.predict.memory import Formats, check_expert_parallel
 from kvwall.predict.step import ACT_BYTES, CACHE, GATHER, LINK, SCAN, Op, Step, matmul
 from kvwall.spec.model import Layer, ModelSpec
 
@@ -52,6 +52,7 @@ def step_ops(spec: ModelSpec, st: Step, fm: Formats, tp: int = 1, mla_absorbed: 
              ep: int = 1) -> list[Op]:
     """Every op of one step on one GPU (tensor parallel `tp`; expert parallel `ep`: the busiest GPU's share of the
     batch, rounded up), embeddings and LM head included."""
+    check_expert_parallel(spec, ep)
     absorbed = (st.new == 1) if mla_absorbed is None else mla_absorbed
     st = Step(-(-st.batch // ep), st.past, st.new)
     ops = [embedding(spec, st.tokens, fm)]

@@ -52,7 +52,8 @@ class Op:
         return self.flops / self.bytes if self.bytes else float("inf")
 
     def as_dict(self) -> dict:
-        out = {**self.__dict__, "bytes": self.bytes, "intensity": self.intensity}
+        # null, not Infinity, for an op that moves no memory (a collective): --json stays valid JSON
+        out = {**self.__dict__, "bytes": self.bytes, "intensity": self.intensity if self.bytes else None}
         out["group"], out["name"] = self.name, self.label
         return out
 
