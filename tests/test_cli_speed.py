@@ -158,3 +158,12 @@ def test_json_is_strict_json(argv, capsys):
     if argv[0] == "roofline":
         link = [o for ph in data["phases"] for o in ph["decode"]["ops"] if o["kind"] == "link"]
         assert link and all(o["intensity"] is None and o["bytes"] == 0 for o in link)
+
+
+def test_a_cpu_roof_is_printed_in_gflops():
+    """A CPU's bf16 GEMM here ran at 1.2 GFLOP/s: printed as such, not as "0 TFLOP/s"; an H100's 989 TFLOP/s
+    stays in TFLOP/s."""
+    from kvwall.commands.speed_cmds import _flop_rate
+
+    assert _flop_rate(1.2e9) == "1.2 GFLOP/s" and _flop_rate(180.3e9) == "180 GFLOP/s"
+    assert _flop_rate(989e12) == "989 TFLOP/s"

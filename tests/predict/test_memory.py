@@ -94,6 +94,16 @@ def test_pipeline_stages_split_layers():
     assert rep.per_gpu()[1] == memory(spec, context=4096).cache_bytes // 4
 
 
+def test_per_gpu_token_bytes_are_the_busiest_stages():
+    """Llama-3-8B's 32 layers over 5 stages: 7, 7, 6, 6, 6; the first (7 layers and the embedding) is the
+    busiest, its GPU holding 7 x 8 KV heads x (128 + 128) x 2 B = 28,672 B a token, not all 32 layers'
+    131,072 (as --json said before, 2026-12-04), and 4,096 tokens of them."""
+    rep = memory(load_spec("llama-3-8b"), context=4096, parallel=Parallel(pp=5))
+    assert [len(s) for s in rep.stages] == [7, 7, 6, 6, 6] and rep.busiest_stage() == 0
+    assert rep.as_dict()["cache_bytes_per_token_per_gpu"] == 7 * 8 * 256 * 2 == 28_672
+    assert rep.per_gpu()[1] == 28_672 * 4096
+
+
 def test_weight_bytes_bf16_are_two_per_param():
     spec = load_spec("llama-3-8b")
     assert memory(spec).weight_bytes == 2 * 8_030_261_248

@@ -250,12 +250,13 @@ def _print_memory(data: dict, rep, spec, fm, device, args) -> None:
         verdict = "fits" if data["device"]["fits"] else "does NOT fit"
         c.print(f"on {device.name} ({device.memory_bytes / 1e9:g} GB per GPU, 10% kept in reserve): {verdict}, "
                 f"{fmt_bytes(abs(data['device']['free_bytes']))} {'free' if data['device']['fits'] else 'short'}")
+    shard = "per GPU" if rep.parallel.pp == 1 else f"per GPU of its stage, all {rep.parallel.pp} stages"
     if args.layers:
-        c.print(table("per layer (per GPU)", ["layer", "kind", "weights", "B/token", "tokens held", "cache", "state/seq"],
+        c.print(table(f"per layer ({shard})", ["layer", "kind", "weights", "B/token", "tokens held", "cache", "state/seq"],
                       [[l.index, l.kind, fmt_bytes(l.weight_bytes), f"{l.token_bytes:,}", f"{l.tokens_held:,}",
                         fmt_bytes(l.cache_bytes), fmt_bytes(l.fixed_bytes)] for l in rep.layers]))
     else:
-        c.print(table("per layer kind (per GPU)", ["kind", "layers", "B/token", "cache", "state/seq"],
+        c.print(table(f"per layer kind ({shard})", ["kind", "layers", "B/token", "cache", "state/seq"],
                       _kinds(rep.layers)))
     for note in data["notes"]:
         c.print(f"note: {note}")

@@ -192,9 +192,11 @@ def _print_roofline(data, phases, roof: Roof, args) -> None:
             f"KV {data['formats']['kv']}; prompt {fmt_tokens(data['prompt'])}, decode at context "
             f"{fmt_tokens(data['context'])}")
     c.print(f"mode: {data['mode_text']}")
-    c.print(f"roof: {a['peak_flops'] / 1e12:,.0f} TFLOP/s {a['compute_dtype']} x{a['compute_eff']:.3g}, "
+    balance = a["machine_balance"]
+    c.print(f"roof: {_flop_rate(a['peak_flops'])} {a['compute_dtype']} x{a['compute_eff']:.3g}, "
             f"{a['bandwidth_Bps'] / 1e9:,.0f} GB/s x{a['mem_eff']:g}{_op_bandwidths(a)} -> balance "
-            f"{a['machine_balance']:,.0f} FLOP/B" + (f"; MLA decode {a['mla_decode']}" if a["mla_decode"] else ""))
+            f"{f'{balance:,.0f}' if balance >= 10 else f'{balance:.3g}'} FLOP/B"
+            + (f"; MLA decode {a['mla_decode']}" if a["mla_decode"] else ""))
     for p in phases:
         if not p["fits"]:
             c.print(f"[bold]warning:[/bold] {p['fit_reason']}")
@@ -241,6 +243,11 @@ def _print_roofline(data, phases, roof: Roof, args) -> None:
         c.print(f"roofline chart written to {args.plot}")
     for note in data["notes"]:
         c.print(f"note: {note}")
+
+
+def _flop_rate(flops: float) -> str:
+    """TFLOP/s for a GPU, GFLOP/s below 1 TFLOP/s (a CPU's bf16 GEMM here: 1.2 GFLOP/s, once printed as 0 TFLOP/s)."""
+    return f"{flops / 1e12:,.0f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:,.3g} GFLOP/s"
 
 
 def _op_bandwidths(a: dict) -> str:

@@ -41,8 +41,8 @@ class Formats:
         base = checkpoint_format(spec.dtype)
         if base.bits > 16:
             base = get_format("bf16")
-        w = get_format(weights, head_ok=True) if weights else base
-        return cls(w, get_format(kv) if kv else base, get_format(state) if state else base)
+        w = get_format(weights, head_ok=True) if weights is not None else base  # "" is a bad name, not the default
+        return cls(w, get_format(kv) if kv is not None else base, get_format(state) if state is not None else base)
 
     def as_dict(self) -> dict:
         return {"weights": self.weights.label, "head": head_format(self.weights).label, "kv": self.kv.label,
@@ -183,8 +183,8 @@ class MemoryReport:
 
     @property
     def token_bytes(self) -> int:
-        """Per-token bytes of one sequence, summed over layers, on one GPU."""
-        return sum(l.token_bytes for l in self.layers)
+        """Per-token bytes of one sequence on the busiest GPU: its stage's layers, its tensor-parallel shard."""
+        return sum(self.layers[i].token_bytes for i in self.stages[self.busiest_stage()])
 
     @property
     def fixed_bytes(self) -> int:
@@ -200,9 +200,13 @@ class MemoryReport:
             w += self.head_bytes
         return w, sum(self.layers[i].cache_bytes for i in idx)
 
+    def busiest_stage(self) -> int:
+        """The pipeline stage whose GPUs hold the most weights and cache (the first of equals)."""
+        return max(range(len(self.stages)), key=lambda s: sum(self.stage_bytes(s)))
+
     def per_gpu(self) -> tuple[int, int]:
         """(weights, cache) of the busiest GPU."""
-        return max((self.stage_bytes(s) for s in range(len(self.stages))), key=lambda wc: wc[0] + wc[1])
+        return self.stage_bytes(self.busiest_stage())
 
     def as_dict(self) -> dict:
         w, c = self.per_gpu()

@@ -63,6 +63,9 @@ def _check_regular(path: Path) -> None:
 
 
 def load_spec(arg: str) -> ModelSpec:
+    if not str(arg).strip():
+        raise KvwallError("the model name is empty: give a catalog name (`kvwall models`), a config.json, a "
+                          "checkpoint folder or a .gguf")
     name = catalog.find_model(arg)
     if name is not None:
         return spec_from_config(catalog.load_model_config(name), name=name, where=f"catalog/{name}.json")
