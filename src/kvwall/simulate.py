@@ -260,7 +260,8 @@ def kv_pool(spec: ModelSpec, fm: Formats, par: Parallel, memory_bytes: int, rese
         weights = max(rep.stage_bytes(s)[0] for s in range(len(rep.stages)))
         kv_memory = memory_bytes - reserve_bytes - weights - max_batch * state_bytes(spec, fm.state) // par.tp
     if kv_memory < block:
-        fix = "give a larger --kv-memory" if given else "use more GPUs (--tp), a smaller --kv-format, or a smaller --reserve"
+        fix = ("give a larger --kv-memory" if given else
+               "use more GPUs (--tp), a smaller --kv-format, or a smaller --reserve")
         raise KvwallError(f"no room for the KV cache: {max(kv_memory, 0):,} B {'given' if given else 'left'} per GPU, "
                           f"one block of {block_size} tokens takes {block:,} B; {fix}")
     return Pool(block_size, block, kv_memory // block * par.ep, kv_memory)

@@ -252,7 +252,8 @@ def _print_memory(data: dict, rep, spec, fm, device, args) -> None:
                 f"{fmt_bytes(abs(data['device']['free_bytes']))} {'free' if data['device']['fits'] else 'short'}")
     shard = "per GPU" if rep.parallel.pp == 1 else f"per GPU of its stage, all {rep.parallel.pp} stages"
     if args.layers:
-        c.print(table(f"per layer ({shard})", ["layer", "kind", "weights", "B/token", "tokens held", "cache", "state/seq"],
+        c.print(table(f"per layer ({shard})",
+                      ["layer", "kind", "weights", "B/token", "tokens held", "cache", "state/seq"],
                       [[l.index, l.kind, fmt_bytes(l.weight_bytes), f"{l.token_bytes:,}", f"{l.tokens_held:,}",
                         fmt_bytes(l.cache_bytes), fmt_bytes(l.fixed_bytes)] for l in rep.layers]))
     else:

@@ -10,7 +10,7 @@ from kvwall.errors import KvwallError
 from kvwall.predict import devices as dev
 from kvwall.predict.expected import describe, expected_roof
 from kvwall.predict.fit import TP_DEGREES, fit, fit_warning, fits_on, placement
-from kvwall.predict.memory import Parallel, memory
+from kvwall.predict.memory import Parallel, total_weight_bytes
 from kvwall.predict.roofline import (Roof, compute_bound_batch, decode, default_compute_dtype, energy_estimate,
                                      pipelined, prefill, speculative)
 from kvwall.predict.step import Step
@@ -363,7 +363,7 @@ def cmd_speculate(args) -> int:
     rows = speculative(target, draft, ctx, ks, args.acceptance, fm_t, fm_d, roof, args.batch)
     best = max(rows, key=lambda r: r["speedup"])
     # both models on one GPU (speculate models no parallelism): the target's weights and cache, the draft's weights
-    draft_weights = memory(draft, batch=1, context=1, formats=fm_d).weight_bytes
+    draft_weights = total_weight_bytes(draft, fm_d.weights)
     warning = fit_warning(target, roof.device.memory_bytes, Parallel(1), batch=args.batch, context=ctx,
                           formats=fm_t, device=roof.device.name, beside=(f"{draft.name}'s weights", draft_weights),
                           fix="a smaller --weight-format or --kv-format, a smaller draft, or a bigger --device")

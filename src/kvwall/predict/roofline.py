@@ -186,7 +186,8 @@ class PhaseResult:
     def as_dict(self) -> dict:
         return {"phase": self.name, "batch": self.step.batch, "past_tokens": self.step.past,
                 "new_tokens": self.step.new, "time_s": self.time_s, "flops": self.flops, "bytes": self.bytes,
-                "intensity": self.intensity if self.bytes else None, "compute_s": self.compute_s, "memory_s": self.memory_s,
+                "intensity": self.intensity if self.bytes else None, "compute_s": self.compute_s,
+                "memory_s": self.memory_s,
                 "link_s": self.link_s, "overhead_s": self.overhead_s, "bound": self.bound, "ops": self.per_op}
 
 
