@@ -113,6 +113,8 @@ def cmd_roofline(args) -> int:
     roof = roof_from(args, spec, fm, par.group)
     batches = parse_int_list(args.batch, "batch")
     ctx, prompt = parse_tokens(args.context, "context"), parse_tokens(args.prompt, "prompt")
+    if args.mla is not None and not spec.has("latent"):
+        raise KvwallError(f"--mla {args.mla}: {spec.name} has no MLA (latent attention) layers to decode either way")
     absorbed = None if args.mla is None else args.mla == "absorbed"
     energy = catalog.energy_table()
     phases = []

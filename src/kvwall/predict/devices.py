@@ -174,6 +174,8 @@ def _profile_problem(e: object) -> str | None:
         if not isinstance(table, dict):
             return f"{key!r} is {table!r}, not an object"
         figures += [(f"{key}.{k}", v, above_zero) for k, v in table.items() if v is not None]
+    if not any(v for v in (e.get("peak_flops") or {}).values()):
+        return "'peak_flops' lists no compute peak (a profile times math with them)"
     packed = e.get("packed_rows_Bps") or {}
     if not isinstance(packed, dict) or not all(isinstance(t, dict) for t in packed.values()):
         return f"'packed_rows_Bps' is {packed!r:.40}, not an object of objects"
