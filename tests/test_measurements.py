@@ -7,6 +7,7 @@ import pytest
 
 from kvwall.catalog import find_model, measurements
 from kvwall.predict.devices import get_device
+from kvwall.predict.expected import HOST_COSTS
 from kvwall.spec.formats import get_format
 
 METRICS = {"decode_tok_s_per_seq", "tpot_s", "ttft_s", "throughput_tok_s"}
@@ -42,6 +43,7 @@ def test_row_values_are_sane(row):
     assert row["prompt_tokens"] >= 0 and row["output_tokens"] >= 1
     assert row["tp"] >= 1 and row["n_devices"] >= row["tp"]
     assert row["power_cap_W"] is None or row["power_cap_W"] > 0
+    assert row.get("host_cost") in (None, *HOST_COSTS)  # an engine host cost expected mode fits
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r["id"])

@@ -113,11 +113,8 @@ class StepClock:
     def runner_time(self, rows: list[tuple[int, int]], forward_s: float = 0.0) -> float:
         """What kvwall serve adds to a step beyond its forwards (the runner's scheduling and sampling, the server
         streaming the tokens, its threads slowing the forwards beside them), where the device measured it
-        (Device.runner_step; 0 otherwise): fixed + per row + slowdown x the step's `forward_s`, once per step."""
-        cost = self.roof.device.runner_step
-        if not cost or not rows:
-            return 0.0
-        return cost.get("fixed_s", 0.0) + cost.get("per_row_s", 0.0) * len(rows) + cost.get("slowdown", 0.0) * forward_s
+        (Device.runner_time; 0 otherwise), once per step."""
+        return self.roof.device.runner_time(len(rows), forward_s)
 
     def stages(self, total: float, rows: list[tuple[int, int]]) -> list[float]:
         """A step of `total` seconds over `rows` split over the pipeline's stages: the layers' share evenly (the

@@ -62,6 +62,21 @@ def test_a_tensor_parallel_prefill_pays_the_request_cost_per_extra_gpu():
     assert times[1] - times[0] == pytest.approx(3 * 5e-3, rel=1e-9)
 
 
+def test_a_vllm_v0_row_pays_its_host_cost_per_sequence_per_step():
+    """The OCI MI300X batch-256 row (host_cost vllm-v0): 0.2 ms more of vllm_v0_row_s adds 256 x 0.2 = 51.2 ms to
+    its TPOT; a row without host_cost (TensorRT-LLM at batch 1024) pays nothing, nor does any kvwall prediction."""
+    def tpot(row_id, extra):
+        return predict_row(ROWS[row_id], "expected", GIVEN | {"vllm_v0_row_s": extra})["tpot_s"]
+
+    v0, trt = "vllm-mi300x-llama3.1-405b-fp8-tp8-b256", "trtllm-h100-sxm-llama2-70b-tp2-b1024-128-128"
+    assert ROWS[v0]["host_cost"] == "vllm-v0" and ROWS[v0]["batch"] == 256 and "host_cost" not in ROWS[trt]
+    assert tpot(v0, 0.3e-3) - tpot(v0, 0.1e-3) == pytest.approx(256 * 0.2e-3, rel=1e-9)
+    assert tpot(trt, 0.3e-3) == tpot(trt, 0.1e-3)
+    spec = load_spec("llama-3.1-405b")
+    fm = Formats.for_spec(spec, "fp8")
+    assert expected_roof(get_device("mi300x"), "fp8", fm, spec, 8, GIVEN).device.runner_time(256) == 0.0
+
+
 def test_grouped_ops_time_like_the_roofline():
     """The fit's evaluator (ops grouped once per row) gives exactly what decode() gives on the same roof."""
     row = ROWS["gptfast-a100-llama3.1-70b-bf16-tp4"]

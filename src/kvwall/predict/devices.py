@@ -57,6 +57,14 @@ class Device:
     # "slowdown": a fraction of the forwards' time} (overhead.runner_step_cost)
     runner_step: dict = field(default_factory=dict)
 
+    def runner_time(self, rows: int, forward_s: float = 0.0) -> float:
+        """What the engine's runner adds to a step of `rows` sequences beyond its forwards (runner_step): fixed
+        + per row + slowdown x the step's `forward_s`; 0 for a step of no rows or where nothing was measured."""
+        cost = self.runner_step
+        if not cost or not rows:
+            return 0.0
+        return cost.get("fixed_s", 0.0) + cost.get("per_row_s", 0.0) * rows + cost.get("slowdown", 0.0) * forward_s
+
     def layer_overhead(self, kind: str | None, weights_kernel: str = "", fused: bool = True) -> float:
         """Fixed cost per layer of this mixer kind; an attention block whose projections run a packed kernel
         (`weights_kernel`, "matmul:int4" ...) at the cost measured for that path, where it was; one not in a fused

@@ -16,6 +16,13 @@ same max(FLOPs / peak, bytes / bandwidth) per op, and replaces the peaks by fitt
   tokens alike. Those are batch-1 runs of a benchmark harness, so that part is a TTFT (Roof.tp_ttft_s), not a
   cost a serving step pays (the simulator does not charge it). ``tp`` is the collective group, so with --ep the
   ep GPUs pay it too: an extrapolation, as the table has tensor-parallel rows only.
+* an engine's host work per sequence per decode step (``HOST_COSTS``): fitted only on the table rows whose
+  engine pays it (their ``host_cost``), so that the device figures do not absorb it, and never charged to a
+  kvwall prediction, which is of an engine without it. vLLM's V0 engine (its 2024 builds) scheduled, sampled and
+  detokenized every sequence in Python each step: the OCI MI300X rows' step grows by ~0.44 ms per sequence from
+  batch 1 to 256 (27.8, 31.0, 40.1, 54.1, 80.8, 138.7 ms at 1 ... 256, prefill included), where a fraction of
+  the peak FLOPs would stay flat up to batch ~100; fitted into compute_amd instead, it had set the AMD compute
+  fraction to 0.52 of the others'. TensorRT-LLM's batch 384-1024 rows show no such cost.
 
 Device classes (a class, not a device, because the table has few rows per device): ``hbm`` (datacenter GPUs
 with HBM), ``gddr`` (workstation and consumer GPUs), ``amd`` (AMD Instinct), ``unified`` (Apple SoCs and CPUs:
@@ -55,7 +62,10 @@ PARAMS = {
     "collective_s": ("seconds per all-reduce per extra GPU, x (tp - 1)", 10e-6, False),
     "request_s": ("seconds per prefill (a request's TTFT) beyond its step", 2e-3, False),
     "request_tp_s": ("seconds per prefill per extra tensor-parallel GPU, x (tp - 1)", 1e-3, False),
+    "vllm_v0_row_s": ("seconds per sequence per decode step of vLLM's V0 engine (host_cost vllm-v0 rows only)",
+                      50e-6, False),
 }
+HOST_COSTS = {"vllm-v0": "vllm_v0_row_s"}  # a measurement row's host_cost -> its PARAMS figure (per row per step)
 
 
 def device_class(device: Device) -> str:
@@ -88,8 +98,9 @@ def fitted() -> dict:
 
 
 def expected_roof(device: Device, dtype: str, fm: Formats, spec: ModelSpec, tp: int = 1,
-                  params: dict | None = None) -> Roof:
-    """The roof with achievable figures for this device, formats and model; `local` keeps its calibration."""
+                  params: dict | None = None, host: str | None = None) -> Roof:
+    """The roof with achievable figures for this device, formats and model; `local` keeps its calibration.
+    `host` (a measurement row's host_cost, HOST_COSTS): that engine's runner cost per sequence per step."""
     if device.name == "local":
         return Roof(device, dtype, mode="expected")
     p = params if params is not None else fitted()
@@ -100,7 +111,8 @@ def expected_roof(device: Device, dtype: str, fm: Formats, spec: ModelSpec, tp: 
         weights *= p["int_weights"] * (p["int4_weights"] if fm.weights.bits <= 4 else 1.0)
     cache = device.bandwidth * p["bw_cache"] * scale * group_of(spec) ** -p["gqa_exponent"]
     dev = replace(device, op_bandwidth={"matmul": weights, "attention": cache}, layer_overhead_s=p["layer_s"],
-                  mixer_overhead_s={}, step_overhead_s=p["step_s"])
+                  mixer_overhead_s={}, step_overhead_s=p["step_s"],
+                  runner_step={"per_row_s": p[HOST_COSTS[host]]} if host else {})
     compute = p["compute"] * (p["fp8_compute"] if dtype == "fp8" else 1.0) * (p["compute_amd"] if cls == "amd" else 1.0)
     return Roof(dev, dtype, compute_eff=min(compute, 1.0), link_latency_s=p["collective_s"] * max(tp - 1, 1),
                 mode="expected", request_overhead_s=p["request_s"], tp_ttft_s=p["request_tp_s"] * (tp - 1))

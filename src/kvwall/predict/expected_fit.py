@@ -33,7 +33,8 @@ def log_errors(preps: list[Prepared], params: dict) -> list[float]:
     """log(predicted rate / measured rate) of each row under these parameters."""
     out = []
     for p in preps:
-        predicted = figures(p, expected_roof(p.device, p.dtype, p.fm, p.spec, p.row["tp"], params))["predicted"]
+        predicted = figures(p, expected_roof(p.device, p.dtype, p.fm, p.spec, p.row["tp"], params,
+                                           p.row.get("host_cost")))["predicted"]
         metric = p.row["metric"]
         out.append(math.log(max(rate(metric, predicted), 1e-300)) - math.log(rate(metric, p.row["value"])))
     return out

@@ -88,8 +88,8 @@ def phase_time(prep: Prepared, ops: list[tuple[Op, int]], roof: Roof, is_prefill
 def figures(prep: Prepared, roof: Roof) -> dict:
     """TTFT / TPOT as needed, the predicted figure in the metric's unit and its error against the row."""
     row, out = prep.row, {}
-    if prep.decode is not None:
-        out["tpot_s"] = phase_time(prep, prep.decode, roof, False)
+    if prep.decode is not None:  # and the engine's runner per sequence, where the roof has one (HOST_COSTS)
+        out["tpot_s"] = phase_time(prep, prep.decode, roof, False) + roof.device.runner_time(row["batch"])
     if prep.prefill is not None:
         out["ttft_s"] = phase_time(prep, prep.prefill, roof, True)
     out["predicted"] = _figure(row, out)

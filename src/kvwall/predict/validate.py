@@ -48,7 +48,7 @@ def predict_row(row: dict, mode: str = "ideal", params: dict | None = None) -> d
         try:
             p = prepare(row)
             roof = (Roof(p.device, p.dtype) if mode == "ideal"
-                    else expected_roof(p.device, p.dtype, p.fm, p.spec, row["tp"], params))
+                    else expected_roof(p.device, p.dtype, p.fm, p.spec, row["tp"], params, row.get("host_cost")))
             return _base(row) | {"batch": row["batch"], "compute_dtype": p.dtype, "decode_context": p.context,
                                  "mode": mode} | figures(p, roof)
         except KvwallError as exc:
