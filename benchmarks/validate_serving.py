@@ -10,7 +10,9 @@ offered rate it runs `kvwall loadtest` (Poisson arrivals, streamed, ignore_eos).
 actually saw (arrival times, prompt and output tokens from its usage counts) are written as a JSONL trace
 and replayed by `kvwall simulate --device local` with the server's settings (fp32, the same pool bytes,
 chunk, batch limit, --split-prefill: a forward for the decode rows and one per prefill chunk length). It
-prints measured and simulated throughput and p50 / p99 TTFT and TPOT side by side with the error.
+prints measured and simulated throughput and p50 / p99 TTFT and TPOT side by side with the error, and before
+each measured run a probe (`Probe`): the model's plain decode step timed in this process beside the op model's
+time for it, which says how far the machine had drifted from the profile when that row was measured.
 `--shared-prefix WORDS` starts every prompt with the same words (a system prompt): the trace then gives each
 request the most prompt tokens the server's prefix cache gave any of them (usage's cached_tokens: whole
 blocks) as shared, so the simulator's cache finds the same blocks.
@@ -115,13 +117,15 @@ def kvwall_json(argv: list[str]) -> dict:
     return json.loads(out.stdout)
 
 
-def measured_and_simulated(args, url: str, kv: str, rate: float, seed: int, trace: Path) -> tuple[dict, dict]:
+def measured_and_simulated(args, url: str, kv: str, rate: float, seed: int, trace: Path,
+                           probe_s: float | None = None) -> tuple[dict, dict]:
     m = kvwall_json(["loadtest", url, "--model", args.model, "--rate", str(rate), "--requests", str(args.requests),
                      "--prompt-tokens", str(args.prompt_tokens), "--output-tokens", str(args.output_tokens),
                      "--seed", str(seed), "--shared-prefix", str(args.shared_prefix)])
     if args.save:  # the measured side kept, so --replay can simulate it again with a later profile
         Path(args.save).mkdir(parents=True, exist_ok=True)
-        (Path(args.save) / f"{kv}-{rate:g}.json").write_text(json.dumps({"kv": kv, "rate": rate, "measured": m}))
+        (Path(args.save) / f"{kv}-{rate:g}.json").write_text(json.dumps({"kv": kv, "rate": rate, "measured": m,
+                                                                         "probe_s": probe_s}))
     return m, simulated(args, m, kv, rate, trace)
 
 
@@ -140,15 +144,66 @@ def simulated(args, m: dict, kv: str, rate: float, trace: Path) -> dict:
                        *scheduler_flags(args), "--rate", str(rate)])["points"][0]
 
 
+PROBE_CONTEXT, PROBE_STEPS = 160, 24  # the probe's cache (a request's middle: 128 + 32) and timed decode steps
+
+
+class Probe:
+    """The machine against the profile just before a measured run: the model's plain decode step (fp32, one row,
+    a PROBE_CONTEXT-token cache, the median of PROBE_STEPS after 4 warm-up ones, in this process while the server
+    idles) beside the op model's time for it on `local`. Both sides of a row are held to the same profile, so the
+    probe's error is how far the machine had drifted from it when the row was measured (on this 2-core virtual
+    machine the same step moved 39 -> 55 ms within two hours with no other process visible)."""
+
+    def __init__(self, model: str):
+        import torch
+
+        from kvwall.engine.caches import make_cache
+        from kvwall.engine.load import load_model
+        from kvwall.spec.gguf_meta import gguf_file
+
+        self.torch, self.model = torch, load_model(gguf_file(model) or model)
+        self.cache = make_cache("contiguous", self.model.spec, 1, PROBE_CONTEXT + PROBE_STEPS + 8)
+
+    def measure(self) -> float:
+        import statistics
+
+        torch, times = self.torch, []
+        with torch.inference_mode():
+            self.model(torch.ones(1, PROBE_CONTEXT, dtype=torch.long), torch.arange(PROBE_CONTEXT)[None], self.cache)
+            for i in range(PROBE_STEPS + 4):
+                t0 = time.perf_counter()
+                self.model(torch.ones(1, 1, dtype=torch.long), torch.tensor([[PROBE_CONTEXT + i]]), self.cache)
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times[4:])
+
+
+def probe_predicted(model: str) -> float:
+    """The op model's time on the current `local` profile for the step Probe.measure times."""
+    from kvwall.predict.devices import get_device
+    from kvwall.predict.memory import Formats
+    from kvwall.predict.roofline import Roof, decode
+    from kvwall.spec.resolve import load_spec
+
+    spec = load_spec(model)
+    fm = Formats.for_spec(spec, "fp32", "fp32")
+    return decode(spec, PROBE_CONTEXT + PROBE_STEPS // 2, 1, fm, Roof(get_device("local"), "fp32")).time_s
+
+
+def probe_row(measured_s: float | None, predicted_s: float) -> dict | None:
+    if measured_s is None:
+        return None
+    return {"measured_s": measured_s, "predicted_s": predicted_s, "error": predicted_s / measured_s - 1}
+
+
 def value(d: dict, key: str, sub: str | None):
     v = d.get(key)
     return (v or {}).get(sub) if sub else v
 
 
-def row(kv: str, rate: float, m: dict, s: dict) -> dict:
+def row(kv: str, rate: float, m: dict, s: dict, probe: dict | None = None) -> dict:
     out = {"kv_memory": kv, "rate": rate, "preemptions_simulated": s.get("preemptions"),
            "cached_prompt_tokens": {"measured": m.get("cached_prompt_tokens"),
-                                    "simulated": s.get("prefix_cached_tokens")}}
+                                    "simulated": s.get("prefix_cached_tokens")}, "probe": probe}
     for name, key, sub in METRICS:
         a, b = value(m, key, sub), value(s, key, sub)
         out[name] = {"measured": a, "simulated": b, "error": (b / a - 1) if a and b else None}
@@ -186,25 +241,29 @@ def main() -> None:
         if args.plot:
             plot(rows, Path(args.plot))
         return
+    predicted_s = probe_predicted(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         if args.replay:
             runs = [json.loads(f.read_text()) for f in Path(args.replay).glob("*.json")]
             for saved in sorted(runs, key=lambda r: (r["kv"], r["rate"])):
                 kv, rate, m = saved["kv"], saved["rate"], saved["measured"]
-                rows.append(row(kv, rate, m, simulated(args, m, kv, rate, Path(tmp) / "trace.jsonl")))
+                rows.append(row(kv, rate, m, simulated(args, m, kv, rate, Path(tmp) / "trace.jsonl"),
+                                probe_row(saved.get("probe_s"), predicted_s)))
                 print_row(rows[-1])
             if args.json:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
             if args.plot:
                 plot(rows, Path(args.plot))
             return
+        probe = Probe(args.model)
         for kv in args.kv_memory.split(","):
             proc, url = (start_vllm if args.vllm_python else start_server)(args, kv)
             try:
                 for rate in (float(r) for r in args.rates.split(",")):
                     seed += 1  # fresh prompts each run: no prefix-cache hits carried over
-                    m, s = measured_and_simulated(args, url, kv, rate, seed, Path(tmp) / "trace.jsonl")
-                    rows.append(row(kv, rate, m, s))
+                    probe_s = probe.measure()
+                    m, s = measured_and_simulated(args, url, kv, rate, seed, Path(tmp) / "trace.jsonl", probe_s)
+                    rows.append(row(kv, rate, m, s, probe_row(probe_s, predicted_s)))
                     rows[-1]["server"] = "vllm" if args.vllm_python else "kvwall"
                     print_row(rows[-1])
             finally:
@@ -264,6 +323,9 @@ def print_row(r: dict) -> None:
     cached = r.get("cached_prompt_tokens") or {}
     if cached.get("measured"):
         cells.append(f"cached prompt tokens {cached['measured']:,}/{cached['simulated']:,}")
+    if r.get("probe"):
+        pr = r["probe"]
+        cells.append(f"probe step {pr['measured_s'] * 1e3:.1f}/{pr['predicted_s'] * 1e3:.1f} ms ({pr['error']:+.0%})")
     print(f"kv {r['kv_memory']:>7} rate {r['rate']:>5g}/s: " + "; ".join(cells), flush=True)
 
 

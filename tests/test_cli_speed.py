@@ -116,6 +116,7 @@ def test_a_point_that_fits_nowhere_runs_on_the_widest_split_the_heads_allow(caps
     m = json.loads(capsys.readouterr().out)["models"][0]
     assert [(r["tp"], r["fits"]) for r in m["decode"]] == [(1, True), (1, False)]
     assert m["decode"][1]["tpot_s"] > m["decode"][0]["tpot_s"] > 0 and "(!)" in m["fit_warning"]
+    assert "the widest split its heads allow (tp 1)" in m["fit_warning"] and "8 GPUs" not in m["fit_warning"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("do not fit") == 1 and "warning: smollm2-135m: points marked (!)" in out

@@ -59,3 +59,21 @@ def test_trace_shares_prefix_tokens_only_with_a_shared_prefix(tmp_path, monkeypa
     assert vs.simulated(args, {"samples": samples}, "256MiB", 0.5, trace) == SIMULATED
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     assert len(lines) == 6 and {line["shared_tokens"] for line in lines} == {expected}
+
+
+def test_probe_error_by_hand_and_printed(capsys):
+    """A probe step measured at 50 ms that the profile puts at 40 ms: the profile is 20 % fast (40 / 50 - 1)."""
+    pr = vs.probe_row(0.050, 0.040)
+    assert pr["error"] == pytest.approx(-0.20)
+    assert vs.probe_row(None, 0.040) is None  # a run saved before the probe existed
+    vs.print_row(vs.row("16MiB", 2.0, MEASURED, SIMULATED, pr))
+    assert "probe step 50.0/40.0 ms (-20%)" in capsys.readouterr().out
+
+
+def test_probe_times_a_decode_step_of_the_model(tiny_model):
+    """The probe loads the model by path and times its decode steps: a positive median, the same model's step
+    again after the first call (its cache is reused, never outgrown)."""
+    path, _ = tiny_model("llama")
+    probe = vs.Probe(str(path))
+    first, second = probe.measure(), probe.measure()
+    assert 0 < first < 1 and 0 < second < 1

@@ -313,10 +313,12 @@ def _speed_row(name: str, args, contexts: list[int], prompt: int) -> tuple[dict,
         r["tokens_per_s"] = 1 / r["tpot_s"]
         per_ctx.append(r)
     fits = all(r["fits"] for r in per_ctx)
-    where = f"{TP_DEGREES[-1]} GPUs" if auto else "this tp/pp"
-    warning = None if fits and first["fits"] else (
-        f"{spec.name}: points marked (!) do not fit {where} of {roof.device.name} (weights + batch x context of "
-        "cache, 10 % reserve); their times are what-ifs")
+    bad, warning = next((r for r in (first, *per_ctx) if not r["fits"]), None), None
+    if bad is not None:  # a what-if runs on --tp/--pp as given, else on the widest split the heads allow
+        where = ("this tp/pp" if not auto else f"{TP_DEGREES[-1]} GPUs" if bad["tp"] == TP_DEGREES[-1]
+                 else f"the widest split its heads allow (tp {bad['tp']})")
+        warning = (f"{spec.name}: points marked (!) do not fit {where} of {roof.device.name} (weights + batch x "
+                   "context of cache, 10 % reserve); their times are what-ifs")
     return {"model": spec.name, "family": spec.family(), "formats": fm.as_dict(), "ttft_s": ttft,
             "ttft_fits": first["fits"], **{f"ttft_{k}": first[k] for k in GROUP}, "decode": per_ctx, "weights_fit": fits,
             "fit_warning": warning, "notes": notes}, roof
