@@ -201,6 +201,8 @@ OPTION_CASES = [  # (argv, what the message must name)
     (["roofline", M, "--ep", "2"], "no routed experts"),
     (["roofline", M, "--mla", "naive"], "no MLA"),
     (["fit", M, "--memory", "0.5"], "a bare number is bytes"),
+    (["fit", M, "--memory", "80"], "give a unit, e.g. 80GB or 80GiB"),
+    (["simulate", M, "--kv-memory", "4096", "--rate", "1", "--requests", "4"], "a bare number is bytes (4,096 B)"),
     (["roofline", M, "--pp", "0"], "--pp"),
     (["roofline", M, "--context", "0"], "context"),
     (["roofline", M, "--prompt", "-3"], "prompt"),
@@ -445,3 +447,14 @@ def test_good_options_still_pass_the_parser(argv, capsys):
 def test_every_catalog_config_passes_validation():
     for name in catalog.model_names():
         spec_from_config(catalog.load_model_config(name), name=name)
+
+
+def test_a_bare_number_is_bytes_from_one_mebibyte_up():
+    """16777216 is 16 MiB, written in bytes: accepted. 80 (80 B, a forgotten GB) is an error naming the fix."""
+    from kvwall.errors import KvwallError
+    from kvwall.units import parse_bytes
+
+    assert parse_bytes("16777216") == 16 * 2**20 and parse_bytes("1048576") == 2**20
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("512KiB") == 512 * 1024  # a unit: any size
+    with pytest.raises(KvwallError, match="give a unit, e.g. 80GB or 80GiB"):
+        parse_bytes("80")

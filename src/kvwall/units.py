@@ -59,8 +59,11 @@ def parse_int_list(text: str, what: str) -> list[int]:
     return out
 
 
+BARE_MIN = 1 << 20  # a bare number below this many bytes is taken for a forgotten unit (`--memory 80`), an error
+
+
 def parse_bytes(text: str, what: str = "memory size") -> int:
-    """'80GB' -> 80e9; '24GiB' -> 24*2^30; a bare number is bytes."""
+    """'80GB' -> 80e9; '24GiB' -> 24*2^30; a bare number is bytes, from 1 MiB up (below it, a missing unit)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _BYTE_MULT:
         raise KvwallError(f"bad {what} {text!r}: write e.g. 80GB, 24GiB or 512MB")
@@ -71,6 +74,9 @@ def parse_bytes(text: str, what: str = "memory size") -> int:
     if value <= 0:
         unit = "" if m.group(2) else " (a bare number is bytes: write e.g. 80GB)"
         raise KvwallError(f"bad {what} {text!r}: it must be at least 1 byte{unit}")
+    if not m.group(2) and value < BARE_MIN:
+        raise KvwallError(f"bad {what} {text!r}: a bare number is bytes ({value:,} B), surely not what was meant; "
+                          f"give a unit, e.g. {m.group(1)}GB or {m.group(1)}GiB")
     return value
 
 
