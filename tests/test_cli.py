@@ -62,6 +62,7 @@ def test_show_and_models_and_devices(capsys):
     (["fit", "gpt2", "--device", "tpu-v99"], "unknown device"),
     (["memory", "gpt2", "--batch", "0"], "--batch must be at least 1"),
     (["memory", "llama-3-8b", "--window", "9000"], "never slides"),
+    (["memory", "llama-3-8b", "--context", "1M", "--window", "2M"], "the longest --context asked for (1048576)"),
     (["memory", "llama-3-8b", "--kv-heads", "5"], "must divide"),
 ])
 def test_user_errors_are_one_line(argv, message):
@@ -70,6 +71,16 @@ def test_user_errors_are_one_line(argv, message):
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert proc.stdout == ""
+
+
+def test_a_window_past_the_models_maximum_slides_in_a_longer_what_if(capsys):
+    """Llama-3-8B was trained to 8,192 tokens; at a 1M-token what-if a 16k window slides: 32 layers x 8 KV heads x
+    128 x 2 (K, V) x 2 B = 131,072 B a token x 16,384 tokens = 2 GiB, however long the context."""
+    from kvwall.cli import main
+
+    assert main(["memory", "llama-3-8b", "--context", "1M", "--window", "16k", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cache_bytes"] == 32 * 8 * 128 * 2 * 2 * 16384 == 2 * 2**30
 
 
 def test_config_errors_from_files(tmp_path):

@@ -11,7 +11,7 @@ from kvwall.report.tables import print_json
 from kvwall.spec.formats import ENGINE_WEIGHTS, engine_weights
 from kvwall.spec.model import ModelSpec
 from kvwall.spec.resolve import load_spec
-from kvwall.units import parse_tokens, tokens_arg, whole
+from kvwall.units import parse_token_list, parse_tokens, tokens_arg, whole
 
 
 def need_torch(what: str) -> None:
@@ -97,9 +97,12 @@ def reshape(spec: ModelSpec, args: argparse.Namespace) -> tuple[ModelSpec, list[
         w = parse_tokens(args.window, "window")
         if not spec.has("attention"):
             raise KvwallError(f"--window: {spec.name} has no (non-latent) attention layers to give a window")
-        if spec.max_context and w >= spec.max_context:
-            raise KvwallError(f"--window {w} is not shorter than {spec.name}'s maximum context {spec.max_context}; "
-                              "such a window never slides: pick a smaller one")
+        asked = max(parse_token_list(args.context, "context")) if getattr(args, "context", None) else 0
+        if w >= max(spec.max_context or 0, asked) > 0:  # contexts past the maximum are what-ifs, where it slides
+            what = (f"{spec.name}'s maximum context {spec.max_context}" if (spec.max_context or 0) >= asked
+                    else f"the longest --context asked for ({asked})")
+            raise KvwallError(f"--window {w} is not shorter than {what}; such a window never slides: "
+                              "pick a smaller one")
         spec = spec.with_window(w)
         notes.append(f"re-shaped: every attention layer has a sliding window of {w} tokens")
     return spec, notes
