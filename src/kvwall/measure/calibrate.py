@@ -238,7 +238,14 @@ def _engine(cal: Calibration, s: Settings, run: _Run) -> None:
     fixed.update(packed_fixed)
     rates = _from_entry("local", cal.profile())  # the rates just measured, for the op model
     steps = 20 if quick else 30
-    costs = run.step("engine: dispatch per block", overhead.engine_overheads, rates, steps=steps)
+    costs, paired = run.step("engine: dispatch per block", overhead.engine_overheads, rates, steps=steps,
+                             total_bytes=size // 4)
+    # the 1-row matmul rate and cost per call timed beside the attention blocks' steps replace the sweep's: the
+    # block cost is fitted against them (overhead._paired_rounds says why)
+    rows[1] = bandwidth["matmul"] = paired["rate"]
+    fixed[MATMUL] = paired["fixed"]
+    cal.info["matmul_rows_Bps"] = {str(m): v for m, v in rows.items()}
+    rates = _from_entry("local", cal.profile())
     cal.info["layer_overhead_s"] = costs["attention"]
     cal.info["step_overhead_s"] = costs["step"]
     cal.info["unfused_overhead_s"] = costs["unfused"]

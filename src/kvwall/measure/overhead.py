@@ -82,33 +82,80 @@ def _rounds(step_lo, step_hi, steps: int) -> tuple[float, float]:
     return sorted(rounds, key=lambda t: t[1] - t[0])[ROUNDS // 2]
 
 
-def engine_overheads(rates, steps: int = 30) -> dict[str, float]:
+PAIRED_ROUNDS = 5  # rounds of (1-row matmul rate, 2- and 10-block decode steps) timed back to back
+
+
+def _bare(rates, rate: float | None = None, fixed: float | None = None):
+    """The op model on `rates` without its overheads (what the steps' time is held against), with the 1-row
+    matmul rate and cost per call replaced where given."""
+    from kvwall.predict.roofline import Roof
+    from kvwall.predict.step import MATMUL
+
+    rows, per_call = dict(rates.matmul_rows), dict(rates.op_fixed_s)
+    if rate is not None:
+        rows[1], per_call[MATMUL] = rate, fixed
+    return Roof(dataclasses.replace(rates, layer_overhead_s=0.0, mixer_overhead_s={}, step_overhead_s=0.0,
+                                    matmul_rows=rows, op_fixed_s=per_call), dtype="fp32")
+
+
+def _paired_rounds(rates, specs, fm, steps: int, total_bytes: int) -> tuple[float, float, float, float, float]:
+    """(per-block cost, per-step rest, 1-row matmul rate, its cost per call, the 10- less the 2-block step) of the
+    median of PAIRED_ROUNDS rounds by per-block cost, each round timing the 1-row matmul (over cold copies of
+    MATMUL_SHAPES) and then the two depths' decode steps, the cost being the steps less the op model at that
+    round's own rate. The per-block cost is a difference of slopes, so a rate read at another moment than the
+    steps lands in it whole: measured a minute apart, a fast 1-row reading (28.5 GB/s) beside slow steps gave
+    0.93 ms per block, and the profile put SmolLM2's decode step 19-43 % slow for the next 20 minutes, where
+    rounds that pair the two, on the same host in the same minutes, read 0-0.35 ms and came within -14 ... +9 %
+    of its measured step (2026-12-04 18:29-18:50)."""
+    import torch
+
+    from kvwall.predict.roofline import decode
+
+    (lo, hi), sets = DEPTHS, [_float_copies(shape, total_bytes) for shape in MATMUL_SHAPES]
+    nbytes = [out * n_in * 4 for out, n_in in MATMUL_SHAPES]
+    step_lo, step_hi = (_decoder(s) for s in specs)
+    rounds = []
+    for r in range(PAIRED_ROUNDS):
+        with torch.inference_mode():
+            rows, fixed = _rates_and_fixed(sets, nbytes, (1,), 3)
+        bare = _bare(rates, rows[1], fixed)
+        p_lo, p_hi = (decode(s, 64 + 1, 1, fm, bare).time_s for s in specs)
+        t_lo, t_hi = (_median_step(f, r * (steps + 4), steps) for f in (step_lo, step_hi))
+        per_block = ((t_hi - t_lo) - (p_hi - p_lo)) / (hi - lo)
+        rounds.append((per_block, t_lo - p_lo - lo * max(per_block, 0.0), rows[1], fixed, t_hi - t_lo))
+    return sorted(rounds)[PAIRED_ROUNDS // 2]
+
+
+def engine_overheads(rates, steps: int = 30, total_bytes: int = 128 << 20) -> tuple[dict[str, float], dict]:
     """Per-layer cost by kind of block beyond the op model on device `rates` (this machine's measured op
-    rates, its overheads ignored), and the per-step rest ("step", from the attention models). The two depths
-    are timed in turn, ROUNDS times: one pair's slope moved 0.57-1.0 ms per layer between runs a minute apart
-    (2 cores, 30 steps of 4-11 ms); the median round's is kept. Attention blocks run through the fused decode
-    stack, as a decode step of such a model does; "unfused" is what an attention block costs more layer by layer
-    (a prefill chunk, a mixed step: 0.13 ms on SmolLM2's fp32 blocks side by side, 2026-12-03)."""
+    rates, its overheads ignored), and the per-step rest ("step", from the attention models); and the 1-row
+    matmul rate and cost per call the attention blocks' cost was paired with ({"rate", "fixed"}: the profile keeps
+    them, _paired_rounds says why). The other kinds' two depths are timed in turn, ROUNDS times: one pair's slope
+    moved 0.57-1.0 ms per layer between runs a minute apart (2 cores, 30 steps of 4-11 ms); the median round's is
+    kept. Attention blocks run through the fused decode stack, as a decode step of such a model does; "unfused" is
+    what an attention block costs more layer by layer (a prefill chunk, a mixed step: 0.13 ms on SmolLM2's fp32
+    blocks side by side, 2026-12-03)."""
     from kvwall.predict.memory import Formats
-    from kvwall.predict.roofline import Roof, decode
+    from kvwall.predict.roofline import decode
     from kvwall.spec.formats import get_format
 
-    bare = Roof(dataclasses.replace(rates, layer_overhead_s=0.0, mixer_overhead_s={}, step_overhead_s=0.0),
-                dtype="fp32")
     fp32 = get_format("fp32")
     fm = Formats(fp32, fp32, fp32)
     (lo, hi), out = DEPTHS, {}
+    specs = [_arch_spec(OVERHEAD_ARCHS["attention"], n) for n in DEPTHS]
+    block, rest, rate, fixed, slope = _paired_rounds(rates, specs, fm, steps, total_bytes)
+    out["attention"], out["step"] = max(block, 0.0), max(rest, 0.0)
+    u_lo, u_hi = _rounds(*(_decoder(s, fused=False) for s in specs), steps)
+    out["unfused"] = max(((u_hi - u_lo) - slope) / (hi - lo), 0.0)
+    bare = _bare(rates, rate, fixed)
     for kind, arch in OVERHEAD_ARCHS.items():
+        if kind == "attention":
+            continue
         specs = [_arch_spec(arch, n) for n in DEPTHS]
         p_lo, p_hi = (decode(s, 64 + 1, 1, fm, bare).time_s for s in specs)
-        step_lo, step_hi = (_decoder(s) for s in specs)
-        t_lo, t_hi = _rounds(step_lo, step_hi, steps)
+        t_lo, t_hi = _rounds(*(_decoder(s) for s in specs), steps)
         out[kind] = max(((t_hi - t_lo) - (p_hi - p_lo)) / (hi - lo), 0.0)
-        if kind == "attention":
-            out["step"] = max(t_lo - p_lo - lo * out[kind], 0.0)
-            u_lo, u_hi = _rounds(*(_decoder(s, fused=False) for s in specs), steps)
-            out["unfused"] = max(((u_hi - u_lo) - (t_hi - t_lo)) / (hi - lo), 0.0)
-    return out
+    return out, {"rate": rate, "fixed": fixed}
 
 
 # -- achievable bandwidth of the two kinds of traffic a decode step makes --------------------------
