@@ -95,7 +95,7 @@ def _bare(rates, rate: float | None = None, fixed: float | None = None):
     if rate is not None:
         rows[1], per_call[MATMUL] = rate, fixed
     return Roof(dataclasses.replace(rates, layer_overhead_s=0.0, mixer_overhead_s={}, step_overhead_s=0.0,
-                                    matmul_rows=rows, op_fixed_s=per_call), dtype="fp32")
+                                    packed_overhead_s={}, matmul_rows=rows, op_fixed_s=per_call), dtype="fp32")
 
 
 def _paired_rounds(rates, specs, fm, steps: int, total_bytes: int) -> tuple[float, float, float, float, float]:
@@ -332,12 +332,11 @@ def packed_layer_overheads(rates, steps: int = 30) -> dict[str, float]:
     fitted on fp32 it was 1.0 ms per block, where SmolLM2's packed blocks spent 0.23 ms per block outside
     their projections and attention (benchmarks/profile_step_ops.py) and were predicted 62 % too slow."""
     from kvwall.predict.memory import Formats
-    from kvwall.predict.roofline import Roof, decode
+    from kvwall.predict.roofline import decode
     from kvwall.predict.step import matmul_kernel
     from kvwall.spec.formats import get_format
 
-    bare = Roof(dataclasses.replace(rates, layer_overhead_s=0.0, mixer_overhead_s={}, step_overhead_s=0.0,
-                                    packed_overhead_s={}), dtype="fp32")
+    bare = _bare(rates)
     fp32, (lo, hi), out = get_format("fp32"), DEPTHS, {}
     specs = [_arch_spec(OVERHEAD_ARCHS["attention"], n) for n in DEPTHS]
     for name in PACKED_FORMATS:
