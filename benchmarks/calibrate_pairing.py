@@ -24,8 +24,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
 from validate_serving import PROBE_CONTEXT, Probe  # noqa: E402
 
@@ -51,24 +49,20 @@ def main() -> None:
     nbytes = [out * n_in * 4 for out, n_in in O.MATMUL_SHAPES]
     specs = [O._arch_spec("gqa", n) for n in O.DEPTHS]
     toys, probe = [O._decoder(s) for s in specs], Probe(args.model)
-    (lo, hi), errors = O.DEPTHS, {"paired": [], "unpaired": [], "profile": []}
+    errors = {"paired": [], "unpaired": [], "profile": []}
     print(f"{args.model}: the profile puts its decode step at {profile * 1e3:.1f} ms")
     for r in range(args.rounds):
         before = probe.measure()
-        with torch.inference_mode():
-            rows, fixed = O._rates_and_fixed(sets, nbytes, (1,), 3)
-        p_lo, p_hi = (decode(s, 65, 1, fm, O._bare(base, rows[1], fixed)).time_s for s in specs)
-        t_lo, t_hi = (O._median_step(f, r * (30 + 4), 30) for f in toys)
-        block = max(((t_hi - t_lo) - (p_hi - p_lo)) / (hi - lo), 0.0)
-        rest = max(t_lo - p_lo - lo * block, 0.0)
-        paired_dev = replace(O._bare(base, rows[1], fixed).device, layer_overhead_s=block, step_overhead_s=rest)
+        block, rest, rate, fixed, _ = O.paired_round(base, specs, fm, sets, nbytes, toys, r * (30 + 4), 30)
+        block, rest = max(block, 0.0), max(rest, 0.0)
+        paired_dev = replace(O._bare(base, rate, fixed).device, layer_overhead_s=block, step_overhead_s=rest)
         paired = decode(spec, context, 1, fm, Roof(paired_dev, "fp32")).time_s
         unpaired = decode(spec, context, 1, fm, Roof(replace(base, layer_overhead_s=block, step_overhead_s=rest),
                                                      "fp32")).time_s
         measured = (before + probe.measure()) / 2
         for name, t in (("paired", paired), ("unpaired", unpaired), ("profile", profile)):
             errors[name].append(t / measured - 1)
-        print(f"{time.strftime('%H:%M:%S', time.gmtime())} 1-row matmul {rows[1] / 1e9:5.1f} GB/s + {fixed * 1e6:3.0f} us, "
+        print(f"{time.strftime('%H:%M:%S', time.gmtime())} 1-row matmul {rate / 1e9:5.1f} GB/s + {fixed * 1e6:3.0f} us, "
               f"dispatch {block * 1e3:.2f} ms a block; step measured {measured * 1e3:5.1f} ms, paired "
               f"{paired * 1e3:5.1f} ({errors['paired'][-1]:+.0%}), unpaired {unpaired * 1e3:5.1f} "
               f"({errors['unpaired'][-1]:+.0%}), profile ({errors['profile'][-1]:+.0%})", flush=True)

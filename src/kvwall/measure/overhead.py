@@ -98,31 +98,35 @@ def _bare(rates, rate: float | None = None, fixed: float | None = None):
                                     packed_overhead_s={}, matmul_rows=rows, op_fixed_s=per_call), dtype="fp32")
 
 
-def _paired_rounds(rates, specs, fm, steps: int, total_bytes: int) -> tuple[float, float, float, float, float]:
-    """(per-block cost, per-step rest, 1-row matmul rate, its cost per call, the 10- less the 2-block step) of the
-    median of PAIRED_ROUNDS rounds by per-block cost, each round timing the 1-row matmul (over cold copies of
-    MATMUL_SHAPES) and then the two depths' decode steps, the cost being the steps less the op model at that
-    round's own rate. The per-block cost is a difference of slopes, so a rate read at another moment than the
-    steps lands in it whole: measured a minute apart, a fast 1-row reading (28.5 GB/s) beside slow steps gave
-    0.93 ms per block, and the profile put SmolLM2's decode step 19-43 % slow for the next 20 minutes, where
-    rounds that pair the two, on the same host in the same minutes, read 0-0.35 ms and came within -14 ... +9 %
-    of its measured step (2026-12-04 18:29-18:50)."""
+def paired_round(rates, specs, fm, sets, nbytes: list[int], toys, start: int, steps: int) -> tuple:
+    """One round: the 1-row matmul rate and cost per call over `sets` (cold copies of MATMUL_SHAPES, `nbytes`
+    each), then the decode steps of the 2- and 10-block `specs` (`toys`: their step functions, from index
+    `start`); -> (per-block cost, per-step rest, rate, cost per call, the 10- less the 2-block step), the costs
+    being the steps less the op model at this round's own rate."""
     import torch
 
     from kvwall.predict.roofline import decode
 
-    (lo, hi), sets = DEPTHS, [_float_copies(shape, total_bytes) for shape in MATMUL_SHAPES]
+    lo, hi = DEPTHS
+    with torch.inference_mode():
+        rows, fixed = _rates_and_fixed(sets, nbytes, (1,), 3)
+    p_lo, p_hi = (decode(s, 64 + 1, 1, fm, _bare(rates, rows[1], fixed)).time_s for s in specs)
+    t_lo, t_hi = (_median_step(f, start, steps) for f in toys)
+    per_block = ((t_hi - t_lo) - (p_hi - p_lo)) / (hi - lo)
+    return per_block, t_lo - p_lo - lo * max(per_block, 0.0), rows[1], fixed, t_hi - t_lo
+
+
+def _paired_rounds(rates, specs, fm, steps: int, total_bytes: int) -> tuple[float, float, float, float, float]:
+    """paired_round's figures of the median of PAIRED_ROUNDS rounds by per-block cost. The per-block cost is a
+    difference of slopes, so a rate read at another moment than the steps lands in it whole: measured a minute
+    apart, a fast 1-row reading (28.5 GB/s) beside slow steps gave 0.93 ms per block, and the profile put SmolLM2's
+    decode step 19-43 % slow for the next 20 minutes, where rounds that pair the two, on the same host in the same
+    minutes, read 0-0.35 ms and came within -14 ... +9 % of its measured step (2026-12-04 18:29-18:50;
+    benchmarks/calibrate_pairing.py)."""
+    sets = [_float_copies(shape, total_bytes) for shape in MATMUL_SHAPES]
     nbytes = [out * n_in * 4 for out, n_in in MATMUL_SHAPES]
-    step_lo, step_hi = (_decoder(s) for s in specs)
-    rounds = []
-    for r in range(PAIRED_ROUNDS):
-        with torch.inference_mode():
-            rows, fixed = _rates_and_fixed(sets, nbytes, (1,), 3)
-        bare = _bare(rates, rows[1], fixed)
-        p_lo, p_hi = (decode(s, 64 + 1, 1, fm, bare).time_s for s in specs)
-        t_lo, t_hi = (_median_step(f, r * (steps + 4), steps) for f in (step_lo, step_hi))
-        per_block = ((t_hi - t_lo) - (p_hi - p_lo)) / (hi - lo)
-        rounds.append((per_block, t_lo - p_lo - lo * max(per_block, 0.0), rows[1], fixed, t_hi - t_lo))
+    toys = [_decoder(s) for s in specs]
+    rounds = [paired_round(rates, specs, fm, sets, nbytes, toys, r * (steps + 4), steps) for r in range(PAIRED_ROUNDS)]
     return sorted(rounds)[PAIRED_ROUNDS // 2]
 
 
