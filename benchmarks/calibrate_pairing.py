@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from validate_serving import PROBE_CONTEXT, Probe  # noqa: E402
+from validate_serving import PROBE_MIDDLE, Probe  # noqa: E402
 
 from kvwall.measure import overhead as O  # noqa: E402
 from kvwall.predict.devices import get_device  # noqa: E402
@@ -43,7 +43,7 @@ def main() -> None:
     fp32 = get_format("fp32")
     fm = Formats(fp32, fp32, fp32)
     base, spec = get_device("local"), load_spec(args.model)
-    context = PROBE_CONTEXT + 12
+    context = PROBE_MIDDLE
     profile = decode(spec, context, 1, fm, Roof(base, "fp32")).time_s
     sets = [O._float_copies(shape, 128 << 20) for shape in O.MATMUL_SHAPES]
     nbytes = [out * n_in * 4 for out, n_in in O.MATMUL_SHAPES]

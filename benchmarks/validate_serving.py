@@ -145,6 +145,7 @@ def simulated(args, m: dict, kv: str, rate: float, trace: Path) -> dict:
 
 
 PROBE_CONTEXT, PROBE_STEPS = 160, 24  # the probe's cache (a request's middle: 128 + 32) and timed decode steps
+PROBE_MIDDLE = PROBE_CONTEXT + PROBE_STEPS // 2  # the cache the op model times the probe's step at
 
 
 class Probe:
@@ -186,7 +187,7 @@ def probe_predicted(model: str) -> float:
 
     spec = load_spec(model)
     fm = Formats.for_spec(spec, "fp32", "fp32")
-    return decode(spec, PROBE_CONTEXT + PROBE_STEPS // 2, 1, fm, Roof(get_device("local"), "fp32")).time_s
+    return decode(spec, PROBE_MIDDLE, 1, fm, Roof(get_device("local"), "fp32")).time_s
 
 
 def probe_row(measured_s: float | None, predicted_s: float) -> dict | None:
