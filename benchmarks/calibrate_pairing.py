@@ -45,8 +45,7 @@ def main() -> None:
     base, spec = get_device("local"), load_spec(args.model)
     context = PROBE_MIDDLE
     profile = decode(spec, context, 1, fm, Roof(base, "fp32")).time_s
-    sets = [O._float_copies(shape, 128 << 20) for shape in O.MATMUL_SHAPES]
-    nbytes = [out * n_in * 4 for out, n_in in O.MATMUL_SHAPES]
+    sets, nbytes = O.matmul_sets(128 << 20)
     specs = [O._arch_spec("gqa", n) for n in O.DEPTHS]
     toys, probe = [O._decoder(s) for s in specs], Probe(args.model)
     errors = {"paired": [], "unpaired": [], "profile": []}

@@ -240,6 +240,8 @@ OPTION_CASES = [  # (argv, what the message must name)
     (["speculate", M, "--draft", M, "--acceptance", "nan"], "--acceptance"),
     (["speculate", M, "--draft", M, "--batch", "0"], "--batch"),
     (["speculate", M, "--draft", "no-such-model"], "no-such-model"),
+    # GPT-2 (50,257 tokens) cannot draft for Llama 3 (128,256): its ids are not the target's
+    (["speculate", "llama-3-8b", "--draft", "gpt2"], "vocabulary"),
     (["generate", "ckpt", "--prompt-ids", "1", "--temperature", "nan"], "--temperature"),
     (["generate", "ckpt", "--prompt-ids", "1", "--temperature", "-1"], "--temperature"),
     (["generate", "ckpt", "--prompt-ids", "1", "--top-p", "0"], "--top-p"),

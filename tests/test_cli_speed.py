@@ -56,6 +56,13 @@ def test_speculate_json(capsys):
     assert data["rows"][0]["expected_tokens"] == pytest.approx(1.8)
 
 
+def test_speculate_takes_a_draft_whose_vocabulary_is_padded_apart(capsys):
+    """Qwen3-8B's embedding has 151,936 rows and Qwen2.5-7B's 152,064 (public configs): one tokenizer, padded
+    apart by 0.08 %, a pairing that runs; GPT-2's 50,257 beside Llama 3's 128,256 is refused (test_bad_inputs)."""
+    data = run_json(capsys, "speculate", "qwen2.5-7b", "--draft", "qwen3-8b", "--k", "2")
+    assert data["draft"] == "qwen3-8b" and data["rows"][0]["k"] == 2
+
+
 def test_speculate_says_when_the_pair_does_not_fit_and_what_the_ks_show(capsys):
     """Llama-3-70B (141 GB of bf16 weights) beside Llama-3-8B's 16 GB on one 80 GB H100 (72 GB after the
     reserve) does not fit: one warning naming both; Llama-3-8B (16.1 GB) beside Llama-3.2-1B (2.5 GB) and a 4k

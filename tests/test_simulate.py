@@ -257,6 +257,9 @@ def test_cli_shared_prefix_sweep(capsys):
     (["--find-rate", "--slo-ttft", "1s", "--concurrency", "3"], "--find-rate searches the rate itself"),
     (["--rate", "1", "--ep", "2"], "no routed experts"),
     (["--rate", "1", "--kv-memory", "1MB"], "give a larger --kv-memory"),
+    # Llama-3-8B's config says 8,192 positions: 8,000 + 200 tokens is past it, as kvwall serve would say
+    (["--rate", "1", "--requests", "4", "--prompt-tokens", "8000", "--output-tokens", "200"],
+     "8,200 tokens is past llama-3-8b's maximum context of 8,192; 4 of 4 requests"),
 ])
 def test_cli_errors_are_one_line(argv, msg, capsys):
     assert main(["simulate", "llama-3-8b", "--device", "h100", *argv]) == 2

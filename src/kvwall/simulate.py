@@ -382,6 +382,19 @@ class Clients:
         return self.queue[0].arrival_s if self.queue and self.free is None else None
 
 
+def check_context(requests: list[Request], spec: ModelSpec) -> None:
+    """kvwall serve refuses a request past the model's maximum context (prompt + output tokens): so does the
+    simulation, before it starts, naming how many and the longest."""
+    limit = spec.context_limit
+    long = [r for r in requests if limit and r.prompt_tokens + r.output_tokens > limit]
+    if long:
+        r = max(long, key=lambda r: r.prompt_tokens + r.output_tokens)
+        spec.check_context(r.prompt_tokens + r.output_tokens,
+                           f"{len(long):,} of {len(requests):,} requests are that long ({r.prompt_tokens:,} prompt + "
+                           f"{r.output_tokens:,} output tokens the longest), and kvwall serve would refuse them: "
+                           "shorten --prompt-tokens, --output-tokens or --shared-prefix (or the dataset's)")
+
+
 def _job(r: Request) -> Job:
     """The scheduler's request: its shared prefix's token ids (the same for every request: the prefix cache finds
     them), then ids of its own, the output length as max_tokens."""

@@ -139,7 +139,9 @@ def _point(args) -> dict:
         else:
             reqs = workload.stream(args.requests, workload.parse_lengths(args.prompt_tokens, "--prompt-tokens"),
                                    workload.parse_lengths(args.output_tokens, "--output-tokens"), rate, args.seed)
-        return workload.with_shared_prefix(reqs, args.shared_prefix)
+        reqs = workload.with_shared_prefix(reqs, args.shared_prefix)
+        sim.check_context(reqs, spec)
+        return reqs
 
     last = {}
 

@@ -361,6 +361,7 @@ def cmd_speculate(args) -> int:
         raise KvwallError(f"--acceptance {args.acceptance}: must be between 0 and 1")
     target, fm_t, notes = common.model_and_formats(args.model, args)
     draft, fm_d, _ = common.model_and_formats(args.draft, args)
+    _check_shared_vocab(target, draft)
     roof = roof_from(args, target, fm_t)
     ctx = parse_tokens(args.context, "context")
     ks = parse_int_list(args.k, "k")
@@ -376,6 +377,18 @@ def cmd_speculate(args) -> int:
             "formula": "E[tokens] = (1 - a^(k+1)) / (1 - a); speed-up = E x t_target / (k t_draft + t_verify(k+1))",
             "mode": roof.mode, "mode_text": describe(roof), "assumptions": roof.assumptions()}
     return common.emit(args, data, _print_speculate)
+
+
+VOCAB_SLACK = 0.01  # vocabularies this close are one tokenizer padded apart (Qwen3-8B 151,936 beside Qwen2.5-7B 152,064)
+
+
+def _check_shared_vocab(target, draft) -> None:
+    """A draft proposes token ids the target verifies: they must share a tokenizer. Sizes more than 1 % apart
+    cannot (GPT-2's 50,257 tokens beside Llama 3's 128,256); equal sizes are taken on trust."""
+    a, b = target.vocab, draft.vocab
+    if abs(a - b) > VOCAB_SLACK * max(a, b):
+        raise KvwallError(f"--draft {draft.name}: its vocabulary ({b:,} tokens) is not {target.name}'s ({a:,}); a "
+                          "draft must share the target's tokenizer: pick one from the target's family")
 
 
 def _print_speculate(data: dict) -> None:

@@ -227,7 +227,4 @@ class Transformer(nn.Module):
         return cap * torch.tanh(out / cap) if cap else out
 
     def check_context(self, length: int) -> None:
-        limit = self.spec.position_embeddings or self.spec.max_context
-        if limit and length > limit:
-            raise KvwallError(f"{length} tokens is past {self.spec.name}'s maximum context of {limit}; "
-                              "shorten the prompt or --max-new-tokens")
+        self.spec.check_context(length)

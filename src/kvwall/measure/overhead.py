@@ -123,8 +123,7 @@ def _paired_rounds(rates, specs, fm, steps: int, total_bytes: int) -> tuple[floa
     decode step 19-43 % slow for the next 20 minutes, where rounds that pair the two, on the same host in the same
     minutes, read 0-0.35 ms and came within -14 ... +9 % of its measured step (2026-12-04 18:29-18:50;
     benchmarks/calibrate_pairing.py)."""
-    sets = [_float_copies(shape, total_bytes) for shape in MATMUL_SHAPES]
-    nbytes = [out * n_in * 4 for out, n_in in MATMUL_SHAPES]
+    sets, nbytes = matmul_sets(total_bytes)
     toys = [_decoder(s) for s in specs]
     rounds = [paired_round(rates, specs, fm, sets, nbytes, toys, r * (steps + 4), steps) for r in range(PAIRED_ROUNDS)]
     return sorted(rounds)[PAIRED_ROUNDS // 2]
@@ -199,9 +198,8 @@ def matmul_rows_bandwidth(total_bytes: int = 512 << 20, runs: int = 3) -> tuple[
     the 3072 x 768 rate alone (29 GB/s) put its four 576-wide projections 17 % fast."""
     import torch
 
-    sets = [_float_copies(shape, total_bytes) for shape in MATMUL_SHAPES]
     with torch.inference_mode():
-        return _rates_and_fixed(sets, [out * n_in * 4 for out, n_in in MATMUL_SHAPES], ROWS, runs)
+        return _rates_and_fixed(*matmul_sets(total_bytes), ROWS, runs)
 
 
 SWEEPS = 2  # passes over the row counts; each point keeps its fastest
@@ -227,6 +225,12 @@ def _rates_and_fixed(sets: list[list], nbytes: list[int], rows: tuple[int, ...],
         if m == rows[0]:
             fixed = fit[1] if fit else 0.0
     return rates, fixed
+
+
+def matmul_sets(total_bytes: int) -> tuple[list[list], list[int]]:
+    """(per MATMUL_SHAPES shape: cold fp32 copies together about `total_bytes`, and one copy's weight bytes)."""
+    return ([_float_copies(shape, total_bytes) for shape in MATMUL_SHAPES],
+            [out * n_in * 4 for out, n_in in MATMUL_SHAPES])
 
 
 def _float_copies(shape: tuple[int, int], total_bytes: int) -> list:

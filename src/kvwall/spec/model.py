@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Union
 
+from kvwall.errors import KvwallError
+
 
 @dataclass(frozen=True)
 class Rope:
@@ -432,6 +434,17 @@ class ModelSpec:
         return self.params() - inactive
 
     # -- structure ---------------------------------------------------------
+    @property
+    def context_limit(self) -> int | None:
+        """The most tokens a sequence may hold: its learned positions (GPT-2) or its config's maximum context."""
+        return self.position_embeddings or self.max_context
+
+    def check_context(self, length: int, fix: str = "shorten the prompt or --max-new-tokens") -> None:
+        """A one-line error for a sequence of `length` tokens past context_limit (none where it is unknown)."""
+        limit = self.context_limit
+        if limit and length > limit:
+            raise KvwallError(f"{length:,} tokens is past {self.name}'s maximum context of {limit:,}; {fix}")
+
     @property
     def n_layers(self) -> int:
         return len(self.layers)
