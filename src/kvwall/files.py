@@ -9,11 +9,13 @@ but the error type.
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Any, Callable, Iterator
 
 from kvwall.errors import KvwallError
 
@@ -22,9 +24,16 @@ PROBE_PREFIX = ".kvwall-probe-"  # the file that shows a folder takes new files,
 
 
 def home() -> Path:
-    """kvwall's own folder for what it keeps between runs (the `local` profile, cached recall results):
-    $KVWALL_HOME, else ~/.cache/kvwall."""
-    return Path(os.environ.get("KVWALL_HOME") or Path.home() / ".cache" / "kvwall")
+    """kvwall's own folder for what it keeps between runs (the `local` profile, cached recall results, a
+    fitted efficiency table): $KVWALL_HOME (``~`` expanded), else ~/.cache/kvwall."""
+    env = os.environ.get("KVWALL_HOME")
+    if env:
+        return user_path(env, "KVWALL_HOME")
+    try:
+        return Path.home() / ".cache" / "kvwall"
+    except RuntimeError:  # no $HOME and no password entry for this user (a container's bare uid)
+        raise KvwallError("cannot determine your home directory for kvwall's files (~/.cache/kvwall); "
+                          "set KVWALL_HOME to a writable folder") from None
 
 
 def user_path(text: str | os.PathLike, option: str) -> Path:
@@ -35,6 +44,8 @@ def user_path(text: str | os.PathLike, option: str) -> Path:
     path = Path(os.path.expanduser(raw))  # (Path.expanduser raises RuntimeError for an unknown user)
     if str(path).startswith("~"):  # os.path.expanduser leaves ~name alone when there is no such user
         user = str(path).split("/", 1)[0][1:]
+        if not user:  # a bare ~ left alone: no $HOME and no password entry for this user
+            raise KvwallError(f"{option} {raw}: cannot determine your home directory for '~'; give a full path")
         raise KvwallError(f"{option} {raw}: there is no user {user!r} on this machine for '~{user}'; "
                           "give a full path")
     return path
@@ -56,6 +67,41 @@ def check_output(path: str | os.PathLike, exts: tuple[str, ...] | None = None, *
         raise KvwallError(f"{option} {path} has {given}; give a name ending in {_or(exts)}")
     _check_folder(path.parent, make_parents, f"cannot write {what + ' to ' if what else ''}{path}")
     return path
+
+
+MAX_OURS_BYTES = 1 << 24  # a file kvwall may replace is small JSON (a profile ~20 KB); a larger one is not ours
+
+
+def refuse_unless_ours(path: Path, ours: Callable[[Any], bool], kind: str, option: str = "--out",
+                       own: Callable[[], Path] | None = None) -> None:
+    """Refuse to replace an existing file unless it is one kvwall wrote: ``ours`` of its JSON is true, or it is
+    kvwall's own file ``own()`` (in kvwall's home: replaced whatever it holds, as a damaged one must be).
+
+    The idea of report's marker (report/build.py): kvwall writes over its own files only, so that a slip such as
+    ``--out notes.txt`` never costs the user a file. ``kind`` names what it must be ("a kvwall device profile")."""
+    if not path.is_file() or _is_own(path, own) or _holds(path, ours):
+        return
+    raise KvwallError(f"{option} {path} exists and is not {kind}; give a new path, or that of {kind} "
+                      "to replace (kvwall never overwrites a file it did not write)")
+
+
+def _is_own(path: Path, own: Callable[[], Path] | None) -> bool:
+    if own is None:
+        return False
+    try:
+        mine = own()
+        return mine.is_file() and path.samefile(mine)
+    except (KvwallError, OSError):  # no home to compare with (KVWALL_HOME unusable): `path` is not in it
+        return False
+
+
+def _holds(path: Path, ours: Callable[[Any], bool]) -> bool:
+    try:
+        if path.stat().st_size > MAX_OURS_BYTES:
+            return False
+        return bool(ours(json.loads(path.read_bytes().decode("utf-8"))))
+    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8, not JSON: not ours
+        return False
 
 
 def check_folder(path: str | os.PathLike, option: str = "--out") -> Path:
@@ -128,6 +174,32 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     with replacing(path) as f:
         f.write(text.encode("utf-8"))
     return Path(path)
+
+
+def read_user_text(path: str | os.PathLike, option: str, what: str) -> str:
+    """The whole of a user's UTF-8 text file (a dataset). Opened without blocking and refused unless a regular
+    file: a named pipe would block the open or read forever (`--dataset FIFO` hung), a device never end.
+    ``what`` says what to give instead ("a UTF-8 JSONL file"); every problem is one line naming the option."""
+    path = user_path(path, option)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise KvwallError(f"cannot read {option} {path} ({exc.strerror}); give {what}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a pipe, socket or device)"
+            raise KvwallError(f"{option} {path} is {kind}; give {what}")
+        with os.fdopen(fd, "rb") as f:
+            fd = None  # f closes it
+            return f.read().decode("utf-8")
+    except OSError as exc:
+        raise KvwallError(f"cannot read {option} {path} ({exc.strerror}); give {what}") from None
+    except UnicodeDecodeError as exc:
+        raise KvwallError(f"{option} {path} is not UTF-8 text (byte {exc.start}); give {what}") from None
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _umask() -> int:

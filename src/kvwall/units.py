@@ -25,12 +25,18 @@ _BYTE_MULT = {
 }
 
 
+def ascii_digits(text: str) -> bool:
+    """Only the digits 0-9 (one or more): str.isdigit also takes '²' (which int() refuses: a traceback) and
+    '٣' (which int() reads as 3). The one check of a number's digits, wherever a value is split by hand."""
+    return text.isascii() and text.isdigit()
+
+
 def parse_tokens(text: str | int, what: str = "token count") -> int:
     """'128k' -> 131072; '4096' -> 4096. Must be a positive whole number of tokens."""
     if isinstance(text, int):
         value = text
     else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text))
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text), re.ASCII)
         if not m:
             raise KvwallError(f"bad {what} {text!r}: write a whole number such as 4096, 32k or 1M")
         value = float(m.group(1)) * _TOKEN_MULT[m.group(2).lower()]
@@ -52,7 +58,7 @@ def parse_int_list(text: str, what: str) -> list[int]:
     out = []
     for part in str(text).split(","):
         part = part.strip()
-        if not part.isdigit() or not 1 <= int(part) <= MAX_COUNT:
+        if not ascii_digits(part) or len(part.lstrip("0")) > 13 or not 1 <= int(part) <= MAX_COUNT:  # 13: 2**40's
             raise KvwallError(f"bad {what} {_short(str(text))!r}: give whole numbers from 1 to {MAX_COUNT:,} "
                               "separated by commas, e.g. 1,8,64")
         out.append(int(part))
@@ -64,7 +70,7 @@ BARE_MIN = 1 << 20  # a bare number below this many bytes is taken for a forgott
 
 def parse_bytes(text: str, what: str = "memory size") -> int:
     """'80GB' -> 80e9; '24GiB' -> 24*2^30; a bare number is bytes, from 1 MiB up (below it, a missing unit)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text), re.ASCII)
     if not m or m.group(2).lower() not in _BYTE_MULT:
         raise KvwallError(f"bad {what} {text!r}: write e.g. 80GB, 24GiB or 512MB")
     value = float(m.group(1)) * _BYTE_MULT[m.group(2).lower()]
@@ -117,10 +123,13 @@ def fmt_count(n: float) -> str:
 def whole(lo: int, hi: int = MAX_COUNT) -> Callable[[str], int]:
     """A whole number from lo to hi (a 23-digit seed or 0 blocks is refused here, not deep in the engine)."""
     def parse(text: str) -> int:
+        digits = str(text).strip()
         try:
-            value = int(str(text).strip())
+            if not ascii_digits(digits.removeprefix("-")):  # int() would also take '٣' (as 3) and '1_000'
+                raise ValueError
+            value = int(digits)  # (ValueError past 4,300 digits too)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number (got {text!r})") from None
+            raise argparse.ArgumentTypeError(f"must be a whole number (got {_short(str(text))!r})") from None
         if not lo <= value <= hi:
             span = f"at least {lo}" if value < lo else f"at most {hi:,}"
             raise argparse.ArgumentTypeError(f"must be {span} (got {_short(text)})")
@@ -148,6 +157,16 @@ def real(lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: boo
     return parse
 
 
+def nonempty(text: str, default: bool = True) -> str:
+    """Any free-text option's value (a name, a path, a list): '' or blanks must not pass for 'not given', which
+    ran the default silently (`quality --cache ''` ran all seven strategies for four minutes). `default`: the
+    option has one to fall back on when left out."""
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError("is empty; give a value" + (", or leave the option out for its default"
+                                                                      if default else ""))
+    return text
+
+
 def one_of(names: Iterable[str]) -> Callable[[str], str]:
     """One name from a fixed list (case-insensitive); the error lists them."""
     known = list(names)
@@ -167,7 +186,7 @@ def _short(text: str) -> str:
 
 def seconds_arg(text: str) -> float:
     """A positive time option: '1s', '100ms', '250us', '0.5' (seconds) -> seconds."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e-?\d+)?)\s*(us|ms|s)?\s*", str(text))
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e-?\d+)?)\s*(us|ms|s)?\s*", str(text), re.ASCII)
     if not m or not 0 < float(m.group(1)) < 1e9:
         raise argparse.ArgumentTypeError(f"must be a positive time such as 1s or 100ms (got {_short(str(text))!r})")
     return float(m.group(1)) / {"us": 1e6, "ms": 1e3}.get(m.group(2), 1)
@@ -184,7 +203,7 @@ def tokens_arg(text: str) -> int:
 def ids_arg(text: str) -> str:
     """Comma-separated token ids (0 or more each, at least one); kept as text for the command to split."""
     parts = [p for p in str(text).replace(" ", "").split(",") if p]
-    if not parts or not all(p.isdigit() and len(p) <= 12 for p in parts):
+    if not parts or not all(ascii_digits(p) and len(p) <= 12 for p in parts):
         raise argparse.ArgumentTypeError(f"must be comma-separated integers (token ids >= 0), e.g. 1,2,3 "
                                          f"(got {_short(text)!r})")
     return text

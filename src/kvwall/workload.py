@@ -23,8 +23,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvwall.errors import KvwallError
+from kvwall.files import read_user_text
+from kvwall.units import ascii_digits
 
 MAX_REQUESTS = 1_000_000
+MAX_TOKENS = 2**31  # a request's prompt or output: far past any model's context, keeps every sum an exact float
 PERCENTILES = (50, 90, 99)
 
 
@@ -47,24 +50,28 @@ class Lengths:
         return max(1, round(rng.lognormvariate(mu, self.b)))
 
 
-_SPEC = re.compile(r"(lognormal|uniform):(\w+)=([\d.]+),(\w+)=([\d.]+)")
+_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"  # 512, 0.5, .5 or 5.: what float() reads, never '.' or '1.2.3'
+_SPEC = re.compile(rf"(lognormal|uniform):(\w+)={_NUMBER},(\w+)={_NUMBER}", re.ASCII)
 _KEYS = {"lognormal": ("mean", "sd"), "uniform": ("min", "max")}
 
 
 def parse_lengths(text: str, what: str = "token length") -> Lengths:
     """'512' | 'lognormal:mean=512,sd=0.5' | 'uniform:min=64,max=512' -> Lengths; one-line errors."""
     text = str(text).strip()
-    if text.isdigit() and int(text) >= 1:
+    if ascii_digits(text):
+        if len(text.lstrip("0")) > 10 or not 1 <= int(text) <= MAX_TOKENS:  # (10 digits: MAX_TOKENS has them)
+            raise KvwallError(f"bad {what} {text!r}: a length must be from 1 to {MAX_TOKENS:,} tokens")
         return Lengths("fixed", int(text))
     m = _SPEC.fullmatch(text)
     hint = f"bad {what} {text!r}: write 512, lognormal:mean=512,sd=0.5 or uniform:min=64,max=512"
     if not m or (m.group(2), m.group(4)) != _KEYS[m.group(1)]:
         raise KvwallError(hint)
     kind, a, b = m.group(1), float(m.group(3)), float(m.group(5))
-    if kind == "lognormal" and not (a >= 1 and 0 <= b <= 3):
-        raise KvwallError(f"bad {what} {text!r}: the mean must be at least 1 and sd from 0 to 3")
-    if kind == "uniform" and not (1 <= a <= b and a == int(a) and b == int(b)):
-        raise KvwallError(f"bad {what} {text!r}: min and max must be whole numbers with 1 <= min <= max")
+    if kind == "lognormal" and not (1 <= a <= MAX_TOKENS and 0 <= b <= 3):
+        raise KvwallError(f"bad {what} {text!r}: the mean must be from 1 to {MAX_TOKENS:,} and sd from 0 to 3")
+    if kind == "uniform" and not (1 <= a <= b <= MAX_TOKENS and a == int(a) and b == int(b)):
+        raise KvwallError(f"bad {what} {text!r}: min and max must be whole numbers with 1 <= min <= max <= "
+                          f"{MAX_TOKENS:,}")
     return Lengths(kind, a, b)
 
 
@@ -97,7 +104,7 @@ def stream(n: int, prompt: Lengths, output: Lengths, rate: float | None = None, 
 def with_shared_prefix(requests: list[Request], tokens: int) -> list[Request]:
     """Every prompt begins with the same `tokens` tokens (a system prompt), put before its own: vLLM's
     benchmark convention (its random dataset's prefix length is added to the input length)."""
-    if not (isinstance(tokens, int) and 0 <= tokens <= 2**31):
+    if not (isinstance(tokens, int) and 0 <= tokens <= MAX_TOKENS):
         raise KvwallError(f"bad shared prefix {tokens!r}: give a whole number of tokens >= 0")
     return [replace(r, prompt_tokens=r.prompt_tokens + tokens, shared_tokens=r.shared_tokens + tokens)
             for r in requests] if tokens else requests
@@ -109,10 +116,7 @@ def load_dataset(path: str | Path, n: int | None = None, rate: float | None = No
     and {"shared_tokens": S} (its first S prompt tokens are the same as every other request's first S).
     A malformed line is a one-line error naming it. Without recorded arrivals: as in `stream`."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise KvwallError(f"cannot read dataset {path}: {exc.__class__.__name__}; give a UTF-8 JSONL file") from None
+    lines = read_user_text(path, "--dataset", "a UTF-8 JSONL file, one request a line").splitlines()
     rows = [_row(path, k + 1, line) for k, line in enumerate(lines) if line.strip()]
     if not rows:
         raise KvwallError(f"dataset {path} has no requests; write one JSON object per line")
@@ -134,10 +138,13 @@ def _row(path: Path, k: int, line: str) -> tuple[int, int, str | None, float | N
     if not isinstance(obj, dict):
         raise KvwallError(f"{where} is not a JSON object")
     text = obj.get("prompt")
+    if text is not None and not (isinstance(text, str) and text):  # kvwall serve and loadtest refuse "" too
+        raise KvwallError(f"{where}: prompt must be a non-empty string, got {text!r}; give its text, "
+                          "or prompt_tokens instead")
     tokens = obj.get("prompt_tokens", max(1, len(text) // 4) if isinstance(text, str) else None)  # ~4 chars a token
     out = obj.get("output_tokens")
     for name, v in (("prompt_tokens (or a prompt text)", tokens), ("output_tokens", out)):
-        if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 2**31):
+        if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_TOKENS):
             raise KvwallError(f"{where}: {name} must be a whole number from 1, got {v!r}")
     at = obj.get("arrival_s")
     if at is not None and not (isinstance(at, (int, float)) and not isinstance(at, bool) and 0 <= at < 1e9):

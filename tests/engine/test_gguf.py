@@ -287,9 +287,12 @@ def _real_check(short: str, steps: int):
     assert gguf_tokenizer(path).encode("The capital of France is") == ids
     x = torch.tensor([ids])
     with torch.no_grad():
-        diff = (mine(x) - ref(x).logits).abs().max().item()
+        want = ref(x).logits
+        diff = (mine(x) - want).abs().max().item()
         print(f"{short}: kvwall load {load_s:.1f} s, max |logit diff| {diff:.3g}")
-        assert diff <= 1e-4
+        # fp32 sums in another order: a few 1e-6 of the logits' scale (SmolLM2's reach 33, Gemma 3's 115);
+        # 1.04e-4 on SmolLM2 on an AVX-512 host, 2.4e-6 of its logits' scale
+        assert diff <= 1e-5 * max(1.0, want.abs().max().item())
         ref.generation_config.eos_token_id = None  # no stop and no EOS suppression: plain argmax for all steps
         want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=steps,
                             do_sample=False)[0, len(ids):].tolist()

@@ -160,6 +160,7 @@ def test_worker_times_no_first_call(monkeypatch, capsys):
            "prefill_max": 32, "threads": 1, "checkpoint": None}
     assert bench_worker.main([json.dumps(job)]) == 0
     r = json.loads(capsys.readouterr().out)
+    assert r["threads"] == 1  # the job's thread count, as torch reports it in the worker
     assert r["prefill_s"] < 0.5 and max(r["decode_runs_s"]) < 0.5, (r["prefill_s"], r["decode_runs_s"])
     assert len(r["prefill_runs_s"]) == 3 and max(r["prefill_runs_s"]) < 0.5, r["prefill_runs_s"]  # fresh caches
 
@@ -179,11 +180,13 @@ def test_bench_a_real_model_against_transformers(tmp_path, local_profile, capsys
 
     path = tmp_path / "tiny.gguf"
     write_gguf(path, tiny_hf("llama"), "llama", gguf.GGMLQuantizationType.F32)
-    assert main(["bench", str(path), "--batch", "1,2", "--cache", "contiguous,int8", "--steps", "3", "--json"]) == 0
+    assert main(["bench", str(path), "--batch", "1,2", "--cache", "contiguous,int8", "--steps", "3", "--threads", "1",
+                 "--json"]) == 0
     real = json.loads(capsys.readouterr().out)["real_models"]
     rows = {(r["batch"], r["engine"]): r for r in real["results"]}
     engines = ("kvwall:contiguous", "kvwall:int8", "transformers")
     assert set(rows) == {(b, e) for b in (1, 2) for e in engines}
+    assert {r["threads"] for r in rows.values()} == {1}  # --threads 1 for kvwall and transformers alike
     for (batch, engine), r in rows.items():
         assert len(r["step_runs_s"]) == 3 and r["step_s"] == statistics.median(r["step_runs_s"])
         assert r["tok_s"] == pytest.approx(batch / r["step_s"])

@@ -84,23 +84,20 @@ def test_params_are_the_specs():
         assert sum(p.numel() for p in recall.build(spec, 0).parameters()) == spec.params()
 
 
-LEARN_STEPS = 1500  # at most
+def test_quick_attention_recalls_and_beats_mamba(tmp_path):
+    """--quick shows the full grid's ordering (issue #39: at 16 tokens and 500 steps attention stayed at guessing,
+    26 %, below Mamba's 31 %): its attention row answers >= 95 % of held-out queries (guessing one of the 4 values in
+    the sequence is 25 %, chance 1/128), far above Mamba's. One attempt each (the quick run keeps attention's first,
+    seed 0; Mamba's second attempt would double its time), both at once on 2 processes: 55-70 s on 2 cores under load
+    3.8-5. It replaces a test that trained attention alone at 16 tokens for 800 steps (16.5 s on one quiet thread,
+    153 s on 2 busy cores)."""
+    from dataclasses import replace
 
-
-def test_a_tiny_attention_model_learns_four_pairs():
-    """Real learning, seeded: a 2-block attention model of width 64 answers >= 95 % of held-out queries (chance
-    is 1/128) after training a few seconds."""
-    plan = recall.Plan(seq=16, max_steps=LEARN_STEPS, eval_every=50, test=256)
-    arch = recall.Arch("attention")
-    model = recall.build(recall.model_spec(arch, 64, plan.seq), plan.seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as recall.one trains: measured 16.5 s (800 steps) on 1 thread, 153 s on 2 busy cores
-    try:
-        done = recall.train(model, [4], plan)
-    finally:
-        torch.set_num_threads(threads)
-    assert done.accuracy[4] >= 0.95, done
-
+    _, widths, pairs, plan = recall.request(recall.QUICK)
+    archs = recall.parse_archs("attention,mamba", plan.seq)
+    data = recall.run(archs, widths, pairs, replace(plan, attempts=1), cache=tmp_path, jobs=2)
+    acc = {r["arch"]: r["accuracy"] for r in data["results"]}
+    assert acc["attention"] >= 0.95 and acc["attention"] > acc["mamba"] + 0.25, acc
 
 
 def test_results_are_cached_per_model(tmp_path):

@@ -45,11 +45,20 @@ def test_time_metric_compared_as_rate():
 
 
 def test_throughput_formula_and_replicas():
-    """batch x output / (TTFT + output x TPOT), times the data-parallel copies (n_devices / tp)."""
+    """batch x output / (TTFT + output x TPOT), times the data-parallel copies (n_devices / tp), by hand: batch 4
+    on 2 A100s (2 copies) of 200 tokens. TPOT reads the weights once and four caches of 105 tokens:
+    (13,214,154,752 + 4 x 55,050,240) / 2039 GB/s = 6.589 ms; TTFT (4 x 5 prompt tokens: 2.7e11 FLOPs, 0.9 ms at
+    312 TFLOP/s, under the weights' 6.481 ms read) is memory-bound: 6.481 ms. 2 x 4 x 200 / (6.481 ms + 200 x
+    6.589 ms) = 1,208 tok/s. The roofline's per-op detail (norms, activations) adds < 0.5 % to both."""
+    tpot = (HAND_WEIGHT_BYTES + 4 * HAND_KV_BYTES) / A100_BW
+    ttft = HAND_WEIGHT_BYTES / A100_BW
+    assert tpot == pytest.approx(6.589e-3, rel=1e-3) and ttft == pytest.approx(6.481e-3, rel=1e-3)
     row = dict(_row(GPTFAST), metric="throughput_tok_s", value=100.0, batch=4, n_devices=2)
     r = predict_row(row)
-    assert r["predicted"] == pytest.approx(2 * 4 * 200 / (r["ttft_s"] + 200 * r["tpot_s"]))
-    assert r["ttft_s"] > 0 and r["tpot_s"] > HAND_TPOT  # batch 4 reads four caches
+    assert r["tpot_s"] == pytest.approx(tpot, rel=5e-3) and r["ttft_s"] == pytest.approx(ttft, rel=1e-2)
+    assert r["predicted"] == pytest.approx(2 * 4 * 200 / (ttft + 200 * tpot), rel=5e-3)  # 1,208 tok/s
+    assert r["predicted"] == pytest.approx(1208, rel=5e-3)
+    assert r["error"] == pytest.approx(1208 / 100.0 - 1, rel=5e-3)  # measured 100 tok/s (made up)
 
 
 def test_null_batch_skipped_with_reason():

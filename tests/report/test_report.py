@@ -30,15 +30,17 @@ def test_report_out_is_a_file(tmp_path):
     assert main(["report", "--no-measure", "--out", str(f)]) == 2
 
 
-def _fresh_profile(home, hours_old: float = 0.0) -> None:
+def _fresh_profile(home, hours_old: float = 0.0):
+    """A profile of this host measured `hours_old` hours ago; returns its date (aware, whole seconds)."""
     import datetime
 
     from kvwall.measure import machine
 
-    when = datetime.datetime.now().astimezone() - datetime.timedelta(hours=hours_old)
+    when = (datetime.datetime.now().astimezone() - datetime.timedelta(hours=hours_old)).replace(microsecond=0)
     (home / "local-device.json").write_text(json.dumps({
         "memory_bytes": 8 * 2**30, "memory_bandwidth_Bps": 20e9, "peak_flops": {"fp32": 1e11}, "source": "test",
         "measured": {"date": when.isoformat(timespec="seconds"), "hostname": machine.hostname()}}))
+    return when
 
 
 def test_report_measures_by_default(tmp_path, capsys, monkeypatch):
@@ -120,7 +122,7 @@ def test_measured_section_prints_the_bench_numbers(tmp_path, capsys, monkeypatch
 
     home = tmp_path / "home"
     home.mkdir()
-    _fresh_profile(home)
+    calibrated = _fresh_profile(home, hours_old=5)  # reused: under a day old
     monkeypatch.setenv("KVWALL_HOME", str(home))
     monkeypatch.setattr(measured, "QUICK", {"contexts": [1024, 4096], "steps": 1, "prefill_max": 0})
     monkeypatch.setattr("kvwall.measure.archs.QUICK", ["gqa"])
@@ -146,6 +148,13 @@ def test_measured_section_prints_the_bench_numbers(tmp_path, capsys, monkeypatch
     assert "0 of 2 bandwidth-bound points are within 20% of the prediction. Outside: gqa@1024, gqa@4096." in html
     assert "5.0 ms slower than predicted at 1k (-25%)" in html
     assert "this run read the cache at 10.0 GB/s, the profile 20.0 GB/s" in html
+    # the cached calibration is named with its date, as reused, not as this run's; the header claims no more
+    date = calibrated.strftime("%Y-%m-%d %H:%M %Z").strip()
+    assert (f"predictions from the calibration of {date}, reused from an earlier run (5.0 h before this report)"
+            in html), date
+    assert "from measurement in this run" not in html and "each section says where its numbers come from" in html
+    md = (out / "report.md").read_text()
+    assert "## Recall against memory" in md and "_Source: nothing: no cached results of `kvwall recall`" in md
 
 
 def test_recall_section_from_the_cache_or_one_line(tmp_path, monkeypatch):
@@ -167,8 +176,11 @@ def test_recall_section_from_the_cache_or_one_line(tmp_path, monkeypatch):
     cache.mkdir(parents=True)
     models = measure.models(archs, widths)
     for m, (a, w) in enumerate(models):  # a file per model, a row per pair count; accuracy counts in grid order
-        rows = [{"arch": a.name, "width": w, "pairs": n, "accuracy": (j * len(models) + m) / 1000,
-                 "kept_bytes": 1024 * w} for j, n in enumerate(pairs)]
+        spec = measure.model_spec(a, w, plan.seq)  # complete rows: the cache refuses rows one() would not write
+        rows = [{"arch": a.name, "kind": a.kind, "window": a.window, "width": w, "pairs": n, "seq": plan.seq,
+                 "accuracy": (j * len(models) + m) / 1000, "params": spec.params(), "lr": measure.rate(a, w, plan),
+                 **measure.kept_bytes(spec, plan.seq), "trained_on": pairs, "seed": 0, "attempts": 1, "steps": 10,
+                 "stopped": "target", "train_seconds": 1.0, "curve": [], "layers": []} for j, n in enumerate(pairs)]
         (cache / f"{measure._key(a, w, pairs, plan)}.json").write_text(json.dumps(rows))
     full = recall.section(tmp_path)
     assert [f.key for f in full.figures] == ["recall"] and (tmp_path / "recall.png").stat().st_size > 0
@@ -176,7 +188,8 @@ def test_recall_section_from_the_cache_or_one_line(tmp_path, monkeypatch):
     assert table.columns[3:] == [f"{n} pairs" for n in pairs]
     assert len(table.rows) == len(archs) * len(widths)
     first = table.rows[0]  # the first arch at the first width: grid order is pairs, then arch, then width
-    assert first[:2] == [archs[0].name, str(widths[0])] and first[2].startswith(str(widths[0]))  # 1,024 x width
+    # attention keeps 2 layers x (K + V) x width/32 heads x 32 x 64 tokens x 4 B = 1,024 x width: 64 KiB at 64
+    assert first[:2] == [archs[0].name, str(widths[0])] and first[2] == f"{widths[0]} KiB"
     assert first[3] == "0.0 %" and first[4] == f"{len(archs) * len(widths) / 10:.1f} %"
 
 
@@ -198,3 +211,51 @@ def test_serving_section_pools_by_hand(tmp_path):
         tok_s = [num(rows[f"{g} GiB", fmt][5]) for fmt in ("bf16", "fp8", "int4")]
         assert tok_s == sorted(tok_s), (g, tok_s)
     assert (tmp_path / "serving-memory-wall.png").stat().st_size > 0
+
+
+def test_calibration_provenance_says_this_report_or_an_earlier_run(tmp_path, monkeypatch):
+    """A profile dated after the report began was made for it; one dated 26.5 h before is named with its date and
+    age (the dates are hand-written, in UTC)."""
+    import datetime
+
+    from kvwall.report.measured import calibration_provenance
+
+    monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
+    utc = datetime.timezone.utc
+    report = datetime.datetime(2026, 12, 5, 12, 30, tzinfo=utc)
+    for date, want in (("2026-12-05T12:31:00+00:00", "predictions from the calibration of 2026-12-05 12:31 UTC, made "
+                                                     "for this report"),
+                       ("2026-12-04T10:00:00+00:00", "predictions from the calibration of 2026-12-04 10:00 UTC, reused "
+                                                     "from an earlier run (26.5 h before this report)")):
+        (tmp_path / "local-device.json").write_text(json.dumps({"measured": {"date": date}}))
+        assert calibration_provenance(report) == want
+    (tmp_path / "local-device.json").write_text(json.dumps({"memory_bytes": 1}))  # written by hand: no date
+    assert "records no calibration date" in calibration_provenance(report)
+
+
+def test_recall_provenance_dates_the_cached_files(tmp_path, monkeypatch):
+    """The recall section's numbers are an earlier run's cache: its line gives the files' dates (set here by hand:
+    the last file 2026-12-01 09:30 UTC, the others 08:00, shown in this machine's zone), and with one file missing
+    says there is nothing."""
+    import datetime
+    import os
+
+    from kvwall.measure import recall as measure
+    from kvwall.report.build import recall_provenance
+
+    monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
+    archs, widths, pairs, plan = measure.request(measure.DEFAULTS)
+    cache = measure.cache_dir()
+    cache.mkdir(parents=True)
+    files = [cache / f"{measure._key(a, w, pairs, plan)}.json" for a, w in measure.models(archs, widths)]
+    utc = datetime.timezone.utc
+    first, last = datetime.datetime(2026, 12, 1, 8, 0, tzinfo=utc), datetime.datetime(2026, 12, 1, 9, 30, tzinfo=utc)
+    for f in files:
+        f.write_text("[]")
+        t = (last if f == files[-1] else first).timestamp()
+        os.utime(f, (t, t))
+    shown = [d.astimezone().strftime("%Y-%m-%d %H:%M %Z") for d in (first, last)]
+    assert recall_provenance() == (f"cached results of an earlier `kvwall recall` run, written {shown[0]} .. "
+                                   f"{shown[1]} (not trained in this run)")
+    files[0].unlink()
+    assert recall_provenance().startswith("nothing: no cached results")

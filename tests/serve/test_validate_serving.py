@@ -70,10 +70,73 @@ def test_probe_error_by_hand_and_printed(capsys):
     assert "probe step 50.0/40.0 ms (-20%)" in capsys.readouterr().out
 
 
-def test_probe_times_a_decode_step_of_the_model(tiny_model):
-    """The probe loads the model by path and times its decode steps: a positive median, the same model's step
-    again after the first call (its cache is reused, never outgrown)."""
+def test_probe_times_a_decode_step_of_the_model(tiny_model, monkeypatch):
+    """The probe loads the model by path and times its decode steps, the median after 4 warm-up ones: with a clock
+    that the model moves by (i + 1) ms at its i-th decode step, the timed steps are 5 .. 28 ms and their median
+    16.5 ms; a second call reuses the cache (never outgrown): steps 29 .. 56 ms, 33 .. 56 timed, median 44.5."""
     path, _ = tiny_model("llama")
     probe = vs.Probe(str(path))
-    first, second = probe.measure(), probe.measure()
-    assert 0 < first < 1 and 0 < second < 1
+    clock, steps, forward = [0.0], [0], probe.model
+
+    def model(tokens, pos, cache, **kw):
+        out = forward(tokens, pos, cache, **kw)
+        if tokens.shape[1] == 1:  # a decode step (the prefill is untimed)
+            steps[0] += 1
+            clock[0] += steps[0] * 1e-3
+        return out
+
+    monkeypatch.setattr(probe, "model", model)
+    monkeypatch.setattr(vs.time, "perf_counter", lambda: clock[0])
+    assert vs.PROBE_STEPS == 24  # 24 timed + 4 warm-up steps a call
+    assert probe.measure() == pytest.approx(16.5e-3) and probe.measure() == pytest.approx(44.5e-3)
+
+
+def _samples(starts: list[float]) -> list[dict]:
+    return [{"ok": True, "start": t, "prompt_tokens": 128, "output_tokens": 32} for t in starts]
+
+
+def test_saturation_by_hand():
+    """48 requests, the last arriving at 24 s: they arrived at 2.0 req/s. Done by 25 s (1.92 req/s, 96 %) the
+    server kept up; done by 40 s (1.2 req/s, 60 %) it was saturated. Without samples nothing is known."""
+    starts = [0.5 * i for i in range(1, 49)]  # 0.5 .. 24 s
+    kept_up = vs.saturation({"samples": _samples(starts), "wall_s": 25.0})
+    assert kept_up["arrival_rate"] == 2.0 and kept_up["completion_rate"] == pytest.approx(1.92)
+    assert kept_up["ratio"] == pytest.approx(0.96) and kept_up["saturated"] is False
+    behind = vs.saturation({"samples": _samples(starts), "wall_s": 40.0})
+    assert behind["ratio"] == pytest.approx(0.6) and behind["saturated"] is True
+    assert vs.saturation({"wall_s": 40.0}) is None  # a run saved before samples were kept
+
+
+def test_throughput_is_scored_only_where_the_server_was_saturated(capsys):
+    """Three hand-made rows: below saturation a throughput error of +40 % is not scored (n/a); saturated, +10 % is
+    within 15 % and -20 % is not: throughput 1 of 2; TPOT (errors -25 %) and TTFT (-20 %) scored at all three:
+    TPOT 0 of 3 within 15 %, TTFT 3 of 3 within 25 %. A row of unknown saturation is left out of throughput."""
+    starts = [0.5 * i for i in range(1, 49)]
+    light = {**MEASURED, "samples": _samples(starts), "wall_s": 25.0}
+    heavy = {**MEASURED, "samples": _samples(starts), "wall_s": 40.0}
+    rows = [vs.row("256MiB", 2.0, light, {**SIMULATED, "request_throughput": 2.8}),
+            vs.row("16MiB", 2.0, heavy, SIMULATED),
+            vs.row("16MiB", 8.0, heavy, {**SIMULATED, "request_throughput": 1.6})]
+    assert [r["req/s"]["error"] for r in rows] == pytest.approx([0.4, 0.1, -0.2])
+    got = vs.score(rows)
+    assert (got["req/s"]["within"], got["req/s"]["scored"], got["req/s"]["left_out"]) == (1, 2, 1)
+    assert (got["TPOT p50"]["within"], got["TPOT p50"]["scored"]) == (0, 3)
+    assert (got["TTFT p50"]["within"], got["TTFT p50"]["scored"]) == (3, 3)
+    vs.print_row(rows[0])
+    vs.print_row(rows[1])
+    out = capsys.readouterr().out
+    assert "req/s 2.0/2.8 (n/a (not saturated))" in out and "req/s 2.0/2.2 (+10%)" in out
+    unknown = vs.row("16MiB", 2.0, MEASURED, SIMULATED)  # no samples
+    assert vs.score([unknown])["req/s"]["scored"] == 0 and vs.score([unknown])["TPOT p50"]["scored"] == 1
+
+
+def test_rows_of_an_old_file_take_their_saturation_from_the_runs_saved_beside_it(tmp_path):
+    starts = [0.5 * i for i in range(1, 49)]
+    saved = tmp_path / "v_saved"
+    saved.mkdir()
+    (saved / "16MiB-2.json").write_text(json.dumps({"kv": "16MiB", "rate": 2.0, "measured": {
+        **MEASURED, "samples": _samples(starts), "wall_s": 40.0}}))
+    old = [{k: v for k, v in vs.row(kv, 2.0, MEASURED, SIMULATED).items() if k != "saturation"}
+           for kv in ("16MiB", "256MiB")]
+    rows = vs.with_saturation(old, saved)
+    assert rows[0]["saturation"]["saturated"] is True and "saturation" not in rows[1]

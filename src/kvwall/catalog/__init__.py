@@ -11,6 +11,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from kvwall.errors import KvwallError
+
 HERE = Path(__file__).parent
 MODELS_DIR = HERE / "models"
 DEVICES_FILE = HERE / "devices.json"
@@ -71,9 +73,60 @@ def measurements_version() -> str:
     return hashlib.sha256(MEASUREMENTS_FILE.read_bytes()).hexdigest()[:12]
 
 
-@lru_cache(maxsize=None)
+USER_EFFICIENCY_NAME = "efficiency.json"  # in kvwall's home: where `kvwall validate --fit` writes by default
+
+
+def user_efficiency_file() -> Path:
+    """The user's fitted table: `kvwall validate --fit` writes it here unless told --out (never into the package)."""
+    from kvwall.files import home
+
+    return home() / USER_EFFICIENCY_NAME
+
+
+def efficiency_file() -> Path:
+    """The fitted table expected mode reads: the user's (user_efficiency_file) when it was fitted to this
+    measurements.json, else the packaged one. A user's fit of an older table (kvwall upgraded since, with a new
+    packaged fit) is passed over: efficiency_source says so."""
+    user = user_efficiency_file()
+    if user.is_file() and _read_efficiency(user).get("table_version") == measurements_version():
+        return user
+    return EFFICIENCY_FILE
+
+
+def efficiency_source() -> str:
+    """Which fitted table expected mode reads, in words, for outputs to name."""
+    path, user = efficiency_file(), user_efficiency_file()
+    if path != EFFICIENCY_FILE:
+        return f"{path}, your `kvwall validate --fit`"
+    passed = f"; your fit {user} is of an older measurements table, not used" if user.is_file() else ""
+    return f"catalog/efficiency.json, packaged{passed}"
+
+
 def efficiency() -> dict:
-    """Expected mode's fitted parameters (efficiency.json), or {} before the first `kvwall validate --fit`."""
-    if not EFFICIENCY_FILE.is_file():
+    """Expected mode's fitted parameters (efficiency_file), or {} when there is none."""
+    return _read_efficiency(efficiency_file())
+
+
+def _read_efficiency(path: Path) -> dict:
+    """The table at ``path``, read again only when the file changes (it is read once per prediction)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
         return {}
-    return json.loads(EFFICIENCY_FILE.read_text())
+    except OSError as exc:
+        raise KvwallError(f"cannot read the fitted table {path} ({exc.strerror}); fix its permissions or delete "
+                          "it and run `kvwall validate --fit`") from None
+    return _parse_efficiency(path, st.st_ino, st.st_mtime_ns, st.st_size)  # a rewrite (os.replace): a new inode
+
+
+@lru_cache(maxsize=8)
+def _parse_efficiency(path: Path, inode: int, mtime_ns: int, size: int) -> dict:
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        data = exc
+    if not isinstance(data, dict):
+        what = (f"is not readable JSON ({type(data).__name__})" if isinstance(data, Exception)
+                else f"holds a JSON {type(data).__name__}, not an object")
+        raise KvwallError(f"the fitted table {path} {what}; run `kvwall validate --fit` to write it again")
+    return data

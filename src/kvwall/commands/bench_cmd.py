@@ -35,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="PNG", help="measured vs predicted decode time vs context")
     p.add_argument("--save", metavar="JSON", help="also write the results to this file")
     common.add_json(p)
+    common.refuse_empty(p)
     p.set_defaults(func=cmd_bench)
 
 
@@ -62,6 +63,9 @@ def cmd_bench(args) -> int:
     plan = bench.Plan([a for a in archs if not a.real], contexts, steps=args.steps,
                       prefill_max=parse_tokens(args.prefill_max, "prefill max"), threads=args.threads)
     device = bench.local_profile(None if args.json else console().print)
+    from kvwall.engine.native import build_all
+
+    build_all()  # the missing C++ kernels, together and with progress, before the workers (stderr piped) need them
     started = time.time()
     results = _run_with_progress(plan, device, quiet=args.json)
     real_rows = _run_real(real, device) if real.archs else []

@@ -20,7 +20,10 @@ CAPTION = ("read: bytes read once; copy: read + write; GEMV: matrix bytes / time
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure this machine (bandwidth, GEMV, GEMM) and save it as --device local")
     p.add_argument("--quick", action="store_true", help="a few seconds, smaller buffers and fewer runs (rougher)")
-    p.add_argument("--out", metavar="PATH", help=f"where to save the profile (default {profile_path()})")
+    # the default named, not resolved: resolving $KVWALL_HOME here would fail every command when it is bad
+    p.add_argument("--out", metavar="PATH", help="where to save the profile (default $KVWALL_HOME/local-device.json, "
+                                                 "else ~/.cache/kvwall/local-device.json); an existing file is "
+                                                 "replaced only if it is a kvwall device profile")
     common.add_json(p)
     p.set_defaults(func=cmd_calibrate)
 

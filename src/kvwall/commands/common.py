@@ -6,12 +6,11 @@ import argparse
 from typing import Any, Callable
 
 from kvwall.errors import KvwallError
-from kvwall.predict.memory import Formats, Parallel
+from kvwall.predict.memory import Formats
 from kvwall.report.tables import print_json
-from kvwall.spec.formats import ENGINE_WEIGHTS, engine_weights
+from kvwall.spec.formats import ENGINE_WEIGHTS, engine_weights, get_format
 from kvwall.spec.model import ModelSpec
-from kvwall.spec.resolve import load_spec
-from kvwall.units import parse_token_list, parse_tokens, tokens_arg, whole
+from kvwall.units import nonempty, tokens_arg, whole
 
 
 def need_torch(what: str) -> None:
@@ -27,9 +26,25 @@ def add_model_knobs(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-heads", type=whole(1), metavar="N", help="every attention layer gets N KV heads (1 = MQA)")
     g.add_argument("--window", type=tokens_arg, metavar="N", help="sliding window of N tokens on every attention layer")
     f = p.add_argument_group("storage formats")
-    f.add_argument("--weight-format", metavar="F", help="weights: bf16, fp16, fp8, int8, int4[:g128], nvfp4, ...")
-    f.add_argument("--kv-format", metavar="F", help="KV cache: bf16, fp8, int8, int4, int2, nvfp4, ...")
-    f.add_argument("--state-format", metavar="F", help="SSM state (default: the model's 16-bit type)")
+    f.add_argument("--weight-format", type=format_arg(head_ok=True), metavar="F",
+                   help="weights: bf16, fp16, fp8, int8, int4[:g128], nvfp4, ...")
+    f.add_argument("--kv-format", type=format_arg(), metavar="F",
+                   help="KV cache: bf16, fp8, int8, int4, int2, nvfp4, ...")
+    f.add_argument("--state-format", type=format_arg(), metavar="F",
+                   help="SSM state (default: the model's 16-bit type)")
+
+
+def format_arg(head_ok: bool = False) -> Callable[[str], str]:
+    """A storage format (kvwall.spec.formats.get_format) checked by the parser, so its error names the option;
+    kept as text for Formats.for_spec."""
+    def parse(text: str) -> str:
+        try:
+            get_format(nonempty(text), head_ok=head_ok)
+        except KvwallError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    parse.__name__ = "format"
+    return parse
 
 
 def weights_arg(text: str) -> str:
@@ -67,6 +82,14 @@ def add_parallel(p: argparse.ArgumentParser, auto: bool = False) -> None:
                         "(default 1; not with --tp)")
 
 
+def refuse_empty(p: argparse.ArgumentParser) -> None:
+    """Every free-text option of `p` (no type of its own, no choices) refuses '' and blanks (units.nonempty):
+    `if args.cache:` would otherwise take an empty value for the default. Call it after the last add_argument."""
+    for action in p._actions:
+        if action.option_strings and action.nargs != 0 and action.type is None and not action.choices:
+            action.type = (lambda text: nonempty(text, default=False)) if action.required else nonempty
+
+
 def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (all sizes in bytes) instead of a table")
 
@@ -81,43 +104,29 @@ def emit(args: argparse.Namespace, data: Any, render: Callable[[Any], int | None
     return render(data) or 0
 
 
+MODEL_KNOBS = ("kv_heads", "window", "weight_format", "kv_format", "state_format")
+
+
+def model_knobs(args: argparse.Namespace) -> dict:
+    """The what-if and storage-format options (add_model_knobs) as kvwall.api's keyword arguments."""
+    return {k: getattr(args, k, None) for k in MODEL_KNOBS}
+
+
+def parallel_sizes(args: argparse.Namespace) -> dict:
+    """--tp / --pp / --ep as kvwall.api's keyword arguments (None: not given, where add_parallel(auto=True))."""
+    return {k: getattr(args, k, None) for k in ("tp", "pp", "ep")}
+
+
 def reshape(spec: ModelSpec, args: argparse.Namespace) -> tuple[ModelSpec, list[str]]:
-    """Apply --kv-heads / --window; return the new spec and what was changed, in words."""
-    notes = []
-    if getattr(args, "kv_heads", None) is not None:
-        n = args.kv_heads
-        heads = {l.mixer.n_q_heads for l in spec.layers if l.mixer is not None and l.mixer.kind == "attention"}
-        if not heads:
-            raise KvwallError(f"--kv-heads: {spec.name} has no (non-latent) attention layers to re-shape")
-        if n <= 0 or any(h % n for h in heads):
-            raise KvwallError(f"--kv-heads {n}: must divide the query heads ({', '.join(map(str, sorted(heads)))})")
-        spec = spec.with_kv_heads(n)
-        notes.append(f"re-shaped: every attention layer has {n} KV heads")
-    if getattr(args, "window", None) is not None:
-        w = parse_tokens(args.window, "window")
-        if not spec.has("attention"):
-            raise KvwallError(f"--window: {spec.name} has no (non-latent) attention layers to give a window")
-        asked = max(parse_token_list(args.context, "context")) if getattr(args, "context", None) else 0
-        if w >= max(spec.max_context or 0, asked) > 0:  # contexts past the maximum are what-ifs, where it slides
-            what = (f"{spec.name}'s maximum context {spec.max_context}" if (spec.max_context or 0) >= asked
-                    else f"the longest --context asked for ({asked})")
-            raise KvwallError(f"--window {w} is not shorter than {what}; such a window never slides: "
-                              "pick a smaller one")
-        spec = spec.with_window(w)
-        notes.append(f"re-shaped: every attention layer has a sliding window of {w} tokens")
-    return spec, notes
+    """Apply --kv-heads / --window (kvwall.api.reshape); return the new spec and what was changed, in words."""
+    from kvwall import api
+
+    return api.reshape(spec, kv_heads=getattr(args, "kv_heads", None), window=getattr(args, "window", None),
+                       context=getattr(args, "context", None))
 
 
 def model_and_formats(arg: str, args: argparse.Namespace) -> tuple[ModelSpec, Formats, list[str]]:
-    spec, notes = reshape(load_spec(arg), args)
-    fm = Formats.for_spec(spec, args.weight_format, args.kv_format, args.state_format)
-    return spec, fm, notes
+    """The model, re-shaped, with its formats, as kvwall.api.resolve makes them."""
+    from kvwall import api
 
-
-def parallel(args: argparse.Namespace) -> Parallel:
-    return Parallel(*(getattr(args, k, None) or 1 for k in ("tp", "pp", "ep")))
-
-
-def auto_parallel(args: argparse.Namespace) -> bool:
-    """None of --tp, --pp, --ep given: each point runs on the smallest tensor-parallel group that fits."""
-    return all(getattr(args, k, 1) is None for k in ("tp", "pp", "ep"))
+    return api.resolve(arg, context=getattr(args, "context", None), **model_knobs(args))

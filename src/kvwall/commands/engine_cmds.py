@@ -24,8 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--prompt-ids", type=ids_arg, metavar="IDS",
                    help="comma-separated token ids (default: 32 seeded random ids)")
-    p.add_argument("--tolerance", type=real(0), default=1e-4,
-                   help="largest logit difference that passes (default 1e-4)")
+    p.add_argument("--tolerance", type=real(0), default=1e-5,
+                   help="largest logit difference that passes, relative to the largest |logit| of transformers' "
+                        "(at least 1; default 1e-5: fp32 sums in another order differ by a few 1e-6 of the "
+                        "logits' scale)")
     common.add_json(p)
     p.set_defaults(func=cmd_verify)
 
@@ -114,11 +116,15 @@ def cmd_verify(args) -> int:
     check_logits(ours)
     ref = _reference(path, torch)
     with torch.no_grad():
-        diff = (ours - ref(x).logits.float()).abs().max().item()
-    ok = diff <= args.tolerance
+        want = ref(x).logits.float()  # (1, T, V)
+    diff = (ours - want).abs().max().item()
+    # A real checkpoint's logits reach 30-120 (SmolLM2 33, Gemma 3 270M 115): fp32 sums in another order
+    # differ there by 8e-5 and 5.6e-4 (2.4e-6 and 4.8e-6 of the scale), so the bound scales with the logits.
+    scale = max(1.0, want.abs().max().item())
+    ok = diff <= args.tolerance * scale
     result = {"checkpoint": str(path), "model_type": model.spec.model_type, "tokens": len(ids),
-              "max_abs_logit_diff": diff, "tolerance": args.tolerance, "pass": ok,
-              "transformers": transformers.__version__}
+              "max_abs_logit_diff": diff, "logit_scale": scale, "rel_tolerance": args.tolerance,
+              "tolerance": args.tolerance * scale, "pass": ok, "transformers": transformers.__version__}
     common.emit(args, result, _print_verify)
     return 0 if ok else 1
 
@@ -126,7 +132,7 @@ def cmd_verify(args) -> int:
 def _print_verify(r: dict) -> None:
     print(f"{Path(r['checkpoint']).name} ({r['model_type']}), {r['tokens']} tokens: max |logit diff| "
           f"{r['max_abs_logit_diff']:.3g} vs transformers {r['transformers']} -> {'PASS' if r['pass'] else 'FAIL'} "
-          f"(tolerance {r['tolerance']:g})")
+          f"(tolerance {r['rel_tolerance']:g} x max |logit| {r['logit_scale']:.3g} = {r['tolerance']:.3g})")
 
 
 # -- generate ------------------------------------------------------------------
@@ -141,11 +147,13 @@ def cmd_generate(args) -> int:
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     sampling.check()
-    tok = load_tokenizer(path)
+    tok = load_tokenizer(path) if args.prompt is not None else None
     if args.prompt is not None and tok is None:
         raise KvwallError(f"{path} has no tokenizer.json (or `tokenizers` is not installed); use --prompt-ids")
     ids = _prompt_ids(args, tok)
     model = load_model(path, args.dtype, weights=args.weights)
+    if args.prompt is None:
+        tok = _output_tokenizer(path, load_tokenizer)
     t0 = time.perf_counter()  # each cache takes the keywords its registry entry lists
     out = generate(model, [ids], args.max_new_tokens, cache, sampling, block_size=args.block_size,
                    residual=args.residual)
@@ -156,6 +164,16 @@ def cmd_generate(args) -> int:
               "text": text, "prefill_s": out.prefill_s, "decode_s": out.decode_s, "decode_steps": out.decode_steps,
               "decode_tokens_per_s": out.decode_tok_s, "total_s": wall, "cache_bytes": out.cache_bytes}
     return common.emit(args, result, _print_generate)
+
+
+def _output_tokenizer(path, load_tokenizer):
+    """With --prompt-ids the tokenizer only turns the new ids into text: a broken one is a warning, and they print
+    as ids (the model loaded first, so a broken file is its one error)."""
+    try:
+        return load_tokenizer(path)
+    except KvwallError as e:
+        print(f"kvwall: warning: {e}; printing token ids instead of text", file=sys.stderr)
+        return None
 
 
 def _prompt_ids(args, tok) -> list[int]:

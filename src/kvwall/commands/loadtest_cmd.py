@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="the model name the server serves")
     how = p.add_mutually_exclusive_group(required=True)
-    how.add_argument("--rate", type=real(0, 1e6, lo_open=True), help="Poisson arrivals, requests per second")
+    how.add_argument("--rate", type=real(0, 1e6, lo_open=True), help="Poisson arrivals, requests per second (at "
+                     "least 1 / --timeout: a slower stream loads nothing, no two requests overlapping)")
     how.add_argument("--concurrency", type=whole(1, 1 << 16), help="this many clients, each one request at a time")
     how.add_argument("--sweep", type=sweep, metavar="KIND=V1,V2,...",
                      help="a series, e.g. rate=0.5,1,2,4 or concurrency=1,4,16 (--plot: throughput and p99 vs load)")
@@ -50,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="PNG", help="latency CDFs (TTFT, TPOT, end to end)")
     p.add_argument("--api-key", metavar="KEY")
     common.add_json(p)
+    common.refuse_empty(p)
     p.set_defaults(func=cmd_loadtest)
 
 
@@ -61,6 +63,8 @@ def cmd_loadtest(args) -> int:
     from kvwall.measure import loadtest
 
     loadtest.base_url(args.url)  # one-line errors for a malformed URL or path before anything is sent
+    for rate, option in _rates(args):
+        loadtest.check_rate(rate, args.timeout, args.requests, option)
     plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
     dataset = loadtest.read_dataset(args.dataset) if args.dataset else None
     load = loadtest.Load(args.url, args.model, args.requests, args.rate, args.concurrency, args.prompt_tokens,
@@ -74,6 +78,13 @@ def cmd_loadtest(args) -> int:
         plot_loadtest(data, plot)
         data["plot"] = str(plot)
     return common.emit(args, data, _print)
+
+
+def _rates(args) -> list[tuple[float, str]]:
+    """The Poisson rates asked for, each with the option that gave it."""
+    if args.sweep and args.sweep[0] == "rate":
+        return [(v, "--sweep rate") for v in args.sweep[1]]
+    return [(args.rate, "--rate")] if args.rate else []
 
 
 def _one(args, load) -> dict:

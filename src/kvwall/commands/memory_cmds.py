@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from kvwall import catalog
+from kvwall import api, catalog
 from kvwall.commands import common
-from kvwall.errors import KvwallError
 from kvwall.predict import devices as dev
-from kvwall.predict.fit import compare_entry, default_reserve, fit, headroom, parse_reserve
-from kvwall.predict.memory import cache_bytes_per_token, memory, state_bytes
+from kvwall.predict.memory import cache_bytes_per_token, state_bytes
 from kvwall.report.tables import console, table
 from kvwall.spec.families import family
 from kvwall.spec.gguf_meta import file_weights, gguf_file, read_meta, weight_format
 from kvwall.spec.resolve import load_spec
-from kvwall.units import fmt_bytes, fmt_count, fmt_tokens, parse_bytes, parse_token_list, parse_tokens, whole
+from kvwall.units import fmt_bytes, fmt_count, fmt_tokens, whole
 
-LINEUP = catalog.LINEUP
-COMPARE_CONTEXTS = "4k,32k,128k,1M"
+LINEUP = api.LINEUP
+COMPARE_CONTEXTS = api.COMPARE_CONTEXTS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="catalog name, hub id, config.json or checkpoint directory")
     common.add_model_knobs(p)
     common.add_json(p)
+    common.refuse_empty(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("memory", help="weights and cache for a batch and context, per layer and per GPU")
@@ -45,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     common.add_model_knobs(p)
     common.add_parallel(p)
     common.add_json(p)
+    common.refuse_empty(p)
     p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("compare", help="cache per token and at several contexts, side by side")
@@ -55,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", help="memory size instead of a device, e.g. 80GB")
     common.add_model_knobs(p)
     common.add_json(p)
+    common.refuse_empty(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("fit", help="the longest context for a batch, or the largest batch for a context")
@@ -68,6 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     common.add_model_knobs(p)
     common.add_parallel(p)
     common.add_json(p)
+    common.refuse_empty(p)
     p.set_defaults(func=cmd_fit)
 
 
@@ -162,9 +164,20 @@ def cmd_show(args) -> int:
     }
     gguf = gguf_file(args.model)
     if gguf is not None:  # the weights as the file stores them, in its own quantized formats
+        _check_gguf_tensors(gguf)
         meta = read_meta(gguf)
         data["file_weights"], data["file_weight_format"] = file_weights(meta), weight_format(meta)
     return common.emit(args, data, lambda data: _print_show(data, spec, fm))
+
+
+def _check_gguf_tensors(path) -> None:
+    """The file's tensors against its metadata, as loading checks them (needs torch; without it the metadata's
+    sizes are still checked against their tensors when the spec is read)."""
+    try:
+        from kvwall.engine.gguf import check_tensors
+    except ImportError:
+        return
+    check_tensors(path)
 
 
 def _print_show(data: dict, spec, fm) -> None:
@@ -212,22 +225,13 @@ def _ranges(idx: list[int]) -> str:
 # -- memory --------------------------------------------------------------------
 
 def cmd_memory(args) -> int:
-    spec, fm, notes = common.model_and_formats(args.model, args)
-    ctx = parse_tokens(args.context, "context")
-    _positive(args.batch, "--batch")
-    rep = memory(spec, batch=args.batch, context=ctx, formats=fm, parallel=common.parallel(args),
-                 block_size=args.block_size)
-    data = rep.as_dict() | {"notes": list(spec.notes) + notes}
-    w, cache = rep.per_gpu()
-    device = dev.get_device(args.device) if args.device else None
-    if device:
-        room = headroom(device.memory_bytes, w + cache)
-        data["device"] = {"name": device.name, "memory_bytes": device.memory_bytes, "reserve_bytes": room.reserve_bytes,
-                          "fits": room.fits, "free_bytes": room.free_bytes}
-    return common.emit(args, data, lambda data: _print_memory(data, rep, spec, fm, device, args))
+    r = api.memory(args.model, context=args.context, batch=args.batch, block_size=args.block_size,
+                   device=args.device, **common.model_knobs(args), **common.parallel_sizes(args))
+    return common.emit(args, r.to_dict(), lambda data: _print_memory(data, r, args))
 
 
-def _print_memory(data: dict, rep, spec, fm, device, args) -> None:
+def _print_memory(data: dict, r: api.MemoryResult, args) -> None:
+    rep, spec, fm, device = r.report, r.spec, r.formats, data.get("device")
     w, cache = rep.per_gpu()
     ctx = rep.context
     c = console()
@@ -248,7 +252,7 @@ def _print_memory(data: dict, rep, spec, fm, device, args) -> None:
             f"({data['cache_bytes_per_token']:,} B); fixed state per sequence: {fmt_bytes(rep.fixed_bytes)}")
     if device:
         verdict = "fits" if data["device"]["fits"] else "does NOT fit"
-        c.print(f"on {device.name} ({device.memory_bytes / 1e9:g} GB per GPU, 10% kept in reserve): {verdict}, "
+        c.print(f"on {device['name']} ({device['memory_bytes'] / 1e9:g} GB per GPU, 10% kept in reserve): {verdict}, "
                 f"{fmt_bytes(abs(data['device']['free_bytes']))} {'free' if data['device']['fits'] else 'short'}")
     shard = "per GPU" if rep.parallel.pp == 1 else f"per GPU of its stage, all {rep.parallel.pp} stages"
     if args.layers:
@@ -274,24 +278,12 @@ def _kinds(layers) -> list[list]:
     return [[k, n, f"{tb:,}", fmt_bytes(cb), fmt_bytes(fb)] for k, (n, tb, cb, fb) in groups.items()]
 
 
-def _positive(n: int | None, what: str) -> None:
-    if n is not None and n <= 0:
-        raise KvwallError(f"{what} must be at least 1 (got {n})")
-
-
 # -- compare -------------------------------------------------------------------
 
 def cmd_compare(args) -> int:
-    contexts = parse_token_list(args.context, "context")
-    _positive(args.batch, "--batch")
-    mem_bytes, where = _memory_target(args.device, args.memory)
-    out = []
-    for name in args.models or LINEUP:
-        spec, fm, notes = common.model_and_formats(name, args)
-        out.append(compare_entry(spec, fm, contexts, args.batch, mem_bytes) | {"notes": notes})
-    data = {"batch": args.batch, "memory_bytes": mem_bytes, "memory_target": where,
-            "reserve_bytes": default_reserve(mem_bytes), "contexts": contexts, "models": out}
-    return common.emit(args, data, _print_compare)
+    r = api.compare(args.models, context=args.context, batch=args.batch, device=args.device, memory=args.memory,
+                    **common.model_knobs(args))
+    return common.emit(args, r.to_dict(), _print_compare)
 
 
 def _print_compare(data: dict) -> None:
@@ -321,41 +313,24 @@ def _print_compare(data: dict) -> None:
                                   *[f"@{fmt_tokens(c)}" for c in contexts], "longest ctx"], rows, caption=caption))
 
 
-def _memory_target(device: str | None, mem: str | None) -> tuple[int, str]:
-    if mem and device:
-        raise KvwallError(f"--memory {mem} and --device {device} both say how much memory there is; give one")
-    if mem:
-        b = parse_bytes(mem)
-        return b, f"{b / 1e9:g} GB"
-    d = dev.get_device(device or "h100-sxm")
-    return d.memory_bytes, f"{d.name} ({d.memory_bytes / 1e9:g} GB)"
-
-
 # -- fit -----------------------------------------------------------------------
 
 def cmd_fit(args) -> int:
-    if args.batch is not None and args.context is not None:
-        raise KvwallError("give --batch (to find the longest context) or --context (to find the largest batch), not both")
-    _positive(args.batch, "--batch")
-    spec, fm, notes = common.model_and_formats(args.model, args)
-    mem_bytes, where = _memory_target(args.device, args.memory)
-    ctx = parse_tokens(args.context, "context") if args.context else None
-    par = common.parallel(args)
-    res = fit(spec, mem_bytes, batch=None if ctx else (args.batch or 1), context=ctx, formats=fm, parallel=par,
-              reserve_bytes=parse_reserve(args.reserve, mem_bytes), block_size=args.block_size)
-    data = res.as_dict() | {"model": spec.name, "device": where, "formats": fm.as_dict(), **par.as_dict(),
-                            "model_max_context": spec.max_context, "notes": list(spec.notes) + notes}
-    return common.emit(args, data, lambda data: _print_fit(data, res, spec, fm, par))
+    r = api.fit(args.model, device=args.device, memory=args.memory, batch=args.batch, context=args.context,
+                reserve=args.reserve, block_size=args.block_size, **common.model_knobs(args),
+                **common.parallel_sizes(args))
+    return common.emit(args, r.to_dict(), lambda data: _print_fit(data, r))
 
 
-def _print_fit(data: dict, res, spec, fm, par) -> int:
+def _print_fit(data: dict, res: api.FitResult) -> int:
     """The verdict in words; 1 when the weights do not fit (the exit status of `kvwall fit`)."""
+    spec, fm, par = res.spec, res.formats, res.parallel
     c = console()
     where, mem_bytes, ctx = data["device"], res.memory_bytes, res.context
     gpus = f" x {par.gpus} GPUs ({par.label()})" if par.gpus > 1 else ""
     c.print(f"[bold]{spec.name}[/bold] on {where}{gpus}; weights {fm.weights.label}, KV {fm.kv.label}")
     c.print(f"per GPU: {mem_bytes / 1e9:g} GB = {fmt_bytes(mem_bytes)} memory - {fmt_bytes(res.reserve_bytes)} reserve - "
-            f"{fmt_bytes(res.weight_bytes)} weights = {fmt_bytes(max(res.available_bytes, 0))} for the cache")
+            f"{fmt_bytes(res.weights_bytes)} weights = {fmt_bytes(max(res.available_bytes, 0))} for the cache")
     if not res.weights_fit:
         c.print("[red]weights do not fit[/red]: use more GPUs (--tp/--pp), a smaller --weight-format, or a bigger device")
         return 1

@@ -52,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="PATH", help="Δ perplexity vs bytes per token, and a pass-key heat-map per "
                    "strategy (.png, .pdf or .svg)")
     common.add_json(p)
+    common.refuse_empty(p)
     p.set_defaults(func=cmd_quality)
 
 

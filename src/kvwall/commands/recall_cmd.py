@@ -38,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "reaches 99.5 %% or stops improving)")
     p.add_argument("--seed", type=whole(0, 2**31 - 1), default=0, help="seed of weights and data (default 0)")
     p.add_argument("--quick", action="store_true",
-                   help=f"a few minutes: widths {QUICK['widths']}, pairs {QUICK['pairs']}, {QUICK['steps']} steps "
+                   help=f"a few minutes: width {QUICK['widths']}, pairs {QUICK['pairs']}, {QUICK['seq']} tokens, "
+                        f"{QUICK['steps']} steps "
                         "(options given explicitly still win)")
     p.add_argument("--jobs", type=whole(1, 256), default=None, metavar="N",
                    help="models trained at once, each on its own process and one thread (default: the CPUs this "
@@ -52,9 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _choices(args) -> dict:
     """What was asked: explicit options first, then --quick's, then the defaults (every option defaults to None,
-    so an explicit value equal to a default still wins over --quick)."""
+    so an explicit value equal to a default still wins over --quick, and an empty one is refused, not defaulted)."""
     base = QUICK if args.quick else DEFAULTS
-    return {name: getattr(args, name) or base[name] for name in DEFAULTS}
+    return {name: base[name] if getattr(args, name) is None else getattr(args, name) for name in DEFAULTS}
 
 
 def cmd_recall(args) -> int:

@@ -21,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=whole(1, 65535), default=8000, help="default 8000")
-    p.add_argument("--kv-memory", default="512MiB", metavar="SIZE", help="KV pool size, e.g. 512MiB (default)")
+    p.add_argument("--kv-memory", default="512MiB", metavar="SIZE",
+                   help="KV pool size, e.g. 512MiB (default); at most this machine's memory")
     p.add_argument("--cache", default=None, metavar="FORMAT",
                    help=f"what the pool stores K/V as: {', '.join(POOL_DTYPES)}, or int8 / int4 quantized per token "
                    "(:gN group, :sym; e.g. int4:g32) (default: the model's dtype)")
@@ -32,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", help="model weights: float32, bfloat16 or float16 (default float32)")
     common.add_weights(p)
     p.add_argument("--name", help="the model name clients send (default: the checkpoint's name)")
-    p.add_argument("--api-key", metavar="KEY", help="require Authorization: Bearer KEY")
+    p.add_argument("--api-key", metavar="KEY", help="require Authorization: Bearer KEY on every /v1/ route "
+                   "(/health and /metrics stay open)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -40,7 +42,9 @@ def cmd_serve(args) -> int:
     from kvwall.commands.common import need_torch
     from kvwall.commands.engine_cmds import _checkpoint
 
+    _check_given(args)
     kv_memory = parse_bytes(args.kv_memory, "--kv-memory")
+    _check_fits_memory(args.kv_memory, kv_memory)
     if args.cache is not None:
         _check_pool_format(args.cache)
     path = _checkpoint(args.checkpoint)
@@ -48,6 +52,28 @@ def cmd_serve(args) -> int:
     _need_server_stack()
     _check_port(args.host, args.port)
     return _run(args, path, kv_memory)
+
+
+def _check_given(args) -> None:
+    """An empty --api-key (an unset $KEY in --api-key "$KEY") would serve with no key at all, an empty --name
+    the default: one-line errors instead."""
+    if args.api_key is not None and not args.api_key.strip():
+        raise KvwallError("--api-key is empty (an unset variable in --api-key \"$KEY\"?): give the key clients "
+                          "must send, or leave --api-key out to serve without one")
+    if args.name is not None and not args.name.strip():
+        raise KvwallError("--name is empty: give the model name clients send, or leave --name out for the "
+                          "checkpoint's name")
+
+
+def _check_fits_memory(text: str, kv_memory: int) -> None:
+    """The pool is allocated up front in this machine's memory: a one-line error, before the model loads, for one
+    that cannot fit (--kv-memory 1000TB built a free list of 1.2e11 blocks until it ran out)."""
+    from kvwall.measure.machine import memory_bytes
+
+    ram = memory_bytes()
+    if kv_memory > ram:
+        raise KvwallError(f"--kv-memory {text} ({fmt_bytes(kv_memory)}) is more than this machine's memory "
+                          f"({fmt_bytes(ram)}); give a smaller --kv-memory")
 
 
 def _check_pool_format(text: str) -> None:

@@ -4,22 +4,14 @@ roofline step times); `--find-rate` for the largest rate that meets an SLO, `--s
 from __future__ import annotations
 
 import argparse
-import copy
-import itertools
 
+from kvwall import api
 from kvwall.commands import common
-from kvwall.commands.speed_cmds import add_roof_args, roof_from
-from kvwall.errors import KvwallError
-from kvwall.files import PLOT_EXTS, check_output
-from kvwall.predict.expected import describe
-from kvwall.predict.fit import parse_reserve
+from kvwall.commands.speed_cmds import add_roof_args, roof_knobs
 from kvwall.report.tables import console, table
-from kvwall.units import fmt_bytes, parse_bytes, real, seconds_arg, whole
+from kvwall.units import fmt_bytes, real, seconds_arg, whole
 
-SWEEPABLE = {"tp": "tp", "pp": "pp", "ep": "ep", "kv-format": "kv_format", "weight-format": "weight_format",
-             "max-batch": "max_batch", "chunk": "chunk", "shared-prefix": "shared_prefix", "rate": "rate",
-             "concurrency": "concurrency"}
-RATE_RANGE = (0.01, 10_000.0)  # requests per second searched by --find-rate
+SWEEPABLE = api.SWEEPABLE
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -59,114 +51,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     common.add_parallel(p)
     add_roof_args(p)
     common.add_json(p)
+    common.refuse_empty(p)
     p.set_defaults(func=cmd_simulate)
 
 
+SIMULATE_OPTIONS = ("rate", "concurrency", "requests", "prompt_tokens", "output_tokens", "dataset", "kv_memory",
+                    "reserve", "shared_prefix", "chunk", "max_batch", "block_size", "split_prefill", "seed",
+                    "slo_ttft", "slo_tpot", "find_rate", "sweep", "plot")
+
+
 def cmd_simulate(args) -> int:
-    plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot else None
-    if args.find_rate and not (args.slo_ttft or args.slo_tpot):
-        raise KvwallError("--find-rate needs an SLO: give --slo-ttft and/or --slo-tpot, e.g. --slo-ttft 1s")
-    if args.find_rate and (args.rate is not None or args.concurrency is not None or _sweeps(args, "rate")
-                           or _sweeps(args, "concurrency")):
-        raise KvwallError("--find-rate searches the rate itself: drop --rate / --concurrency (or --find-rate)")
-    if args.rate is None and args.concurrency is None and not args.find_rate and not _sweeps(args, "rate"):
-        raise KvwallError("say how requests come: --rate R (Poisson, per second), --concurrency C, or --find-rate")
-    runs = [_point(a) for a in _grid(args)]
-    points = [p for p, _ in runs]
-    data = {"model": args.model, "device": args.device, "points": points}
-    if plot:
-        _plot(points, runs[0][1], plot)
-        data["plot"] = args.plot
-    return common.emit(args, data, _print)
-
-
-def _sweeps(args, key: str) -> bool:
-    return any(s.split("=", 1)[0] == key for s in args.sweep or [])
-
-
-def _grid(args) -> list[argparse.Namespace]:
-    """The option sets a --sweep names (one, without it); each value parsed by the option's own rules."""
-    axes, seen = [], set()
-    for item in args.sweep or []:
-        key, _, values = item.partition("=")
-        if key not in SWEEPABLE or not values:
-            raise KvwallError(f"bad --sweep {item!r}: write KEY=V1,V2 with KEY one of {', '.join(SWEEPABLE)}")
-        if key in seen:
-            raise KvwallError(f"--sweep names {key} twice; give its values once: {key}=V1,V2")
-        seen.add(key)
-        axes.append([(key, v) for v in dict.fromkeys(v.strip() for v in values.split(",") if v.strip())])
-    out = []
-    for combo in itertools.product(*axes):
-        a = copy.copy(args)
-        for key, value in combo:
-            setattr(a, SWEEPABLE[key], _typed(key, value))
-        if a.rate is not None and a.concurrency is not None:
-            raise KvwallError("--sweep sets both a rate and a concurrency; sweep one of them")
-        a.label = " ".join(f"{k}={v}" for k, v in combo) or "run"
-        out.append(a)
-    return out
-
-
-def _typed(key: str, value: str):
-    parse = {"rate": real(0, 1e6, lo_open=True), "concurrency": whole(1, 1 << 20)}.get(key)
-    if key in ("tp", "pp", "ep", "max-batch", "chunk"):
-        parse = whole(1, 1 << 20)
-    if key == "shared-prefix":
-        parse = whole(0, 1 << 24)
-    try:
-        return parse(value) if parse else value
-    except argparse.ArgumentTypeError as exc:
-        raise KvwallError(f"bad --sweep value {key}={value}: {exc}") from None
-
-
-def _point(args) -> dict:
-    """One configuration: simulated at its rate or concurrency, or the largest rate that meets the SLO."""
-    from kvwall import simulate as sim
-    from kvwall import workload
-
-    spec, fm, notes = common.model_and_formats(args.model, args)
-    par = common.parallel(args)
-    roof = roof_from(args, spec, fm, par.group)
-    memory_bytes = roof.device.memory_bytes
-    kv = parse_bytes(args.kv_memory, "--kv-memory") if args.kv_memory else None
-    pool = sim.kv_pool(spec, fm, par, memory_bytes, parse_reserve(args.reserve, memory_bytes), args.block_size,
-                       args.max_batch, kv)
-    clock = sim.StepClock(spec, fm, roof, par, args.block_size)
-
-    def requests(rate):
-        if args.dataset:
-            reqs = workload.load_dataset(args.dataset, args.requests, rate, args.seed)
-        else:
-            reqs = workload.stream(args.requests, workload.parse_lengths(args.prompt_tokens, "--prompt-tokens"),
-                                   workload.parse_lengths(args.output_tokens, "--output-tokens"), rate, args.seed)
-        reqs = workload.with_shared_prefix(reqs, args.shared_prefix)
-        sim.check_context(reqs, spec)
-        return reqs
-
-    last = {}
-
-    def run_at(rate, concurrency=None):
-        what = f"rate {rate:g}/s" if rate else f"concurrency {concurrency}"
-        with _progress(args, f"{args.label}: {what} ...") as tick:
-            run = sim.simulate(requests(rate), clock, pool, args.chunk, args.max_batch, args.split_prefill,
-                               concurrency, tick)
-        last["latencies"] = {"TTFT": [r.ttft for r in run["records"]], "TPOT": [r.tpot for r in run["records"]]}
-        return sim.report(run, args.slo_ttft, args.slo_tpot)
-
-    out = {"label": args.label, "model": spec.name, "device": roof.device.name, **par.as_dict(),
-           "formats": fm.as_dict(), "pool": pool.as_dict(), "chunk": args.chunk, "max_batch": args.max_batch,
-           "split_prefill": args.split_prefill, "shared_prefix": args.shared_prefix, "roof": describe(roof),
-           "assumptions": sim.ASSUMPTIONS | roof.assumptions(), "notes": notes}
-    if args.find_rate:
-        found = sim.find_rate(run_at, args.slo_ttft, args.slo_tpot, *RATE_RANGE)
-        out |= {"mode": "find-rate", "rate": found["rate"], "tried": found["tried"], **found["report"]}
-        if found["limited_by_requests"]:
-            out["notes"] = notes + [f"at higher rates the SLO held only because {args.requests} requests all arrived "
-                                    "within one median latency (a burst, not a rate): raise --requests to look further"]
-    else:
-        out |= {"mode": "concurrency" if args.concurrency else "rate", "rate": args.rate,
-                "concurrency": args.concurrency, **run_at(args.rate, args.concurrency)}
-    return out, last.get("latencies", {})
+    r = api.simulate(args.model, **{k: getattr(args, k) for k in SIMULATE_OPTIONS}, **common.model_knobs(args),
+                     **common.parallel_sizes(args), **roof_knobs(args),
+                     progress=lambda what: _progress(args, what))
+    return common.emit(args, r.to_dict(), _print)
 
 
 class _progress:
@@ -251,17 +149,3 @@ def _goodput(p: dict) -> str:
 def _per_gpu(p: dict):
     v = p.get("output_token_throughput")
     return None if v is None else v / p["gpus"]
-
-
-def _plot(points: list[dict], latencies: dict, path) -> None:
-    """One run: its latency CDFs and KV pool over time; a sweep: throughput per GPU against p90 TPOT."""
-    from kvwall.report import plots
-
-    p = points[0]
-    if len(points) == 1:
-        plots.serving(latencies, p["trace"], p["pool"]["n_blocks"],
-                      f"{p['model']} on {p['device']} tp={p['tp']} ({p['label']}): simulated serving", path)
-        return
-    plots.pareto([{"label": p["label"], "x": (p.get("tpot_s") or {}).get("p90"), "y": _per_gpu(p)} for p in points],
-                 "p90 time per output token (s)", "output tok/s per GPU",
-                 f"{points[0]['model']} on {points[0]['device']}: throughput per GPU against latency", path)

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from kvwall import catalog
+from kvwall import api
 from kvwall.commands import common
 from kvwall.errors import KvwallError
 from kvwall.predict import devices as dev
-from kvwall.predict.expected import describe, expected_roof
-from kvwall.predict.fit import TP_DEGREES, fit, fit_warning, fits_on, placement
+from kvwall.predict.expected import describe
+from kvwall.predict.fit import fit_warning
 from kvwall.predict.memory import Parallel, total_weight_bytes
-from kvwall.predict.roofline import (Roof, compute_bound_batch, decode, default_compute_dtype, energy_estimate,
-                                     pipelined, prefill, speculative)
-from kvwall.predict.step import Step
-from kvwall.files import PLOT_EXTS, check_output
-from kvwall.report import plots
-from kvwall.report.analysis import group_ops, roofline_points
+from kvwall.predict.roofline import Roof, speculative
+from kvwall.report.analysis import group_ops
 from kvwall.report.tables import console, table
-from kvwall.units import fmt_bytes, fmt_tokens, one_of, parse_int_list, parse_token_list, parse_tokens, real, whole
+from kvwall.units import fmt_bytes, fmt_tokens, one_of, parse_int_list, parse_tokens, real, whole
 
 
 def add_roof_args(p: argparse.ArgumentParser) -> None:
@@ -39,27 +35,18 @@ def add_roof_args(p: argparse.ArgumentParser) -> None:
                    help="with --ideal: microseconds per collective (default 5)")
 
 
-_IDEAL_KNOBS = ("compute_eff", "mem_eff", "link_latency")
+ROOF_KNOBS = ("device", "compute_dtype", "ideal", "compute_eff", "mem_eff", "link_latency")
+
+
+def roof_knobs(args) -> dict:
+    """The device and roofline options (add_roof_args) as kvwall.api's keyword arguments."""
+    return {k: getattr(args, k) for k in ROOF_KNOBS}
 
 
 def roof_from(args, spec, fm, tp: int = 1) -> Roof:
-    """The roof the options describe for this model, formats and collective group of `tp` GPUs (the options' ranges
-    are checked by their argparse types)."""
-    device = dev.get_device(args.device)
-    dtype = args.compute_dtype or default_compute_dtype(fm)
-    if args.ideal:
-        roof = Roof(device, dtype, args.compute_eff or 1.0, args.mem_eff or 1.0,
-                    (5.0 if args.link_latency is None else args.link_latency) * 1e-6)
-    else:
-        given = [f"--{k.replace('_', '-')}" for k in _IDEAL_KNOBS if getattr(args, k) is not None]
-        if given:
-            raise KvwallError(f"{', '.join(given)} set the ideal roof's figures; add --ideal (expected mode uses "
-                              "the fractions fitted in catalog/efficiency.json)")
-        roof = expected_roof(device, dtype, fm, spec, tp)
-    if roof.bandwidth != roof.bandwidth:
-        raise KvwallError(f"device {args.device!r} has no bandwidth figure")
-    roof.peak  # raises a clear error if the dtype has no peak on this device
-    return roof
+    """The roof the options describe for this model, formats and collective group of `tp` GPUs
+    (kvwall.api.roof_for)."""
+    return api.roof_for(spec, fm, tp, **roof_knobs(args))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -67,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model")
     p.add_argument("--batch", default="1", help="batch sizes, e.g. 1,8,64 (default 1)")
     p.add_argument("--context", default="4k", help="tokens in the cache at the decode step (default 4k)")
-    p.add_argument("--prompt", default="2k", help="prompt tokens for prefill / TTFT (default 2k)")
+    p.add_argument("--prompt", "--prompt-tokens", dest="prompt", default="2k",
+                   help="prompt tokens for prefill / TTFT (default 2k)")
     p.add_argument("--mla", choices=["absorbed", "naive"], help="MLA decode form (default absorbed)")
     p.add_argument("--micro-batches", type=whole(1, 1 << 16), metavar="M",
                    help="with --pp: the decode batch split into M micro-batches in flight (default: pp)")
@@ -77,18 +65,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     common.add_parallel(p)
     add_roof_args(p)
     common.add_json(p)
+    common.refuse_empty(p)
     p.set_defaults(func=cmd_roofline)
 
     p = sub.add_parser("speed", help="TTFT and decode speed vs context, model against model")
     p.add_argument("models", nargs="+")
     p.add_argument("--context", default="1k,4k,16k,64k,128k,512k", help="contexts (default 1k..512k)")
-    p.add_argument("--prompt", default="2k", help="prompt tokens for TTFT (default 2k)")
+    p.add_argument("--prompt", "--prompt-tokens", dest="prompt", default="2k", help="prompt tokens for TTFT (default 2k)")
     p.add_argument("--batch", type=whole(1), default=1)
     p.add_argument("--plot", metavar="PNG", help="decode time per token vs context, one line per model")
     common.add_model_knobs(p)
     common.add_parallel(p, auto=True)
     add_roof_args(p)
     common.add_json(p)
+    common.refuse_empty(p)
     p.set_defaults(func=cmd_speed)
 
     p = sub.add_parser("speculate", help="speculative decoding: expected tokens per target pass and speed-up")
@@ -101,88 +91,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     common.add_model_knobs(p)
     add_roof_args(p)
     common.add_json(p)
+    common.refuse_empty(p)
     p.set_defaults(func=cmd_speculate)
 
 
 # -- roofline ----------------------------------------------------------------------
 
 def cmd_roofline(args) -> int:
-    plot = _plot_path(args)
-    spec, fm, notes = common.model_and_formats(args.model, args)
-    par = common.parallel(args)
-    roof = roof_from(args, spec, fm, par.group)
-    batches = parse_int_list(args.batch, "batch")
-    ctx, prompt = parse_tokens(args.context, "context"), parse_tokens(args.prompt, "prompt")
-    if args.mla is not None and not spec.has("latent"):
-        raise KvwallError(f"--mla {args.mla}: {spec.name} has no MLA (latent attention) layers to decode either way")
-    absorbed = None if args.mla is None else args.mla == "absorbed"
-    energy = catalog.energy_table()
-    phases = []
-    for b in batches:
-        pf = prefill(spec, prompt, b, fm, roof, par)
-        dc = decode(spec, ctx, b, fm, roof, par, absorbed)
-        why = fit_warning(spec, roof.device.memory_bytes, par, batch=b, context=ctx, formats=fm,
-                          device=roof.device.name)
-        piped = _pipelined(spec, ctx, b, fm, roof, par, args.micro_batches)
-        phases.append({"batch": b, "prefill": pf, "decode": dc, "fits": why is None, "fit_reason": why,
-                       "pipelined_decode": piped,
-                       "ttft_s": pf.time_s, "tpot_s": dc.time_s, "tokens_per_s_per_seq": 1 / dc.time_s,
-                       "tokens_per_s_total": b / dc.time_s,
-                       "energy_per_token": _per_token(energy_estimate(dc, roof, energy), b)})
-    mem = fit(spec, roof.device.memory_bytes, context=ctx, formats=fm, parallel=par)
-    ceiling = None
-    if mem.weights_fit and mem.max_batch:
-        top = decode(spec, ctx, mem.max_batch, fm, roof, par, absorbed)
-        ceiling = {"batch": mem.max_batch, "tokens_per_s_total": mem.max_batch / top.time_s, "tpot_s": top.time_s}
-    data = {
-        "mode": roof.mode, "mode_text": describe(roof), "fits": all(p["fits"] for p in phases),
-        "model": spec.name, "formats": fm.as_dict(), **par.as_dict(), "parallel": par.label(), "context": ctx,
-        "prompt": prompt,
-        "assumptions": roof.assumptions() | {"mla_decode": _mla_mode(spec, absorbed)},
-        "phases": [{**{k: v for k, v in p.items() if k not in ("prefill", "decode")},
-                    "prefill": p["prefill"].as_dict(), "decode": p["decode"].as_dict()} for p in phases],
-        "compute_bound_batch_weights": compute_bound_batch(spec, ctx, fm, roof, par, scope="weights"),
-        "compute_bound_batch_step": compute_bound_batch(spec, ctx, fm, roof, par, scope="step"),
-        "throughput_ceiling": ceiling, "weights_fit": mem.weights_fit,
-        "notes": list(spec.notes) + notes + _fit_note(mem.weights_fit, spec.name, roof.device.name),
-    }
-    if plot:
-        plots.roofline(roofline_points((phases[0]["prefill"], phases[0]["decode"])), roof.peak, roof.bandwidth,
-                       f"{spec.name} on {roof.device.name}, batch {phases[0]['batch']}: ops under the roof", plot)
-        data["plot"] = args.plot
-    return common.emit(args, data, lambda data: _print_roofline(data, phases, roof, args))
-
-
-def _pipelined(spec, ctx: int, batch: int, fm, roof: Roof, par, micro: int | None) -> dict | None:
-    """With pp > 1: the decode step with the batch in micro-batches (None when pp is 1 or m does not divide)."""
-    if par.pp == 1:
-        if micro:
-            raise KvwallError("--micro-batches needs pipeline stages: add --pp N")
-        return None
-    m = micro or par.pp
-    if batch % m:
-        return {"skipped": f"{m} micro-batches do not divide batch {batch}"}
-    return pipelined(spec, Step(batch, ctx - 1, 1), fm, roof, par, m)
-
-
-def _plot_path(args):
-    """--plot checked before any work: a bad path is one line, not a traceback after the analysis."""
-    return check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
-
-
-def _fit_note(fits: bool, model: str, device: str) -> list[str]:
-    return [] if fits else [f"{model}'s weights do not fit one {device} at this tp/pp: times are what-ifs "
-                            "(add --tp/--pp or a smaller --weight-format)"]
-
-
-def _mla_mode(spec, absorbed) -> str | None:
-    if not spec.has("latent"):
-        return None
-    return "naive" if absorbed is False else "absorbed"
-
-
-def _per_token(e: dict, batch: int) -> dict:
-    return {k: (v / batch if isinstance(v, float) and k.endswith("joules") else v) for k, v in e.items()}
+    r = api.roofline(args.model, batch=args.batch, context=args.context, prompt_tokens=args.prompt, mla=args.mla,
+                     micro_batches=args.micro_batches, plot=args.plot, **common.model_knobs(args),
+                     **common.parallel_sizes(args), **roof_knobs(args))
+    data = r.to_dict()
+    phases = [{**p, "prefill": pt.prefill, "decode": pt.decode} for p, pt in zip(data["phases"], r.points)]
+    return common.emit(args, data, lambda data: _print_roofline(data, phases, r.roof, args))
 
 
 def _print_roofline(data, phases, roof: Roof, args) -> None:
@@ -268,63 +189,12 @@ def _ms(s: float) -> str:
 # -- speed -------------------------------------------------------------------------
 
 def cmd_speed(args) -> int:
-    plot = _plot_path(args)
-    contexts = parse_token_list(args.context, "context")
-    prompt = parse_tokens(args.prompt, "prompt")
-    if args.batch <= 0:
-        raise KvwallError(f"--batch must be at least 1 (got {args.batch})")
-    rows = [_speed_row(name, args, contexts, prompt) for name in args.models]
-    roof = rows[0][1]
-    out = [r for r, _ in rows]
-    data = {"mode": roof.mode, "mode_text": describe(roof), "device": roof.device.name, "batch": args.batch,
-            "prompt": prompt, "fits": all(m["weights_fit"] and m["ttft_fits"] for m in out),
-            "assumptions": roof.assumptions(), "models": out}
-    if plot:
-        plots.lines({m["model"]: [(r["context"], r["tpot_s"] * 1e3) for r in m["decode"] if r["fits"]]
-                     for m in out},
-                    "context (tokens)", "decode time per token (ms)",
-                    f"The memory wall on {roof.device.name}: decode time vs context (batch {args.batch})", plot)
-        data["plot"] = args.plot
-    return common.emit(args, data, _print_speed)
+    r = api.speed(args.models, context=args.context, prompt_tokens=args.prompt, batch=args.batch, plot=args.plot,
+                  **common.model_knobs(args), **common.parallel_sizes(args), **roof_knobs(args))
+    return common.emit(args, r.to_dict(), _print_speed)
 
 
-def _speed_row(name: str, args, contexts: list[int], prompt: int) -> tuple[dict, Roof]:
-    """One model: TTFT and decode speed per context, each on the group it fits (or --tp/--pp as given);
-    and its roof on one GPU (for the assumptions)."""
-    spec, fm, notes = common.model_and_formats(name, args)
-    auto = common.auto_parallel(args)
-    roof = roof_from(args, spec, fm)
-
-    def point(context: int) -> dict:
-        if auto:
-            p = placement(spec, roof.device.memory_bytes, batch=args.batch, context=context, formats=fm)
-            par = Parallel(p.group)
-        else:
-            par = common.parallel(args)
-        fits = fits_on(spec, roof.device.memory_bytes, par, batch=args.batch, context=context, formats=fm)
-        return {"context": context, **par.as_dict(), "fits": fits}, par
-
-    first, par = point(prompt)
-    ttft = prefill(spec, prompt, args.batch, fm, roof_from(args, spec, fm, par.group), par).time_s
-    per_ctx = []
-    for c in contexts:
-        r, par = point(c)
-        r["tpot_s"] = decode(spec, c, args.batch, fm, roof_from(args, spec, fm, par.group), par).time_s
-        r["tokens_per_s"] = 1 / r["tpot_s"]
-        per_ctx.append(r)
-    fits = all(r["fits"] for r in per_ctx)
-    bad, warning = next((r for r in (first, *per_ctx) if not r["fits"]), None), None
-    if bad is not None:  # a what-if runs on --tp/--pp as given, else on the widest split the heads allow
-        where = ("this tp/pp" if not auto else f"{TP_DEGREES[-1]} GPUs" if bad["tp"] == TP_DEGREES[-1]
-                 else f"the widest split its heads allow (tp {bad['tp']})")
-        warning = (f"{spec.name}: points marked (!) do not fit {where} of {roof.device.name} (weights + batch x "
-                   "context of cache, 10 % reserve); their times are what-ifs")
-    return {"model": spec.name, "family": spec.family(), "formats": fm.as_dict(), "ttft_s": ttft,
-            "ttft_fits": first["fits"], **{f"ttft_{k}": first[k] for k in GROUP}, "decode": per_ctx, "weights_fit": fits,
-            "fit_warning": warning, "notes": notes}, roof
-
-
-GROUP = ("tp", "pp", "ep")  # a point's parallel sizes, as its cell names them
+GROUP = api.GROUP  # a point's parallel sizes, as its cell names them
 
 
 def _cell(text: str, r: dict) -> str:

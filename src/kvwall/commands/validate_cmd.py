@@ -1,16 +1,15 @@
 """`kvwall validate`: predictions (ideal, and expected scored leave-one-out) against the published measurements
-in catalog/measurements.json; `--fit` refits expected mode's figures into catalog/efficiency.json."""
+in catalog/measurements.json; `--fit` refits expected mode's figures into the user's table ($KVWALL_HOME/
+efficiency.json, which expected mode then reads) or `--out FILE`: never into the installed package unless named."""
 
 from __future__ import annotations
 
 import argparse
 
-from kvwall import catalog
+from kvwall import api
 from kvwall.commands import common
-from kvwall.files import PLOT_EXTS, check_output, write_text
 from kvwall.predict.expected import MODES
-from kvwall.predict.validate import OUTLIER, TIME_METRICS, dumps, refit, validate
-from kvwall.report import plots
+from kvwall.predict.validate import OUTLIER, TIME_METRICS
 from kvwall.report.tables import console, table
 
 # How a metric's figure reads in the table (its unit).
@@ -28,31 +27,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the table shows both)")
     p.add_argument("--plot", metavar="PNG", help="predicted vs measured, log-log, one marker per engine, both modes")
     p.add_argument("--fit", action="store_true",
-                   help="refit expected mode on the whole table and write catalog/efficiency.json first")
+                   help="refit expected mode on the whole table first and save it where expected mode reads it "
+                        "($KVWALL_HOME/efficiency.json, else ~/.cache/kvwall/efficiency.json), or to --out")
+    p.add_argument("--out", metavar="JSON", help="with --fit: write the fitted table here instead (maintainers: "
+                                                 "src/kvwall/catalog/efficiency.json updates the packaged one)")
     common.add_json(p)
+    common.refuse_empty(p)
     p.set_defaults(func=cmd_validate)
 
 
 def cmd_validate(args) -> int:
-    plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
-    if args.fit:
-        write_text(catalog.EFFICIENCY_FILE, dumps(refit(catalog.measurements())))
-        catalog.efficiency.cache_clear()
-    data = validate(catalog.measurements(), args.engine, args.device, args.mode)
-    if plot:
-        _plot(data["rows"], plot)
-        data["plot"] = args.plot
-    return common.emit(args, data, _print)
-
-
-def _plot(rows: list[dict], path) -> None:
-    """Rates on both axes (1 / time for TPOT and TTFT), so that above the line = prediction faster."""
-    rate = lambda r, v: 1 / v if r["metric"] in TIME_METRICS else v  # noqa: E731
-    points = [{"group": r["engine"], "mode": m, "measured": rate(r, r["measured"]),
-               "predicted": rate(r, r[m]["predicted"])} for r in rows if "error" in r for m in MODES]
-    plots.versus(points, "measured (tok/s; 1/s for TPOT and TTFT rows)", "predicted (same unit)",
-                 "kvwall against published measurements: filled = expected (leave-one-out), hollow = ideal "
-                 "roofline; above the line: prediction faster", path)
+    r = api.validate(engine=args.engine, device=args.device, mode=args.mode, fit=args.fit, out=args.out,
+                     plot=args.plot)
+    return common.emit(args, r.to_dict(), _print)
 
 
 def _fig(metric: str, v: float) -> str:
@@ -93,10 +80,12 @@ def _print(data: dict) -> None:
                     f"{r['outlier']}")
     if data.get("plot"):
         c.print(f"plot written to {data['plot']}")
+    if data.get("fit_written"):
+        c.print(f"fitted table written to {data['fit_written']}")
 
 
 def _print_fit(c, f: dict) -> None:
-    c.print(f"expected mode: the figures in {f['file']}, fitted {f['date']} to table version {f['table_version']}; "
+    c.print(f"expected mode: the figures in {f['source']}, fitted {f['date']} to table version {f['table_version']}; "
             "no engine factor (one set of figures for every engine: an engine factor made leave-one-out worse)")
     if f["stale"]:
         c.print(f"warning: the table changed since (now {f['current_table_version']}); run `kvwall validate --fit`")

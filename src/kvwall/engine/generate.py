@@ -19,18 +19,30 @@ from kvwall.engine.caches import CacheChoice, KVCache, make_cache
 from kvwall.errors import KvwallError
 
 
+# A temperature below float32's smallest normal number (2**-126, 1.2e-38) samples greedily: the logits are float32,
+# so a smaller one is subnormal there and one below 2**-149 (1.4e-45) rounds to 0, where the top logit's
+# 0 / t is NaN (temperature 1e-300 failed the server's whole step: "probability tensor contains either inf, nan
+# or element < 0"). Above it, (logit - max) / t is finite or -inf, and softmax of it never NaN.
+MIN_TEMPERATURE = 2.0 ** -126
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """temperature 0 is greedy; top_k / top_p filter before sampling; seed makes it repeatable."""
+    """temperature 0 (or below MIN_TEMPERATURE) is greedy; top_k / top_p filter before sampling; seed makes it
+    repeatable."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
     def check(self) -> None:
-        if self.temperature < 0:
-            raise KvwallError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0 <= self.temperature < float("inf"):  # NaN too: it would sample from NaN probabilities
+            raise KvwallError(f"temperature must be a finite number >= 0 (got {self.temperature})")
         if self.top_k is not None and self.top_k < 1:
             raise KvwallError(f"top-k must be >= 1 (got {self.top_k})")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -54,9 +66,12 @@ class Generation:
 
 def pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
     """logits (B, V) -> next token (B,)."""
-    if s.temperature == 0:
+    if s.greedy:
         return logits.argmax(-1)
-    logits = logits.float() / s.temperature
+    logits = logits.float()
+    # less the top logit first: logits / t overflowed float32 once |logit| / t passed 3.4e38 (a logit of 30 at
+    # t = 1e-37), and softmax's inf - inf is NaN; (logit - max) / t is at most 0, and -inf at worst
+    logits = (logits - logits.max(-1, keepdim=True).values) / s.temperature
     if s.top_k is not None and s.top_k < logits.shape[-1]:
         kth = logits.topk(s.top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -47,6 +47,17 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
     return f"{_OUTSIDE[stem]}.{kind}" if stem in _OUTSIDE else None
 
 
+def gguf_name(arch: str, hf: str) -> str:
+    """hf_name's inverse, for messages: `model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight` (the HF
+    name itself where the file format has none)."""
+    m = re.match(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf)
+    if m:
+        stem = next((g for g, h in _LAYER_NAMES[arch].items() if h == m.group(2)), None)
+        return hf if stem is None else f"blk.{m.group(1)}.{stem}.{m.group(3)}"
+    stem, _, kind = hf.rpartition(".")
+    return next((f"{g}.{kind}" for g, h in _OUTSIDE.items() if h == stem), hf)
+
+
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row order: HF rotates the two halves of each head, ggml rotates adjacent
     pairs, so the converter stored each head's rows (half, index) as (index, half); swap them back."""
@@ -71,6 +82,14 @@ class GGUFCheckpoint:
 
     def find(self, name: str) -> str | None:
         return name if name in self.weight_map else None
+
+    def mismatch(self, problems: str) -> KvwallError:
+        """load.check_names' error for a .gguf: its tensors against its own metadata."""
+        return KvwallError(f"{self.path}: the tensors do not match the file's metadata: {problems}; the file is "
+                           "damaged or converted wrongly: re-download or re-convert it")
+
+    def shown(self, name: str) -> str:
+        return gguf_name(self.meta.arch, name)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
@@ -166,6 +185,21 @@ def repack_q4_k(tensor):
 
 def gguf_spec(ckpt: GGUFCheckpoint):
     return spec_from_config(ckpt.config, name=ckpt.path.stem, where=str(ckpt.path))
+
+
+def check_tensors(path: str | Path) -> None:
+    """Every tensor of the file against the model its metadata describes, by the check loading runs
+    (load.check_names), reading no weight: `kvwall show` predicts from the metadata, so it must be the file's
+    model. A model the engine does not run is left to the metadata checks (gguf_meta.check_fields)."""
+    from kvwall.engine.load import check_checkpoint
+
+    ckpt = GGUFCheckpoint(path)
+    spec = gguf_spec(ckpt)
+    try:
+        check_supported(spec)
+    except KvwallError:
+        return
+    check_checkpoint(spec, ckpt)
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", weights=False) -> Transformer:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -18,7 +18,7 @@ import torch
 
 from kvwall.engine.mixers import mixer_class
 from kvwall.engine.model import Transformer, check_supported
-from kvwall.errors import KvwallError
+from kvwall.errors import KvwallError, first_line
 from kvwall.spec.families import family
 from kvwall.spec.formats import NATIVE, engine_weights
 from kvwall.spec.hf import spec_from_config
@@ -216,12 +216,6 @@ HEADER_LIMIT = 100_000_000  # bytes; safetensors itself refuses larger headers
 SHOWN = 5  # names listed in one mismatch message
 
 
-def _line(exc: BaseException) -> str:
-    """An exception's message as one line, for messages that quote a library's reason."""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 def _damaged(file: Path, why: str) -> KvwallError:
     return KvwallError(f"{file}: {why}; the file is damaged or not safetensors: re-download or re-save the checkpoint")
 
@@ -234,7 +228,7 @@ def read_header(file: Path) -> dict[str, tuple[int, ...]]:
             n = int.from_bytes(f.read(8), "little") if size >= 8 else 0
             raw = f.read(n) if 0 < n <= min(size - 8, HEADER_LIMIT) else b""
     except OSError as e:
-        raise KvwallError(f"{file}: cannot be read ({e.strerror or _line(e)}); check the file and its permissions")
+        raise KvwallError(f"{file}: cannot be read ({e.strerror or first_line(e)}); check the file and its permissions")
     if size < 8:
         raise _damaged(file, "is empty" if size == 0 else f"is only {size} bytes long")
     if n > HEADER_LIMIT or n > size - 8:
@@ -269,9 +263,9 @@ def _read_index(index: Path) -> dict[str, str]:
     try:
         raw = json.loads(index.read_bytes())
     except OSError as e:
-        raise KvwallError(f"{index}: cannot be read ({e.strerror or _line(e)}); check the file") from None
+        raise KvwallError(f"{index}: cannot be read ({e.strerror or first_line(e)}); check the file") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise KvwallError(f"{index} is not valid JSON ({_line(e)}); re-download the checkpoint's index") from None
+        raise KvwallError(f"{index} is not valid JSON ({first_line(e)}); re-download the checkpoint's index") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise KvwallError(f"{index} has no weight_map (an object: tensor name -> shard file); "
@@ -314,6 +308,15 @@ class Checkpoint:
             shapes.update({k: held[k] for k, v in self.weight_map.items() if v == shard})
         return shapes
 
+    def mismatch(self, problems: str) -> KvwallError:
+        """check_names' error: the weights against the config they came with."""
+        return KvwallError(f"{self.path}: the weights do not match config.json: {problems}; "
+                           "is config.json the one saved with these weights?")
+
+    def shown(self, name: str) -> str:
+        """A tensor's name as the checkpoint spells it, for messages."""
+        return name
+
     def find(self, name: str) -> str | None:
         if name in self.weight_map:
             return name
@@ -334,7 +337,7 @@ class Checkpoint:
             with safe_open(file, "pt") as f:
                 t = f.get_tensor(found)
         except Exception as e:  # safetensors' own error types vary by version; any failure here is the file's
-            raise _damaged(file, f"tensor {found!r} cannot be read ({_line(e)})") from None
+            raise _damaged(file, f"tensor {found!r} cannot be read ({first_line(e)})") from None
         if not t.is_floating_point():
             raise KvwallError(f"{file}: tensor {found!r} is stored as {t.dtype}, not floating point; "
                               "the engine loads float32, bfloat16 or float16 weights")
@@ -377,7 +380,27 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
     spec = spec_from_config(read_config_file(path / "config.json"), name=path.name, where=str(path / "config.json"))
     check_supported(spec)
     ckpt = Checkpoint(path)  # reads the headers first: a damaged file fails before the model is built
-    return build_loaded(spec, ckpt, dtype, device, weights)
+    return build_loaded(saved_head(spec, ckpt), ckpt, dtype, device, weights)
+
+
+def saved_head(spec: ModelSpec, ckpt: Checkpoint) -> ModelSpec:
+    """The spec with an untied LM head when config.json ties it but the checkpoint holds an lm_head.weight that
+    is not the embedding: transformers 5.25 then loads that tensor as the head and does not tie (it warns)."""
+    head = ckpt.find("lm_head.weight")
+    if not spec.tied_embeddings or head is None:
+        return spec
+    embed = ckpt.find(LAYOUTS[family(spec.model_type).layout](spec)["embed.weight"].names[0])
+    if embed is None or torch.equal(ckpt.get(head), ckpt.get(embed)):
+        return spec  # a missing table is check_names' to report; an equal copy is the tie itself
+    return replace(spec, tied_embeddings=False)
+
+
+def check_checkpoint(spec: ModelSpec, ckpt) -> None:
+    """The checkpoint's tensor names and shapes against the model `spec` describes (check_names, which loading
+    runs), without reading a weight: the model is built on the meta device."""
+    with torch.device("meta"):
+        model = Transformer(spec)
+    check_names(ckpt, LAYOUTS[family(spec.model_type).layout](spec), model)
 
 
 def build_loaded(spec: ModelSpec, ckpt, dtype: torch.dtype, device: str, weights=None) -> Transformer:
@@ -447,16 +470,15 @@ def _finite(ckpt: Checkpoint, src: Source, t: torch.Tensor) -> torch.Tensor:
 def check_names(ckpt: Checkpoint, names: dict[str, Source], model: Transformer) -> None:
     """The checkpoint against the config, before any weight is read: tensors missing, tensors no Source uses
     (not IGNORED), wrongly shaped tensors (each q/k/v or gate/up part on its own). One error lists them all."""
-    missing = [n for src in names.values() for n in src.names if ckpt.find(n) is None]
+    missing = [ckpt.shown(n) for src in names.values() for n in src.names if ckpt.find(n) is None]
     used = {ckpt.find(n) for src in names.values() for n in src.names}
-    unexpected = [k for k in ckpt.weight_map if k not in used and not _ignored(k, model.spec)]
+    unexpected = [ckpt.shown(k) for k in ckpt.weight_map if k not in used and not _ignored(k, model.spec)]
     shapes = [p for me, src in names.items() for p in _shape_problems(ckpt, src, model, me)]
     problems = [f"{_listed(missing)} missing from the checkpoint" if missing else "",
-                f"{_listed(unexpected)} in the checkpoint but not used by the model config.json describes"
+                f"{_listed(unexpected)} in the checkpoint but not used by the model the config describes"
                 if unexpected else "", _listed(shapes, quote=False) if shapes else ""]
     if any(problems):
-        raise KvwallError(f"{ckpt.path}: the weights do not match config.json: {'; '.join(filter(None, problems))}; "
-                          "is config.json the one saved with these weights?")
+        raise ckpt.mismatch("; ".join(filter(None, problems)))
 
 
 def _ignored(name: str, spec: ModelSpec) -> bool:
@@ -482,6 +504,7 @@ def _shape_problems(ckpt: Checkpoint, src: Source, model: Transformer, me: str) 
         return []  # reported as missing
     want = _part_shapes(model, me, len(found), src.transpose)
     have = [ckpt.shapes[n] for n in found]
+    found = [ckpt.shown(n) for n in found]
     wrong = [f"{n} has shape {h}, the config implies {w}" for n, h, w in zip(found, have, want) if h != w]
     joined, implied = _joined(have, src.transpose), str(tuple(model.get_parameter(me).shape))
     if len(wrong) < 2 or len(wrong) < len(found) or joined == implied:

@@ -4,10 +4,21 @@ The sources are package files, ``kernels/<name>.cpp`` with the headers it includ
 includes, the SIMD vector type, the multiply-accumulate loops; packed.h: the packed matmul). Each kernel module
 (layers/scan_kernel.py, caches/quant_kernel.py, layers/latent_kernel.py) asks for its kernel by
 name; the build is cached under ~/.cache/torch_extensions/kvwall (TORCH_EXTENSIONS_DIR), in a folder named by
-a hash of the sources, the flags and torch's version: two checkouts with the same sources share one build, and a
-changed source never overwrites another checkout's (torch's own per-name folder made them rebuild in turn).
+a hash of the sources, the flags and torch's version: a changed source never overwrites another checkout's (torch's
+own per-name folder made them rebuild in turn). Two checkouts with the same sources share the folder, but its
+build.ninja names one checkout's .cpp path, so the other's first use compiles again (up_to_date knows it).
 Builds of one folder take an OS lock (released when a process dies), so the lock file torch leaves behind
 when a build is killed can no longer hang every later run (torch waits on it for ever).
+
+A build takes 25-35 s of one core per kernel (BUILD_S), minutes for them all, so a real compile is never silent:
+it says on stderr when it starts ("building C++ kernel 3 of 7: packed_linear (first use; cached under ...)") and
+when it ends (stdout may be JSON). The total is the number of kernels/*.cpp (names(), the one list); k counts the
+kernels ready or started, this one included. A cached build says nothing. build_all() builds every missing kernel
+at once, as many at a time as there are cores (each build is one compile then one link, a chain ninja cannot run
+in parallel, so the cores are used by building kernels side by side); the commands that need several kernels
+(calibrate, bench, report's measured section) call it first, so that the builds happen together, up front, and
+not one by one inside a measurement (or silently, in a bench worker whose stderr is a pipe). build_note() is
+the phrase their "about N s" estimates add when something is to be built.
 
 When no build works the caller gets None and keeps its torch path: correct, only slower. That
 is said once, as a warning naming the kernel, the compiler's error and the fallback, so that a
@@ -19,13 +30,33 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
+import threading
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 KERNELS = Path(__file__).parent / "kernels"  # the .cpp files and the headers they include, shipped as package data
 REQUIRE = "KVWALL_REQUIRE_KERNELS"  # "1": a kernel that does not build raises instead of falling back
 ERRORS: dict[str, str] = {}  # kernel name -> why its build failed (the compiler's first error line)
+ANY_FALLBACK = "its torch path"  # what build_all's warnings name: the kernel's callers each keep their own
+
+# Seconds of one core that building each kernel takes: the CPU time of its compile and link (ninja, g++, ld), what
+# a build costs on an idle core. Measured 2026-12-05 on the dev box (AMD EPYC, 2 cores, AVX-512 flags, g++ 12.2, torch
+# 2.13.0+cpu, other jobs keeping the load average at 3-5), each kernel built alone into an empty
+# TORCH_EXTENSIONS_DIR, one after another: 199.5 s of CPU in all, 303 s of wall time on that busy machine. The same
+# seven built 2 at a time (build_all's way on 2 cores): 197 s of wall time, 214 s of CPU (two compilers side by
+# side are 7% slower each), so 1.54x sooner. A kernel not listed here counts as BUILD_S_ANY.
+BUILD_S = {"decode_stack": 35.1, "fused_ops": 31.7, "mla_decode": 26.5, "packed_linear": 25.6, "paged_decode": 24.4,
+           "quantized_decode": 28.5, "selective_scan": 27.7}
+BUILD_S_ANY = max(BUILD_S.values())
+PARALLEL_SLOWDOWN = 1.1  # builds side by side: each 7% slower (214 s of CPU against 199.5), and a little uneven
+
+_lock = threading.Lock()  # the progress counter and the loaded modules, shared by build_all's threads
+_started: set[str] = set()  # kernels whose real build this process started
+_loaded: dict[tuple[str, Path], tuple | None] = {}  # (name, build root) -> build()'s answer, once per process
 
 
 class KernelBuildWarning(UserWarning):
@@ -35,6 +66,11 @@ class KernelBuildWarning(UserWarning):
 def source(name: str) -> Path:
     """The .cpp file of kernel `name` (e.g. "selective_scan")."""
     return KERNELS / f"{name}.cpp"
+
+
+def names() -> list[str]:
+    """Every kernel: the .cpp files in kernels/, by name (the one list of them)."""
+    return sorted(p.stem for p in KERNELS.glob("*.cpp"))
 
 
 def simd_flags(openmp: bool) -> list[str]:
@@ -67,8 +103,52 @@ def build_dir(name: str, flags: list[str]) -> Path:
     headers = [h.read_bytes() for h in sorted(KERNELS.glob("*.h"))]  # any a source may include
     for part in (source(name).read_bytes(), *headers, " ".join(flags).encode(), torch.__version__.encode()):
         h.update(part)
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions") / "kvwall"
-    return root / f"{name}-{h.hexdigest()[:16]}"
+    return build_root() / f"{name}-{h.hexdigest()[:16]}"
+
+
+def build_root() -> Path:
+    """The folder of every kernel's build folder."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions") / "kvwall"
+
+
+def library(name: str, where: Path) -> Path:
+    """The module file a build of kernel `name` in folder `where` makes (torch's naming)."""
+    return where / f"kvwall_{name}{'.pyd' if sys.platform == 'win32' else '.so'}"
+
+
+def up_to_date(name: str, where: Path) -> bool:
+    """Whether loading kernel `name` from folder `where` compiles nothing: its module is there, newer than its
+    sources (ninja's test), and built from this very .cpp path (torch rewrites build.ninja for another checkout's
+    path, and ninja then builds again)."""
+    try:
+        built = library(name, where).stat().st_mtime
+        ninja = (where / "build.ninja").read_text(errors="replace")
+        newest = max(p.stat().st_mtime for p in [source(name), *KERNELS.glob("*.h")])
+    except (OSError, ValueError):
+        return False
+    return built >= newest and os.path.abspath(source(name)) in ninja
+
+
+def _variants(name: str) -> list[bool]:
+    """The builds to try, OpenMP or not: with OpenMP first, unless only the build without it is up to date (the
+    compiler has no OpenMP: do not fail at it again on every run)."""
+    done = [openmp for openmp in (True, False) if up_to_date(name, build_dir(name, simd_flags(openmp)))]
+    return [False, True] if done == [False] else [True, False]
+
+
+def cached(name: str) -> bool:
+    """Whether kernel `name` loads without compiling (or this process already has it)."""
+    return (name, build_root()) in _loaded or any(
+        up_to_date(name, build_dir(name, simd_flags(openmp))) for openmp in (True, False))
+
+
+def missing() -> list[str]:
+    """The kernels a first use would compile now: neither built in the cache nor tried by this process."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:  # no engine: nothing will be built
+        return []
+    return [n for n in names() if not cached(n)]
 
 
 @contextmanager
@@ -98,23 +178,35 @@ def first_error(exc: BaseException) -> str:
 
 def build(name: str, fallback: str):
     """(module, flags) of kernel `name`: built with OpenMP if the compiler has it, else single-threaded.
-    None if no build works (after one warning naming `fallback`, the torch path the engine then uses)."""
+    None if no build works (after one warning naming `fallback`, the torch path the engine then uses).
+    A real compile says so on stderr (started, k of n; ended, in how long); the answer is kept for the process."""
+    key = (name, build_root())
+    if key in _loaded:
+        return _loaded[key]
     try:
         from torch.utils.cpp_extension import load
     except ImportError as exc:  # a torch without its build tools
         return failed(name, fallback, exc, "")
-    detail = ""
-    for openmp in (True, False):  # no OpenMP in the compiler: try again without it
+    detail, began = "", None
+    for openmp in _variants(name):  # no OpenMP in the compiler: try again without it
         flags = simd_flags(openmp)
         try:
             with build_lock(build_dir(name, flags)) as where:
+                if began is None and not up_to_date(name, where):
+                    began = _starting(name)
                 mod = load(f"kvwall_{name}", sources=[str(source(name))], extra_cflags=flags,
                            extra_include_paths=[str(KERNELS)], extra_ldflags=["-fopenmp"] if openmp else [],
                            build_directory=str(where), verbose=False)
-            return mod, flags
         except Exception as exc:  # no compiler, no ninja, no OpenMP, a compile error
             error, detail = exc, str(exc)
-    return failed(name, fallback, error, detail)
+            continue
+        _ended(name, began, built=True)
+        _loaded[key] = (mod, flags)
+        return mod, flags
+    _ended(name, began, built=False)
+    answer = failed(name, fallback, error, detail)  # raises under KVWALL_REQUIRE_KERNELS=1: tried again next time
+    _loaded[key] = answer  # said once: not built again (nor warned again) in this process
+    return answer
 
 
 def failed(name: str, fallback: str, exc: BaseException, detail: str) -> None:
@@ -136,3 +228,86 @@ def compiled(name: str, function: str, fallback: str):
     """One function of kernel `name`'s module, or None when no build works."""
     built = build(name, fallback)
     return None if built is None else getattr(built[0], function)
+
+
+def say(line: str) -> None:
+    """A progress line: on stderr (stdout may be a command's JSON), at once."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _shown(path: Path) -> str:
+    home = str(Path.home())
+    return "~" + str(path)[len(home):] if str(path).startswith(home + os.sep) else str(path)
+
+
+def _starting(name: str) -> tuple[str, float]:
+    """Say that kernel `name` starts compiling, as the k-th of all kernels ready or started; its label and start."""
+    with _lock:
+        _started.add(name)
+        ready = {n for n in names() if n in _started or cached(n)} | {name}
+        label = f"C++ kernel {len(ready)} of {len(names())}: {name}"
+    say(f"building {label} (first use; cached under {_shown(build_root())})")
+    return label, time.perf_counter()
+
+
+def _ended(name: str, began: tuple[str, float] | None, built: bool) -> None:
+    """Say that the compile `began` (None: there was none) ended, and how long it took."""
+    if began is None:
+        return
+    label, t0 = began
+    took = f"{time.perf_counter() - t0:.0f} s"
+    say(f"{label} built in {took}" if built else f"{label} did not build ({took}; the warning below says why)")
+
+
+def build_all(jobs: int | None = None) -> dict[str, bool]:
+    """Build every kernel that is missing (missing()), up to `jobs` at once (default: one per core), longest first;
+    each says when it starts and ends. {name: whether it built}, empty when nothing was missing."""
+    todo = sorted(missing(), key=lambda n: -BUILD_S.get(n, BUILD_S_ANY))  # longest first: the shortest makespan
+    if not todo:
+        return {}
+    jobs = max(1, min(jobs or usable_cores(), len(todo)))
+    say(f"building {_count(todo)}, {jobs} at a time ({_about(build_seconds(todo, jobs))}, once): "
+        f"{', '.join(todo)}")
+
+    def one(name: str) -> bool:
+        return build(name, ANY_FALLBACK) is not None
+
+    if jobs == 1:
+        return {n: one(n) for n in todo}
+    with ThreadPoolExecutor(jobs, thread_name_prefix="kvwall-build") as pool:  # each waits on its compiler
+        return dict(zip(todo, pool.map(one, todo)))
+
+
+def build_seconds(todo: list[str], cores: int | None = None) -> float:
+    """About how long building the kernels `todo` takes with `cores` (default: this machine's) builds at once:
+    longest first, each onto the build slot free first (BUILD_S: one core's seconds per kernel)."""
+    slots = [0.0] * max(1, min(cores or usable_cores(), len(todo) or 1))
+    for s in sorted((BUILD_S.get(n, BUILD_S_ANY) for n in todo), reverse=True):
+        slots[slots.index(min(slots))] += s
+    return max(slots) * (PARALLEL_SLOWDOWN if len(slots) > 1 else 1.0)
+
+
+def build_note(todo: list[str] | None = None, cores: int | None = None) -> str:
+    """What an "about N s" estimate adds for the kernels to build first ("building 7 C++ kernels first (about 4 min
+    on 2 cores, once)"), or "" when none is missing. todo: missing() unless given; cores: this machine's."""
+    todo = missing() if todo is None else todo
+    if not todo:
+        return ""
+    cores = max(1, cores or usable_cores())
+    return f"building {_count(todo)} first ({_about(build_seconds(todo, cores))} on {cores} " \
+           f"core{'s' if cores > 1 else ''}, once)"
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on: how many builds run at once."""
+    from kvwall.measure.machine import cpu_count
+
+    return cpu_count()
+
+
+def _count(todo: list[str]) -> str:
+    return "1 C++ kernel" if len(todo) == 1 else f"{len(todo)} C++ kernels"
+
+
+def _about(seconds: float) -> str:
+    return f"about {seconds:.0f} s" if seconds < 90 else f"about {seconds / 60:.0f} min"

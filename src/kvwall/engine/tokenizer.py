@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvwall.errors import KvwallError
+from kvwall.errors import KvwallError, first_line
 
 
 class Text:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
 
-        self.tok = Tokenizer.from_file(str(path))
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers package raises plain Exception for any file it cannot read
+            raise KvwallError(f"{path} is not a tokenizer file the tokenizers package can read ({first_line(e)}); "
+                              "re-download it with the checkpoint, or use --prompt-ids") from None
 
     def encode(self, text: str) -> list[int]:
         ids = self.tok.encode(text).ids

@@ -162,9 +162,11 @@ def estimate_seconds(plan: Plan, device: Device) -> float:
 
 def _worker(job: dict, module: str = "kvwall.measure.bench_worker"):
     """Run one job in a fresh process (its own memory high-water mark, no state carried over); yield each JSON line
-    it prints; a failed process is a one-line error naming the job."""
+    it prints; a failed process is a one-line error naming the job. A job's "threads" also goes to the child's
+    OMP_NUM_THREADS, so that any OpenMP pool besides torch's is sized alike (the child sets torch's itself)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"])} if job.get("threads") else None
     proc = subprocess.Popen([sys.executable, "-m", module, json.dumps(job)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     for raw in proc.stdout:
         if raw.startswith("{"):

@@ -140,7 +140,7 @@ def main(argv: list[str]) -> int:
         model = build(job)
         warm_up(model, job)
         for context in job["contexts"]:
-            print(json.dumps(run_point(model, job, context)), flush=True)
+            print(json.dumps({**run_point(model, job, context), "threads": torch.get_num_threads()}), flush=True)
     except KvwallError as exc:
         print(json.dumps({"arch": job["name"], "error": str(exc)}), flush=True)
     return 0

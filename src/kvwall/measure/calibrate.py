@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvwall.errors import KvwallError
-from kvwall.files import check_output, write_text
+from kvwall.files import check_output, refuse_unless_ours, write_text
 from kvwall.measure import machine
 from kvwall.measure.kernels import GEMM_BUDGET_S
 
@@ -182,6 +182,9 @@ def calibrate(quick: bool = False, progress: Progress | None = None) -> Calibrat
         import numpy as np
     except ImportError:
         raise KvwallError("`kvwall calibrate` needs numpy: pip install numpy (torch too, for its kernels)") from None
+    from kvwall.engine.native import build_all
+
+    build_all()  # the engine steps' C++ kernels, missing ones built together (progress on stderr) before any timing
     s = Settings.choose(quick)
     cal = Calibration(settings=s, started=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
     t0 = time.perf_counter()
@@ -315,6 +318,7 @@ def _machine_info(s: Settings) -> dict:
     }
 
 
+QUICK_S = 10  # about how long `kvwall calibrate --quick` takes once its kernels are built
 FRESH_S = 24 * 3600  # a profile older than this (or from another host) is measured again before a report
 
 
@@ -355,18 +359,34 @@ def fresh_profile(path: Path, max_age_s: float = FRESH_S, say: Callable[[str], N
     """The profile at `path`, measured again (quick) first when it is missing, stale or from another host."""
     why = stale_because(path, max_age_s)
     if why:
-        if say:
-            say(f"calibrating this machine first (`kvwall calibrate --quick`, about 10 s): {why}")
+        if say:  # calibrate builds the missing C++ kernels first: a first run's minutes are theirs
+            from kvwall.engine.native import build_note
+
+            builds = build_note()
+            say(f"calibrating this machine first (`kvwall calibrate --quick`, about {QUICK_S:.0f} s): {why}"
+                + (f"; {builds}" if builds else ""))
         save_profile(calibrate(quick=True).profile(), path)
     return path
 
 
 def check_target(path: str | Path) -> Path:
-    """Fail early (before a minute of measuring) if the profile could not be written to ``path``."""
-    return check_output(path, option="--out", make_parents=True, what="the profile")
+    """Fail early (before minutes of measuring) if the profile could not be written to ``path``, or would replace
+    a file that is not a profile (`--out notes.txt`). kvwall's own `local` profile may be replaced whatever it
+    holds: a damaged one's error says to run `kvwall calibrate` again."""
+    from kvwall.predict.devices import profile_path
+
+    path = check_output(path, option="--out", make_parents=True, what="the profile")
+    refuse_unless_ours(path, is_profile, "a kvwall device profile", own=profile_path)
+    return path
+
+
+def is_profile(data: object) -> bool:
+    """Whether parsed JSON is a device profile: an object with the figures every profile has."""
+    return isinstance(data, dict) and {"memory_bytes", "memory_bandwidth_Bps", "peak_flops"} <= data.keys()
 
 
 def save_profile(profile: dict, path: Path) -> Path:
-    """Write the profile as JSON atomically (kvwall.files: a unique temp file in the same folder, then rename)."""
+    """Write the profile as JSON atomically (kvwall.files: a unique temp file in the same folder, then rename),
+    checking the target again: it may have changed during the minutes of measuring."""
     path = check_target(path)
     return write_text(path, json.dumps(profile, indent=2) + "\n")

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 
 from kvwall.errors import KvwallError
+from kvwall.files import read_user_text
 from kvwall.workload import distribution, meets
 
 WORDS = ("the of and to in is was for on that with as by at from his her are this have one had not but what all "
@@ -61,6 +62,7 @@ class Sample:
     ttft: float | None = None
     e2e: float | None = None
     itl: list[float] = field(default_factory=list)
+    refused: bool = False  # the server turned it down (Refused, or no connection) rather than failing to serve it
 
     @property
     def tpot(self) -> float | None:
@@ -83,10 +85,7 @@ def prompts(load: Load) -> list[str]:
 
 def read_dataset(path) -> list[str]:
     """A JSON-lines file, one {"prompt": "..."} per line (blank lines skipped) -> the prompts."""
-    try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise KvwallError(f"cannot read the dataset {path}: {getattr(e, 'strerror', None) or e}") from None
+    lines = read_user_text(path, "--dataset", 'a UTF-8 JSONL file, one {"prompt": "..."} a line').splitlines()
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -101,6 +100,29 @@ def read_dataset(path) -> list[str]:
     if not out:
         raise KvwallError(f"{path} holds no prompts; write one {{\"prompt\": \"...\"}} per line")
     return out
+
+
+def check_rate(rate: float, timeout: float, requests: int, option: str = "--rate") -> None:
+    """Refuse a Poisson rate whose mean gap 1 / rate is longer than the per-request `timeout`: no two requests would
+    overlap (it loads nothing), and the arrivals alone would take (requests - 1) / rate seconds (32 at 1e-6/s: a
+    year). At the limit a run lasts about requests x timeout at most, as one client (--concurrency 1) would."""
+    if requests > 1 and 1 / rate > timeout:
+        raise KvwallError(f"{option} {rate:g}: requests would arrive {1 / rate:,.0f} s apart on average, longer than "
+                          f"--timeout ({timeout:g} s), so none would overlap and the {requests} arrivals alone would "
+                          f"take about {(requests - 1) / rate:,.0f} s; give a rate of at least {1 / timeout:.3g}/s "
+                          "or a longer --timeout")
+
+
+class Refused(RuntimeError):
+    """The server turned a request down: HTTP 4xx but 408 and 429 (those are load). A wrong --model (kvwall serve
+    answers 400, vLLM 404), --api-key (401) or URL path: every request would be."""
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether an error of `one` is a refusal (Refused, or no connection: nothing listens there)."""
+    import httpx
+
+    return isinstance(exc, (Refused, httpx.ConnectError))
 
 
 def base_url(url: str) -> str:
@@ -121,8 +143,9 @@ async def one(client, load: Load, prompt: str, t0: float) -> Sample:
         await asyncio.wait_for(_stream(client, load, body, s), load.timeout)
     except asyncio.TimeoutError:
         s.error = f"timed out after {load.timeout:g} s"
-    except Exception as e:  # a refused connection, a reset, a malformed event: counted, not fatal
+    except Exception as e:  # a refused connection, a reset, a malformed event: counted (the first refusal: _Gate)
         s.error = f"{type(e).__name__}: {e}"
+        s.refused = refused(e)
     return s
 
 
@@ -130,8 +153,9 @@ async def _stream(client, load: Load, body: dict, s: Sample) -> None:
     start, last, chunks = time.perf_counter(), None, 0
     async with client.stream("POST", base_url(load.url) + "/completions", json=body) as resp:
         if resp.status_code != 200:
-            text = (await resp.aread()).decode(errors="replace")[:200]
-            raise RuntimeError(f"HTTP {resp.status_code}: {text}")
+            text = " ".join((await resp.aread()).decode(errors="replace").split())[:200]  # one line, for the error
+            load_error = resp.status_code in (408, 429) or resp.status_code >= 500
+            raise (RuntimeError if load_error else Refused)(f"HTTP {resp.status_code}: {text}")
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -166,27 +190,60 @@ async def run(load: Load, progress=None) -> tuple[list[Sample], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=load.timeout, headers=headers, limits=limits) as client:
         t0 = time.perf_counter()
+        gate = _Gate()
 
         async def send(i: int) -> Sample:
+            gate.sent += 1
             s = await one(client, load, texts[i], t0)
+            gate.saw(s)
             if progress:
                 progress(s)
             return s
 
-        if load.rate:
-            samples = await _poisson(send, load, rng)
-        else:
-            samples = await _clients(send, load)
+        schedule = asyncio.create_task(_poisson(send, load, rng) if load.rate else _clients(send, load))
+        gate.stop = schedule.cancel
+        try:
+            samples = await schedule
+        except asyncio.CancelledError:
+            if gate.refusal is None:  # not the gate's: an interrupt
+                raise
+            raise KvwallError(gate.why(load)) from None
         return samples, time.perf_counter() - t0
+
+
+class _Gate:
+    """Ends a run at the first request the server refuses before any has completed: it is down, or turns every
+    request away (a wrong --model or --api-key), and the rest of the schedule would only wait (32 requests at
+    0.01/s: about 50 minutes). Once some were served, a refusal is counted among the errors."""
+
+    def __init__(self):
+        self.sent, self.served, self.refusal = 0, False, None
+        self.stop = lambda: None  # cancels the schedule (run sets it)
+
+    def saw(self, s: Sample) -> None:
+        self.served = self.served or s.ok
+        if s.refused and not self.served and self.refusal is None:
+            self.refusal = s
+            self.stop()
+
+    def why(self, load: Load) -> str:
+        return (f"{load.url} refused a request before any completed ({self.refusal.error}); stopped after sending "
+                f"{self.sent} of {load.requests}: is the server up and serving {load.model!r}, and the --api-key "
+                "right?")
 
 
 async def _poisson(send, load: Load, rng: random.Random) -> list[Sample]:
     tasks = []
-    for i in range(load.requests):
-        tasks.append(asyncio.create_task(send(i)))
-        if i + 1 < load.requests:
-            await asyncio.sleep(rng.expovariate(load.rate))
-    return list(await asyncio.gather(*tasks))
+    try:
+        for i in range(load.requests):
+            tasks.append(asyncio.create_task(send(i)))
+            if i + 1 < load.requests:
+                await asyncio.sleep(rng.expovariate(load.rate))
+        return list(await asyncio.gather(*tasks))
+    finally:  # cancelled (_Gate): the requests still in flight go too
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _clients(send, load: Load) -> list[Sample]:

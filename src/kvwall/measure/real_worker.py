@@ -121,7 +121,7 @@ def run_batch(models: dict, hf, job: dict, batch: int) -> list[dict]:
         med = statistics.median(times[e.key])
         out.append({"arch": job["name"], "batch": batch, "engine": e.name, "cache": getattr(e, "cache_name", None),
                     "weights": e.weights, "step_s": med, "tok_s": batch / med,
-                    "step_runs_s": times[e.key],
+                    "step_runs_s": times[e.key], "threads": torch.get_num_threads(),  # every engine: this process's
                     "cache_bytes": e.cache.nbytes() if isinstance(e, KvwallEngine) else None,
                     "same_tokens_as_transformers": None if e is ref else same_tokens(e, ref)})
     return out

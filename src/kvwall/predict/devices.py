@@ -152,6 +152,8 @@ def get_device(name: str) -> Device:
 
 
 def local_device() -> Device:
+    """This machine's profile ($KVWALL_HOME/local-device.json, written by `kvwall calibrate`), every figure checked
+    here (_profile_problem): the one place every command that reads a profile goes through."""
     path = profile_path()
     if not path.is_file():
         raise KvwallError(f"no profile of this machine at {path}; run `kvwall calibrate` first")
@@ -162,43 +164,93 @@ def local_device() -> Device:
             return _from_entry("local", entry)
     except (ValueError, KeyError, TypeError, RecursionError, OSError) as exc:
         problem = f"{type(exc).__name__}: {exc}"
-    raise KvwallError(f"the local profile at {path} is damaged: {problem}; run `kvwall calibrate` again")
+    raise KvwallError(f"the local profile at {path} cannot be used: {problem}; run `kvwall calibrate` again")
+
+
+# The plausible range of a profile's figure, by its unit: (lowest, highest). A figure outside it is a broken
+# measurement or a hand edit gone wrong (1e-300 FLOP/s made 1e300-second steps, 1e300 B/s NaN), refused where a
+# profile is loaded. Wide on purpose: a slow but real machine must pass.
+PLAUSIBLE = {
+    # 1 MB/s: 1,000x below the slowest engine rate calibrate has measured (matmul weights at 256 rows, 7.2e8 B/s
+    # on a 2-core EPYC VM: benchmarks/results/validate_serving_profile_1903.json); 1e14: 13x B200's 7.7e12
+    "B/s": (1e6, 1e14),
+    # 1 MFLOP/s: 1,000x below the slowest GEMM measured (bf16 on that CPU, which lacks bf16 units: 1.1e9);
+    # 1e17: 11x B200's dense fp4 peak (9e15)
+    "FLOP/s": (1e6, 1e17),
+    # a fixed cost (per layer, step, call or row): up to 1 s, 600x the largest measured (1.7 ms per Mamba2 block)
+    "s": (0.0, 1.0),
+    # the serving pool's seconds per byte gathered: up to the inverse of the lowest "B/s" (measured 1.3-2.4e-11)
+    "s/B": (0.0, 1e-6),
+    # memory: 1 MB holds no language model; 1 PB is 20x the largest single machine's (48 TB of shared memory)
+    "bytes": (1e6, 1e15),
+    # a last-level cache: 0 (none reported) to 1 TB, 4,000x MI300X's 256 MB Infinity Cache
+    "cache bytes": (0.0, 1e12),
+    # the runner's slowdown of the forwards, a share of their time: measured 0 to 0.15; 10 = 11x slower forwards
+    "share": (0.0, 10.0),
+    # board power: 0.1 W (a phone SoC at rest) to 100 kW (100x a B200's 1 kW)
+    "W": (0.1, 1e5),
+}
+# Every figure a profile may hold -> its unit in PLAUSIBLE. "table.*": each entry of that table without a line of
+# its own; "table.*.*": each entry of each inner table. Absent or null: not checked, except REQUIRED and a null
+# inside a table (the predictor cannot read it) but in NULLABLE's, where null means "none" (no fp8 peak, no link).
+FIGURES = {
+    "memory_bytes": "bytes", "memory_bandwidth_Bps": "B/s", "onchip_cache_bytes": "cache bytes", "tdp_W": "W",
+    "interconnect.*": "B/s", "layer_overhead_s": "s", "step_overhead_s": "s", "unfused_overhead_s": "s",
+    "peak_flops.*": "FLOP/s", "op_bandwidth_Bps.*": "B/s", "mixer_overhead_s.*": "s", "op_flops.*": "FLOP/s",
+    "op_fixed_s.*": "s", "matmul_rows_Bps.*": "B/s", "prefill_attention_flops.*": "FLOP/s",
+    "packed_rows_Bps.*.*": "B/s", "packed_overhead_s.*": "s",
+    "paged_pool.*": "s", "paged_pool.s_per_byte": "s/B", "runner_step.*": "s", "runner_step.slowdown": "share",
+}
+REQUIRED = ("memory_bytes", "memory_bandwidth_Bps")
+ROW_TABLES = ("matmul_rows_Bps", "prefill_attention_flops", "packed_rows_Bps.*")  # keyed by a row / token count
+NULLABLE = ("peak_flops", "interconnect")
+_TEXT = ("interconnect.name",)  # entries of those tables that are not figures
 
 
 def _profile_problem(e: object) -> str | None:
-    """What makes a profile unusable or implausible (None: nothing): every figure the predictor reads must be
-    a finite number, bandwidths and peaks above 0, overheads 0 or above."""
+    """What makes a profile unusable or implausible (None: nothing): every figure in FIGURES a finite number
+    within its unit's PLAUSIBLE range, the tables objects, and a compute peak to time math with."""
     if not isinstance(e, dict):
         return f"it holds a JSON {type(e).__name__}, not an object"
-    figures = [(key, e.get(key), True) for key in ("memory_bytes", "memory_bandwidth_Bps")]
-    for key in ("layer_overhead_s", "step_overhead_s", "unfused_overhead_s"):
-        if e.get(key) is not None:
-            figures.append((key, e[key], False))
-    for key, above_zero in (("peak_flops", True), ("op_bandwidth_Bps", True), ("mixer_overhead_s", False),
-                            ("op_flops", True), ("op_fixed_s", False), ("matmul_rows_Bps", True),
-                            ("prefill_attention_flops", True), ("packed_overhead_s", False),
-                            ("paged_pool", False), ("runner_step", False)):
-        table = e.get(key) or {}
-        if not isinstance(table, dict):
-            return f"{key!r} is {table!r}, not an object"
-        figures += [(f"{key}.{k}", v, above_zero) for k, v in table.items() if v is not None]
+    figures = [(key, key, e.get(key)) for key in REQUIRED]  # (name, line of FIGURES, value)
+    for key in dict.fromkeys(p.split(".")[0] for p in FIGURES):  # each top-level key once, in FIGURES' order
+        if key not in REQUIRED and e.get(key) is not None:
+            depth = max(p.count(".") for p in FIGURES if p.split(".")[0] == key)
+            problem = _collect(key, key, e[key], depth, figures)
+            if problem:
+                return problem
     if not any(v for v in (e.get("peak_flops") or {}).values()):
         return "'peak_flops' lists no compute peak (a profile times math with them)"
-    packed = e.get("packed_rows_Bps") or {}
-    if not isinstance(packed, dict) or not all(isinstance(t, dict) for t in packed.values()):
-        return f"'packed_rows_Bps' is {packed!r:.40}, not an object of objects"
-    tables = [(key, e.get(key) or {}) for key in ("matmul_rows_Bps", "prefill_attention_flops")]
-    tables += [(f"packed_rows_Bps.{f}", t) for f, t in packed.items()]
-    for key, table in tables:
-        bad_rows = [k for k in table if not str(k).isdigit() or int(k) < 1]
-        if bad_rows:
-            return f"{key!r} has a key {bad_rows[0]!r}, not a row count >= 1"
-        if key.startswith("packed_rows_Bps."):  # the others' figures are checked above
-            figures += [(f"{key}.{k}", v, True) for k, v in table.items() if v is not None]
-    for name, value, above_zero in figures:
-        problem = real_problem(value, above_zero)
+    for name, line, value in figures:
+        unit = FIGURES[line]
+        lo, hi = PLAUSIBLE[unit]
+        problem = real_problem(value, above_zero=lo > 0)
         if problem:
             return f"{name!r} is {value!r:.40}: {problem}"
+        if not lo <= value <= hi:
+            return f"{name!r} is {value:.3g}, outside the plausible {lo:g} to {hi:g} ({unit})"
+    return None
+
+
+def _collect(name: str, pattern: str, value: object, depth: int, out: list) -> str | None:
+    """Add (name, its line of FIGURES, value) of every figure in ``value``, a table ``depth`` levels deep (0: a
+    figure), to ``out``; or say which table is not an object, or has a key that is not a row count where it must."""
+    if depth == 0:
+        out.append((name, pattern, value))
+        return None
+    if not isinstance(value, dict):
+        return f"{name!r} is {value!r:.40}, not an object" + (" of objects" if depth > 1 else "")
+    if depth == 1 and pattern in ROW_TABLES:
+        bad = [k for k in value if not str(k).isdigit() or int(k) < 1]
+        if bad:
+            return f"{name!r} has a key {bad[0]!r}, not a row count >= 1"
+    for k, v in value.items():
+        entry = f"{pattern}.{k}"
+        if entry in _TEXT or (v is None and pattern in NULLABLE):
+            continue
+        problem = _collect(f"{name}.{k}", entry if entry in FIGURES else f"{pattern}.*", v, depth - 1, out)
+        if problem:
+            return problem
     return None
 
 

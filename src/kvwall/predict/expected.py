@@ -2,7 +2,8 @@
 
 The ideal roofline (efficiency 1.0, no fixed costs) is a bound. The expected roof keeps the same ops and the
 same max(FLOPs / peak, bytes / bandwidth) per op, and replaces the peaks by fitted, achievable figures
-(``PARAMS``, stored in catalog/efficiency.json by ``kvwall validate --fit``; predict/expected_fit.py fits them):
+(``PARAMS``, stored in catalog/efficiency.json, or the user's own fit from ``kvwall validate --fit`` in
+$KVWALL_HOME/efficiency.json: catalog.efficiency_file; predict/expected_fit.py fits them):
 
 * weight streaming (projections, MLP, experts, LM head, embedding, SSM scans) at
   bandwidth x ``bw_weights`` x the device class's factor, x ``int_weights`` for integer weight formats
@@ -39,6 +40,7 @@ from kvwall.predict.devices import Device
 from kvwall.predict.memory import Formats
 from kvwall.predict.roofline import Roof
 from kvwall.spec.model import ModelSpec
+from kvwall.spec.validate import real_problem
 
 MODES = ("expected", "ideal")
 CLASSES = ("hbm", "gddr", "amd", "unified")
@@ -88,12 +90,14 @@ def group_of(spec: ModelSpec) -> float:
 
 
 def fitted() -> dict:
-    """The stored parameters (catalog/efficiency.json); a one-line error if the file is missing or stale."""
+    """The stored parameters (catalog.efficiency_file: the user's fit, else the packaged one); a one-line error
+    if the file is missing, stale or holds a figure that is not a finite number >= 0."""
     data = catalog.efficiency()
-    params = data.get("params") or {}
-    missing = [k for k in PARAMS if not (isinstance(params.get(k), (int, float)) and params[k] >= 0)]
+    params = data.get("params") if isinstance(data.get("params"), dict) else {}
+    missing = [k for k in PARAMS if real_problem(params.get(k), above_zero=False)]
     if missing:
-        raise KvwallError(f"catalog/efficiency.json lacks {', '.join(missing)}; run `kvwall validate --fit`")
+        raise KvwallError(f"{catalog.efficiency_file()} lacks {', '.join(missing)} (or they are not finite numbers "
+                          ">= 0); run `kvwall validate --fit`")
     return params
 
 
@@ -133,6 +137,6 @@ def describe(roof: Roof) -> str:
         return f"ideal roofline (compute x{roof.compute_eff:g}, bandwidth x{roof.mem_eff:g}, no fixed costs)"
     if roof.device.name == "local":
         return "expected: this machine's calibrated profile (kvwall calibrate)"
-    return (f"expected: fractions of peak fitted to published measurements ({device_class(roof.device)} class, "
-            "catalog/efficiency.json); --ideal for the bound")
+    return (f"expected: fractions of peak fitted to published measurements ({device_class(roof.device)} class; "
+            f"table {catalog.efficiency_source()}); --ideal for the bound")
 

@@ -2,7 +2,7 @@
 
 * ideal: the roofline at the datasheet peaks (efficiency 1.0, no fixed costs);
 * expected: predict/expected.py's fitted figures, scored leave-one-out (each row predicted by a fit that did
-  not see it; predict/expected_fit.py); rows never fitted are scored with the stored fit (catalog/efficiency.json).
+  not see it; predict/expected_fit.py); rows never fitted are scored with the stored fit (catalog.efficiency_file).
 
 Each row is predicted with its weight and KV formats, tensor parallel ``tp`` and the conventions in
 predict/table.py (``CONVENTIONS``, stated in every output).
@@ -142,7 +142,8 @@ def fit_info() -> dict:
     """What the stored fit is: its date, the table version it was fitted to, and whether that is this table."""
     data = catalog.efficiency()
     version = catalog.measurements_version()
-    return {"file": "catalog/efficiency.json", "date": data.get("date"), "table_version": data.get("table_version"),
+    return {"file": str(catalog.efficiency_file()), "source": catalog.efficiency_source(),  # the user's, or packaged
+            "date": data.get("date"), "table_version": data.get("table_version"),
             "current_table_version": version, "stale": data.get("table_version") != version,
             "params": data.get("params"), "excluded": data.get("excluded", [])}
 

@@ -17,6 +17,7 @@ from kvwall.spec.resolve import load_spec
 from kvwall.units import fmt_bytes, fmt_tokens
 
 DEVICES = ["h100-sxm", "h200", "b200"]
+PREDICTED = "computed in this run by kvwall's predictor from the catalog's model configs; nothing measured"
 CONTEXTS = [1 << k for k in range(10, 21)]  # 1k .. 1M
 
 
@@ -53,6 +54,7 @@ def memory_section(out: Path) -> Section:
         assumptions=["KV cache and SSM state in each model's 16-bit type; weights in 16-bit",
                      "10 % of each GPU's memory kept in reserve for activations and runtime",
                      "contexts past a model's trained maximum are what-ifs of its architecture"],
+        provenance=PREDICTED,
     )
 
 
@@ -95,7 +97,14 @@ def speed_section(out: Path) -> Section:
                      "'tp N') that holds its weights and the sequence's cache with 10 % in reserve; 'does not fit "
                      "8' where 8 GPUs are not enough", "tok/s is per sequence; with tp > 1 each step also pays the "
                      "all-reduces over the device's interconnect"],
+        provenance=f"{PREDICTED}; {fit_provenance()}",
     )
+
+
+def fit_provenance() -> str:
+    """Where expected mode's fitted figures come from, and the date of that fit."""
+    return (f"expected mode's fitted figures of {catalog.efficiency().get('date', 'an unknown date')} "
+            f"({catalog.efficiency_source()})")
 
 
 def _par(spec, fm, device, context: int) -> Parallel | None:
@@ -147,6 +156,7 @@ def balance_section(out: Path) -> Section:
         tables=[Table(["device", "year", "16-bit TFLOP/s", "GB/s", "balance FLOP/B"], rows,
                       "dense peaks from the device catalog (V100: fp16 tensor; others bf16)")],
         figures=[Figure(fig, "Growth of 16-bit compute and memory bandwidth since V100", "balance")],
+        provenance="the device catalog's datasheet peaks, read in this run; nothing measured",
     )
 
 

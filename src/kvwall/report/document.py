@@ -31,6 +31,7 @@ class Section:
     tables: list[Table] = field(default_factory=list)
     figures: list[Figure] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
+    provenance: str = ""  # where its numbers come from: this run, a cache or an earlier calibration, with dates
 
 
 @dataclass
@@ -54,6 +55,7 @@ td:first-child,th:first-child{text-align:left}
 figure{margin:1.5em 0} figure img{max-width:100%;border:1px solid #e3e7ee}
 figcaption,.caption{color:#5a6372;font-size:.9em}
 .assume{background:#f7f9fc;border-left:4px solid #8aa4c8;padding:.5em 1em;font-size:.9em}
+.prov{color:#5a6372;font-size:.9em;font-style:italic;margin-top:-.5em}
 """
 
 
@@ -63,6 +65,8 @@ def write_html(doc: Document, path: Path) -> Path:
              f"<h1>{html.escape(doc.title)}</h1><p class='sub'>{html.escape(doc.subtitle)}</p>"]
     for s in doc.sections:
         parts.append(f"<h2>{html.escape(s.title)}</h2>")
+        if s.provenance:
+            parts.append(f"<p class='prov'>Source: {html.escape(s.provenance)}</p>")
         parts += [f"<p>{html.escape(p)}</p>" for p in s.paragraphs]
         for t in s.tables:
             head = "".join(f"<th>{html.escape(str(c))}</th>" for c in t.columns)
@@ -86,6 +90,8 @@ def write_markdown(doc: Document, path: Path) -> Path:
     out = [f"# {doc.title}", "", f"_{doc.subtitle}_", ""]
     for s in doc.sections:
         out += [f"## {s.title}", ""]
+        if s.provenance:
+            out += [f"_Source: {s.provenance}_", ""]
         for p in s.paragraphs:
             out += [p, ""]
         for t in s.tables:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import platform
 import time
@@ -25,11 +27,29 @@ def plan(full: bool = False, say=None):
     return p, device, bench.estimate_seconds(p, device) + (REAL_SECONDS if real_model_installed() else 0)
 
 
-def section(out: Path, plan_device, progress=None) -> Section:
+def calibration_provenance(report_started: datetime.datetime) -> str:
+    """Which calibration of this machine the predictions used, with its date: one made for this report, or one
+    reused from an earlier run (a profile under a day old is reused: kvwall.measure.calibrate.FRESH_S)."""
+    from kvwall.predict.devices import profile_path
+
+    try:
+        when = datetime.datetime.fromisoformat(json.loads(profile_path().read_text())["measured"]["date"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"predictions from the `local` profile at {profile_path()}, which records no calibration date"
+    when = when if when.tzinfo else when.astimezone()  # a date without its zone: this machine's local time
+    date = when.strftime("%Y-%m-%d %H:%M %Z").strip()
+    if when >= report_started:
+        return f"predictions from the calibration of {date}, made for this report"
+    hours = (report_started - when).total_seconds() / 3600
+    return f"predictions from the calibration of {date}, reused from an earlier run ({hours:.1f} h before this report)"
+
+
+def section(out: Path, plan_device, progress=None, report_started: datetime.datetime | None = None) -> Section:
     from kvwall.measure import bench
 
     plan, device = plan_device
     started = time.strftime("%Y-%m-%d %H:%M %Z")
+    report_started = report_started or datetime.datetime.now().astimezone()
     t0 = time.time()
     results = bench.run(plan, device)
     s = bench.summary(results)
@@ -50,6 +70,7 @@ def section(out: Path, plan_device, progress=None) -> Section:
     real = real_model_table(device)
     return Section(
         "Measured on this machine",
+        provenance=f"measured in this run on {started}; {calibration_provenance(report_started)}",
         paragraphs=[where, verdict, *reasons, *skipped],
         tables=([real] if real else []) + [Table(["arch", "context", "decode ms", "predicted ms", "error", "predicted bound", "cache",
                        "predicted cache", "peak RSS"], rows,

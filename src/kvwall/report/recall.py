@@ -1,5 +1,6 @@
 """The report's recall section: `kvwall recall`'s default grid from its results cache, never trained here (the
-report stays fast: CI runs it); without those results, one line saying how to make them."""
+report stays fast: CI runs it); without those results, or with a damaged one (a warning names it), one line saying
+how to make them."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def section(out: Path, cache: Path | None = None) -> Section:
     data = recall.cached(*recall.request(recall.DEFAULTS), cache=cache)
     if data is None:
         return Section(TITLE, paragraphs=[
-            "No cached results of the default recall grid on this machine: run `kvwall recall` (trains small "
+            "No complete, undamaged cached results of the default recall grid on this machine (a damaged one is "
+            "named in a warning, never shown): run `kvwall recall` (trains small "
             "attention, sliding-window, Mamba, Mamba-2 and hybrid models on MQAR; see the README for its time) and "
             "the next report shows accuracy against kept bytes here."])
     fig = plots.recall(data, out / "recall.png")

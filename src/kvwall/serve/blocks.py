@@ -10,6 +10,10 @@ copy first (copy-on-write; the caller copies the K/V).
 
 A block whose last holder lets go returns to the free list but keeps its hash: until it is handed
 out again (oldest freed first), a request with the same prefix can still revive it.
+
+Blocks come into being when first handed out (never-used ones first, in id order, then the freed ones):
+the manager's memory grows with the blocks requests used, not with the pool's size (the simulator's
+`--kv-memory 1000TB` built one Block object per block up front until it ran out of memory).
 """
 
 from __future__ import annotations
@@ -37,26 +41,28 @@ class BlockManager:
 
     def __init__(self, n_blocks: int, block_size: int):
         assert n_blocks > 0 and block_size > 0, (n_blocks, block_size)
-        self.block_size = block_size
-        self.blocks = [Block(i) for i in range(n_blocks)]
-        # oldest freed first; an OrderedDict, whose first key is O(1): a dict's scans past the slots its deletes
-        # left, 25 us a block in a 10,000-request simulation (a third of its time)
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n_blocks))
+        self.block_size, self.n_blocks = block_size, n_blocks
+        self.blocks: dict[int, Block] = {}  # the blocks handed out so far; ids [0, unused_from)
+        self.unused_from = 0  # blocks [unused_from, n_blocks) were never handed out: free, no hash
+        # freed blocks, oldest freed first; an OrderedDict, whose first key is O(1): a dict's scans past the slots
+        # its deletes left, 25 us a block in a 10,000-request simulation (a third of its time)
+        self.free: OrderedDict[int, None] = OrderedDict()
         self.cached: dict[int, int] = {}  # sealed hash -> block id
         self.hits = 0  # blocks taken from the prefix cache instead of computed
 
-    @property
-    def n_blocks(self) -> int:
-        return len(self.blocks)
-
     def n_free(self) -> int:
-        return len(self.free)
+        return self.n_blocks - self.unused_from + len(self.free)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def allocate(self) -> int:
-        """A fresh block (ref 1): the oldest free one; it stops being findable by its old hash."""
+        """A fresh block (ref 1): a never-used one while any is left, else the oldest freed one; it stops being
+        findable by its old hash."""
+        if self.unused_from < self.n_blocks:
+            bid, self.unused_from = self.unused_from, self.unused_from + 1
+            self.blocks[bid] = Block(bid, ref=1)
+            return bid
         assert self.free, "allocate() with no free block: check n_free() first"
         bid, _ = self.free.popitem(last=False)
         b = self.blocks[bid]
@@ -121,14 +127,17 @@ class BlockManager:
     def check(self, tables: list[list[int]]) -> None:
         """Conservation: every block is free (held by nobody) or held exactly by the tables listing it; none lost,
         none free twice, no cached hash pointing at a block that no longer holds it."""
-        held = [0] * self.n_blocks
+        held: dict[int, int] = {}
         for table in tables:
             assert len(table) == len(set(table)), "a request holds a block twice"
             for bid in table:
-                held[bid] += 1
-        for b in self.blocks:
-            assert b.ref == held[b.id], f"block {b.id}: ref {b.ref}, held by {held[b.id]} tables"
+                assert bid in self.blocks, f"block {bid} is held but was never handed out"
+                held[bid] = held.get(bid, 0) + 1
+        assert sorted(self.blocks) == list(range(self.unused_from)), "the handed-out blocks are not [0, unused_from)"
+        for b in self.blocks.values():
+            n = held.get(b.id, 0)
+            assert b.ref == n, f"block {b.id}: ref {b.ref}, held by {n} tables"
             assert (b.ref == 0) == (b.id in self.free), f"block {b.id}: ref {b.ref}, free {b.id in self.free}"
-        assert len(self.free) + sum(1 for b in self.blocks if b.ref) == self.n_blocks, "a block is lost"
+        assert self.n_free() + sum(1 for b in self.blocks.values() if b.ref) == self.n_blocks, "a block is lost"
         for h, bid in self.cached.items():
             assert self.blocks[bid].hash == h, f"cached hash points at block {bid}, which no longer holds it"

@@ -172,15 +172,16 @@ class Runner:
                               f"{fmt_bytes(self.block_bytes)}; give more KV memory (e.g. --kv-memory 512MiB)")
         return kv_memory // self.block_bytes
 
-    def check(self, r: Request, sampling: Sampling = Sampling()) -> None:
+    def check(self, r: Request, sampling: Sampling = Sampling(), fix: str = "shorten the prompt or max_tokens") -> None:
         """A one-line error for a request that cannot run (bad sampling, a token outside the vocabulary, past
-        the context or the pool); reads only, so another thread may call it while this one steps."""
+        the context or the pool; `fix` says what the caller changes for the last two, naming its own fields);
+        reads only, so another thread may call it while this one steps."""
         sampling.check()
         vocab = self.model.spec.vocab
         if any(not 0 <= t < vocab for t in r.prompt):
             raise KvwallError(f"a prompt token id is outside the vocabulary [0, {vocab})")
-        self.model.check_context(len(r.prompt) + r.max_tokens)
-        self.sched.check_fits(r)
+        self.model.spec.check_context(len(r.prompt) + r.max_tokens, fix)
+        self.sched.check_fits(r, fix)
 
     def add(self, r: Request, sampling: Sampling = Sampling()) -> None:
         """Queue a request (after check())."""
@@ -216,9 +217,10 @@ class Runner:
             return step, []
         for src, dst in step.copies:
             self.cache.copy_block(src, dst)
-        sampled = {}
+        sampled, failed = {}, {}
         for rows in forward_groups(step.chunks):
-            sampled.update(self.sample(rows, self.forward(rows)))  # forward: (B, V)
+            sampled.update(self.sample(rows, self.forward(rows), failed))  # forward: (B, V)
+        self._drop(step, failed)
         done = self.sched.finish(step, sampled)
         for r in done:
             self.sampling.pop(r, None)
@@ -240,17 +242,34 @@ class Runner:
         check_logits(logits, f"at serving step {self.steps + 1}")
         return logits
 
-    def sample(self, chunks: list[Chunk], logits: torch.Tensor) -> dict[Request, int]:
-        """The next token of each row whose chunk ended its sequence, with that request's own sampling."""
+    def sample(self, chunks: list[Chunk], logits: torch.Tensor, failed: dict | None = None) -> dict[Request, int]:
+        """The next token of each row whose chunk ended its sequence, with that request's own sampling. A row whose
+        sampling raises goes into `failed` (request -> message) instead: one request's settings must not fail the
+        others of the step (temperature 1e-300 once cut every stream in flight)."""
         rows = [i for i, c in enumerate(chunks) if c.sample]
         greedy = logits.argmax(-1).tolist()  # (B,)
         out = {}
         for i in rows:
             r = chunks[i].request
             s, gen = self.sampling[r]
-            out[r] = greedy[i] if s.temperature == 0 else int(pick(logits[i:i + 1], s, gen)[0])
-        self.generated += len(rows)
+            try:
+                out[r] = greedy[i] if s.greedy else int(pick(logits[i:i + 1], s, gen)[0])
+            except Exception as e:
+                if failed is None:
+                    raise
+                failed[r] = f"sampling failed: {e}"
+        self.generated += len(out)
         return out
+
+    def _drop(self, step: Step, failed: dict[Request, str]) -> None:
+        """The requests whose sampling failed leave the step (their chunks are not recorded) and are aborted (their
+        blocks go back to the pool); step.failed tells the caller why."""
+        if not failed:
+            return
+        step.chunks = [c for c in step.chunks if c.request not in failed]
+        for r in failed:
+            self.abort(r)
+        step.failed = failed
 
     def run_all(self, limit: int = 100_000) -> None:
         """Step until no request is left (bounded: a stuck scheduler is a bug, not an endless loop)."""

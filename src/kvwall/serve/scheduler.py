@@ -80,6 +80,7 @@ class Step:
     copies: list[tuple[int, int]]  # (source, destination) blocks to copy before the forward (copy-on-write)
     preempted: list[Request]
     sampled: dict[Request, int] = field(default_factory=dict)  # filled by finish(): each new token
+    failed: dict[Request, str] = field(default_factory=dict)  # requests dropped from the step (their sampling failed)
 
 
 def forward_groups(items: list, n=lambda c: c.n) -> list[list]:
@@ -110,14 +111,14 @@ class Scheduler:
         self.check_fits(r)
         self.waiting.append(r)
 
-    def check_fits(self, r: Request) -> None:
-        """A one-line error for a request this scheduler could never run; changes nothing."""
+    def check_fits(self, r: Request, fix: str = "shorten the request or give the server more KV memory") -> None:
+        """A one-line error for a request this scheduler could never run, ending in `fix`; changes nothing."""
         if not r.prompt or r.max_tokens < 1:
             raise KvwallError("a request needs at least one prompt token and max_tokens >= 1")
         need = self.pool.blocks_for(len(r.prompt) + r.max_tokens)
         if need > self.pool.n_blocks:
             raise KvwallError(f"{len(r.prompt)} prompt + {r.max_tokens} new tokens need {need} KV blocks; the pool "
-                              f"has {self.pool.n_blocks}: shorten the request or give the server more KV memory")
+                              f"has {self.pool.n_blocks}: {fix}")
 
     def abort(self, r: Request) -> None:
         """Drop a request wherever it is (a client that went away): its blocks go back to the pool now."""

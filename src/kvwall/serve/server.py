@@ -6,23 +6,29 @@
         stream_options.include_usage), n = 1 only, ignore_eos (vLLM's extension); the answer carries usage
     GET  /v1/models, /health, /metrics (Prometheus text: requests, KV blocks, preemptions, prefix hits, tok/s)
 
-A bad request gets OpenAI's error object with status 400 (401 without the --api-key when one is set) and
-never reaches the engine. A client that disconnects aborts its request: its blocks are free before the
-next step. Stop strings are found in the decoded text; the text stops before them.
+A bad request gets OpenAI's error object with status 400 (413 for a body past max_body_bytes, 401 on a
+/v1/ route without the --api-key when one is set; /health and /metrics stay open) and never reaches the
+engine. The body is parsed and tokenized off the event loop. A client that disconnects aborts its request:
+its blocks are free before the next step. Stop strings are found in the decoded text; the text stops before
+them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvwall.engine.generate import Sampling
@@ -31,6 +37,12 @@ from kvwall.serve.scheduler import Request
 from kvwall.serve.worker import Handle, Worker
 
 CHAT_MAX_TOKENS = 256  # chat's default max_tokens (OpenAI's is "up to the context")
+# Request body bytes per token of the longest sequence the server can hold: a token id in a JSON list takes at most
+# 8 bytes ("128255, "), English text about 4 a token, and JSON's \uXXXX escapes 12 for an emoji (1-2 tokens): 64
+# leaves 5x room over the worst of those, and a 128k-token context allows 8 MiB (a 20 MB prompt was read and
+# tokenized for 10 s before the context check refused it).
+BODY_BYTES_PER_TOKEN = 64
+MIN_BODY_BYTES = 1 << 20  # chat templates, role names and JSON around a small model's short context
 
 
 class BadRequest(Exception):
@@ -43,6 +55,32 @@ def error_response(e: BadRequest) -> JSONResponse:
     kind = "invalid_request_error" if e.status < 500 else "server_error"
     body = {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}}
     return JSONResponse(body, status_code=e.status)
+
+
+def max_body_bytes(runner) -> int:
+    """The request body cap: BODY_BYTES_PER_TOKEN for each token of the longest sequence the server can run (the
+    model's context, or the whole pool where that is smaller or the context unknown), at least MIN_BODY_BYTES."""
+    pool = runner.sched.pool
+    tokens = min(filter(None, (runner.model.spec.context_limit, pool.n_blocks * pool.block_size)))
+    return max(BODY_BYTES_PER_TOKEN * tokens, MIN_BODY_BYTES)
+
+
+class KeyCheck:
+    """ASGI middleware: every /v1/ route needs `Authorization: Bearer KEY`, compared in constant time (a plain ==
+    returns sooner the earlier a guess differs); /health and /metrics stay open for probes and scrapers."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+            sent = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(sent, self.expected):
+                e = BadRequest("missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key",
+                               status=401)
+                return await error_response(e)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class Disconnected(Exception):
@@ -72,6 +110,12 @@ class Job:
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: run to max_tokens (load tests)
 
 
+def _shown(value, most: int = 40) -> str:
+    """A client's value in an error message: its repr, cut (a 4,000-digit max_tokens is not echoed whole)."""
+    text = repr(value)
+    return text if len(text) <= most else text[:most] + "..."
+
+
 def _number(body: dict, key: str, default, lo: float, hi: float, whole: bool = False):
     value = body.get(key, default)
     if value is None:
@@ -79,7 +123,7 @@ def _number(body: dict, key: str, default, lo: float, hi: float, whole: bool = F
     ok = isinstance(value, int) if whole else isinstance(value, (int, float))
     if isinstance(value, bool) or not ok or not lo <= value <= hi:
         kind = "an integer" if whole else "a number"
-        raise BadRequest(f"{key} must be {kind} in [{lo}, {hi}] (got {value!r})", key)
+        raise BadRequest(f"{key} must be {kind} in [{lo}, {hi}] (got {_shown(value)})", key)
     return value
 
 
@@ -115,6 +159,50 @@ def _chat_ids(messages, tok) -> list[int]:
         return tok.encode_chat(messages)
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     return tok.encode(text)
+
+
+def _no_constant(name: str):
+    raise BadRequest(f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request body's bytes -> its JSON object; BadRequest for anything else, naming the field at fault."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)  # NaN, Infinity: Python's extension, not JSON
+    except RecursionError:
+        raise BadRequest("the request body is nested too deep to read") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON ({e})") from None
+    except ValueError:  # int(): more digits than sys.get_int_max_str_digits() (4,300)
+        raise BadRequest("a number in the request body has too many digits to read") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    for key, value in body.items():
+        if _lone_surrogate(key) or _lone_surrogate(value):  # the tokenizer takes only encodable text
+            name = ascii(key) if _lone_surrogate(key) else key
+            raise BadRequest(f"{name} holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair); "
+                             "send valid Unicode text", name)
+    return body
+
+
+def _lone_surrogate(value) -> bool:
+    """Whether a string anywhere in `value` holds half a UTF-16 pair (JSON's "\\ud800" alone), which no UTF-8
+    text can; a loop, not recursion, over a body nested as deep as json.loads allows."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(v, list):
+            todo += v
+        elif isinstance(v, dict):
+            todo += v.keys()
+            todo += v.values()
+    return False
 
 
 def parse_job(body: dict, tok, chat: bool) -> Job:
@@ -174,15 +262,19 @@ class TextStream:
 # -- the app ---------------------------------------------------------------------------------------------
 
 class Api:
-    def __init__(self, worker: Worker, tok, name: str, api_key: str | None = None):
+    def __init__(self, worker: Worker, tok, name: str, api_key: str | None = None, max_body: int | None = None):
+        if api_key is not None and not api_key.strip():  # "" would serve with no key at all
+            raise KvwallError("the API key is empty: give a key, or None to serve without one")
         self.worker, self.tok, self.name, self.api_key = worker, tok or IdText(), name, api_key
+        self.max_body = max_body or max_body_bytes(worker.runner)
         self.created = int(time.time())
 
     def app(self) -> Starlette:
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.metrics)]
-        return Starlette(routes=routes, lifespan=self._lifespan)
+        keyed = [Middleware(KeyCheck, key=self.api_key)] if self.api_key else []
+        return Starlette(routes=routes, middleware=keyed, lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -201,10 +293,12 @@ class Api:
 
     async def _serve(self, request: HttpRequest, chat: bool):
         try:
-            self._authorize(request)
-            job = self._job(await self._body(request), chat)
+            raw = await self._read(request)
+            job = await run_in_threadpool(self._job, raw, chat)  # tokenizing a long prompt blocked /health 9 s
         except BadRequest as e:
             return error_response(e)
+        except ClientDisconnect:  # it went away mid-body: nobody reads an answer
+            return Response(status_code=499)
         eos = () if job.ignore_eos else self.worker.runner.model.spec.eos_token_ids
         r = Request(uuid.uuid4().hex, job.prompt, job.max_tokens, frozenset(eos))
         h = Handle(r, job.sampling, asyncio.get_running_loop())
@@ -214,32 +308,41 @@ class Api:
             return StreamingResponse(reply.stream(), media_type="text/event-stream")
         return await reply.whole(request)
 
-    def _authorize(self, request: HttpRequest) -> None:
-        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
-            raise BadRequest("missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key",
-                             status=401)
+    async def _read(self, request: HttpRequest) -> bytes:
+        """The body's bytes, refused (413) past max_body as soon as its Content-Length or the bytes streamed so far
+        (a chunked body has no length) say so, never read whole first."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and (len(length) > 18 or int(length) > self.max_body):
+            raise self._too_large()
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > self.max_body:
+                raise self._too_large()
+            parts.append(part)
+        return b"".join(parts)
 
-    async def _body(self, request: HttpRequest) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise BadRequest("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
+    def _too_large(self) -> BadRequest:
+        return BadRequest(f"the request body is over this server's limit of {self.max_body:,} bytes "
+                          f"({BODY_BYTES_PER_TOKEN} a token of the longest sequence it runs); shorten the prompt "
+                          "or messages", code="request_too_large", status=413)
+
+    def _job(self, raw: bytes, chat: bool) -> Job:
+        """The body's bytes -> the job (in a worker thread: parsing and tokenizing take long for a long prompt)."""
+        body = parse_body(raw)
         if body.get("model") != self.name:
-            raise BadRequest(f"model {body.get('model')!r} is not served here; this server serves {self.name!r}",
-                             "model", "model_not_found")
-        return body
-
-    def _job(self, body: dict, chat: bool) -> Job:
+            raise BadRequest(f"model {_shown(body.get('model'))} is not served here; this server serves "
+                             f"{self.name!r}", "model", "model_not_found")
+        field = "messages" if chat else "prompt"
         try:
             job = parse_job(body, self.tok, chat)
         except KvwallError as e:  # the tokenizer's: no chat template, a text that encodes to nothing
-            raise BadRequest(str(e), "messages" if chat else "prompt") from None
+            raise BadRequest(str(e), field) from None
         try:
-            self.worker.runner.check(Request("check", job.prompt, job.max_tokens), job.sampling)
+            self.worker.runner.check(Request("check", job.prompt, job.max_tokens), job.sampling,
+                                     fix=f"shorten {field} or max_tokens")
         except KvwallError as e:
-            raise BadRequest(str(e), "messages" if chat else "prompt", "context_length_exceeded"
+            raise BadRequest(str(e), field, "context_length_exceeded"
                              if "context" in str(e) or "KV blocks" in str(e) else None) from None
         return job
 

@@ -94,6 +94,10 @@ class Worker:
         except Exception as e:  # an engine failure fails the requests in flight, not the server
             self._fail_all(f"the engine failed: {e}")
             return
+        for r, message in step.failed.items():  # this request alone: the others of the step go on
+            h = self.handles.pop(r, None)
+            if h is not None:
+                h.push(("error", message))
         for r, token in step.sampled.items():
             h = self.handles.get(r)
             if h is not None:

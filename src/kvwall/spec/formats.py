@@ -55,6 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvwall.errors import KvwallError
+from kvwall.units import ascii_digits
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def _one_format(text: str) -> Format:
             raise KvwallError(f"format {text!r}: {base} has a fixed layout and takes no options")
         if opt == "sym":
             fmt = replace(fmt, zero_bytes=0)
-        elif opt.startswith("g") and opt[1:].isdigit() and int(opt[1:]) > 0:
+        elif opt.startswith("g") and ascii_digits(opt[1:]) and len(opt) <= 12 and int(opt[1:]) > 0:
             fmt = replace(fmt, group=int(opt[1:]))
         else:
             raise KvwallError(f"format {text!r}: option {opt!r} not understood; use :gN (group size) or :sym")
