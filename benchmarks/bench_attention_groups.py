@@ -41,7 +41,7 @@ def main() -> None:
             q = torch.randn(1, HEADS, 1, D)
             mask = visible(torch.tensor([[S - 1]]), torch.arange(S)[None], None)
 
-            def sweep():
+            def sweep(caches=caches, q=q, mask=mask):
                 for k, v in caches:
                     attend(q, k, v, mask, D ** -0.5, None)
 

@@ -1,6 +1,7 @@
 """One projection at SmolLM2-135M's shapes: y = x W^T with W in fp32 (F.linear, column-major as the engine
-stores it; and oneDNN's prepacked layout, which the engine does not use yet), torch's packed CPU ops (_weight_int8pack_mm, per-channel int8; _weight_int4pack_mm_for_cpu, int4
-groups of 32) and kvwall's PackedLinear kernel (int8 / int4, fp16 scales and zeros per group).
+stores it; and oneDNN's prepacked layout, which the engine does not use yet), torch's packed CPU ops
+(_weight_int8pack_mm, per-channel int8; _weight_int4pack_mm_for_cpu, int4 groups of 32) and kvwall's PackedLinear
+kernel (int8 / int4, fp16 scales and zeros per group).
 
     .venv/bin/python benchmarks/bench_packed_linear.py [--runs 15] [--rows 1,16]
 
@@ -17,12 +18,12 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from timing import median_ms
-
 from kvwall.engine.layers.packed import PackedLinear, packed_kernel
 from kvwall.engine.model import column_major
 from kvwall.measure.machine import llc_bytes
 from kvwall.spec.formats import get_format
+
+from timing import median_ms
 
 SHAPES = [(576, 576), (576, 1536), (1536, 576), (576, 49152)]  # (in K, out N): o_proj, up, down, lm_head
 
@@ -82,7 +83,7 @@ def main() -> None:
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, K)
                 try:
-                    ms = median_ms(lambda: nxt()(x), args.runs)
+                    ms = median_ms(lambda nxt=nxt, x=x: nxt()(x), args.runs)
                 except RuntimeError as e:
                     print(f"| {K}x{N} | {rows} | {name} | failed: {str(e).splitlines()[0][:60]} | |")
                     continue

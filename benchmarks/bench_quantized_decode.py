@@ -74,7 +74,8 @@ def main() -> None:
         pos = torch.tensor([[S - 1]])
         mask = visible(pos, torch.arange(S)[None], None)
         fp32 = rotation([(k.clone(), v.clone()) for _ in range(copies_needed(2 * k.nbytes, sweep))])
-        ms_fp32 = median_ms(lambda: attend(q, *fp32(), mask, D ** -0.5, None), args.runs)
+        # bound, not closed over: `del fp32` frees the copies once the lambda is gone
+        ms_fp32 = median_ms(lambda fp32=fp32, q=q, mask=mask: attend(q, *fp32(), mask, D ** -0.5, None), args.runs)
         del fp32
         print(f"| {S} | fp32 | {2 * k.nbytes / 2**20:.1f} | – | – | – | {ms_fp32:.2f} | – |", flush=True)
         for name in args.formats.split(","):
@@ -82,12 +83,13 @@ def main() -> None:
             layers = [first] + [quantized(S, name, k, v) for _ in range(copies_needed(first.nbytes(), sweep) - 1)]
             next_fast, next_slow = rotation(layers), rotation(layers)
 
-            def dequantized(layer=None):
+            def dequantized(layer=None, next_slow=next_slow, q=q, pos=pos):
                 k_all, v_all, k_pos = (layer or next_slow()).read(torch.float32)
                 return attend(q, k_all, v_all, visible(pos, k_pos, None), D ** -0.5, None)
 
-            def fast(layer=None):
+            def fast(layer=None, next_fast=next_fast, q=q, pos=pos):
                 return (layer or next_fast()).attend_decode(q, pos, D ** -0.5, None, kernel)
+
             ms_k, ms_d = median_ms(fast, args.runs), median_ms(dequantized, args.runs)
             diff = (fast(first) - dequantized(first)).abs().max().item()
             print(f"| {S} | {name} | {first.nbytes() / 2**20:.1f} | {ms_k:.2f} | {ms_d:.2f} | {ms_d / ms_k:.1f}x | "

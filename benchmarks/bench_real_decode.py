@@ -35,7 +35,7 @@ from kvwall.measure.real_worker import KvwallEngine, TransformersEngine, load_tr
 from kvwall.spec.gguf_meta import gguf_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-import fair  # noqa: E402  (benchmarks/fair.py: the same threads for every engine, runs in turns)
+import fair  # benchmarks/fair.py: the same threads for every engine, runs in turns
 
 
 class LlamaCppEngine:

@@ -43,7 +43,7 @@ from kvwall.measure import machine
 from kvwall.serve import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
-import fair  # noqa: E402  (benchmarks/fair.py: the same threads for every engine, runs in turns)
+import fair  # benchmarks/fair.py: the same threads for every engine, runs in turns
 
 KVWALL = [sys.executable, "-m", "kvwall"]
 METRICS = [("req/s", "request_throughput", None), ("out tok/s", "output_token_throughput", None),

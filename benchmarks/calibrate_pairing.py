@@ -25,14 +25,14 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from validate_serving import PROBE_MIDDLE, Probe  # noqa: E402
+from kvwall.measure import overhead as O
+from kvwall.predict.devices import get_device
+from kvwall.predict.memory import Formats
+from kvwall.predict.roofline import Roof, decode
+from kvwall.spec.formats import get_format
+from kvwall.spec.resolve import load_spec
 
-from kvwall.measure import overhead as O  # noqa: E402
-from kvwall.predict.devices import get_device  # noqa: E402
-from kvwall.predict.memory import Formats  # noqa: E402
-from kvwall.predict.roofline import Roof, decode  # noqa: E402
-from kvwall.spec.formats import get_format  # noqa: E402
-from kvwall.spec.resolve import load_spec  # noqa: E402
+from validate_serving import PROBE_MIDDLE, Probe
 
 
 def main() -> None:
@@ -61,12 +61,13 @@ def main() -> None:
         measured = (before + probe.measure()) / 2
         for name, t in (("paired", paired), ("unpaired", unpaired), ("profile", profile)):
             errors[name].append(t / measured - 1)
-        print(f"{time.strftime('%H:%M:%S', time.gmtime())} 1-row matmul {rate / 1e9:5.1f} GB/s + {fixed * 1e6:3.0f} us, "
-              f"dispatch {block * 1e3:.2f} ms a block; step measured {measured * 1e3:5.1f} ms, paired "
-              f"{paired * 1e3:5.1f} ({errors['paired'][-1]:+.0%}), unpaired {unpaired * 1e3:5.1f} "
+        print(f"{time.strftime('%H:%M:%S', time.gmtime())} 1-row matmul {rate / 1e9:5.1f} GB/s + "
+              f"{fixed * 1e6:3.0f} us, dispatch {block * 1e3:.2f} ms a block; step measured {measured * 1e3:5.1f} ms, "
+              f"paired {paired * 1e3:5.1f} ({errors['paired'][-1]:+.0%}), unpaired {unpaired * 1e3:5.1f} "
               f"({errors['unpaired'][-1]:+.0%}), profile ({errors['profile'][-1]:+.0%})", flush=True)
     for name, e in errors.items():
-        print(f"{name:>8}: median |error| {statistics.median(abs(x) for x in e):.0%}, from {min(e):+.0%} to {max(e):+.0%}")
+        print(f"{name:>8}: median |error| {statistics.median(abs(x) for x in e):.0%}, "
+              f"from {min(e):+.0%} to {max(e):+.0%}")
 
 
 if __name__ == "__main__":

@@ -3,14 +3,13 @@
     .venv/bin/python benchmarks/profile_serve_step.py [--model smollm2-135m] [--prompt 128] [--steps 20]
         [--batch 1]
 
-`--batch` requests (each a `--prompt`-token random prompt) through kvwall.serve.runner with an fp32 pool,
-then decode steps of all of them together timed four ways (at a batch above 1 the forward-only and
-contiguous timings are of the first request alone): the runner's whole step (schedule, forward over the paged pool, sampling);
-the model's forward alone over the same pool; the forward over a contiguous cache (what `kvwall calibrate`
-times its per-layer cost on); and torch.profiler's self time per aten op over the runner's steps (matmuls
-split by weight shape, so the LM head shows apart from the projections). The prediction is `kvwall roofline
-MODEL --device local` (needs `kvwall calibrate` first); this prints the measured side. Run it on a quiet
-machine, under the bench lock.
+`--batch` requests (each a `--prompt`-token random prompt) through kvwall.serve.runner with an fp32 pool, then
+decode steps of all of them together timed four ways (at a batch above 1 the forward-only and contiguous timings
+are of the first request alone): the runner's whole step (schedule, forward over the paged pool, sampling); the
+model's forward alone over the same pool; the forward over a contiguous cache (what `kvwall calibrate` times its
+per-layer cost on); and torch.profiler's self time per aten op over the runner's steps (matmuls split by weight
+shape, so the LM head shows apart from the projections). The prediction is `kvwall roofline MODEL --device local`
+(needs `kvwall calibrate` first); this prints the measured side. Run it on a quiet machine, under the bench lock.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import fair  # noqa: E402  (no kvwall import: loads in vLLM's venv too)
+import fair  # no kvwall import: loads in vLLM's venv too
 
 TAG = "@@ "  # a worker's answers start with it; every other line it prints is log (vLLM logs to stdout)
 WINDOW = ("each engine's own offline generate call, token ids in and out, greedy, EOS ignored: "

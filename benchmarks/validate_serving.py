@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/validate_serving.py [--model smollm2-135m] [--rates 0.5,2,8]
         [--kv-memory 16MiB,256MiB] [--requests 48] [--prompt-tokens 128] [--output-tokens 32] [--json out.json]
-        [--shared-prefix WORDS] [--save DIR]    (then, after a new `kvwall calibrate`: --replay DIR, which simulates the saved runs again)
+        [--shared-prefix WORDS] [--save DIR]
+        (then, after a new `kvwall calibrate`: --replay DIR, which simulates the saved runs again)
         [--plot out.png]    (from earlier --json files, no server: --rows A.json,B.json --plot out.png)
 
 For each KV budget it starts `kvwall serve` on a free loopback port (fp32 weights and pool), and for each
@@ -50,7 +51,7 @@ from pathlib import Path
 from kvwall.serve import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
-import fair  # noqa: E402  (benchmarks/fair.py: how each engine is given its threads)
+import fair  # benchmarks/fair.py: how each engine is given its threads
 
 KVWALL = [sys.executable, "-m", "kvwall"]
 METRICS = [("req/s", "request_throughput", None), ("tok/s", "output_token_throughput", None),
@@ -87,10 +88,10 @@ def start_vllm(args, kv: str) -> tuple[subprocess.Popen, str]:
     """vLLM's CPU server on the model's fp32 weights with a KV pool of `kv` bytes. Its context limit is one
     request and a margin (vLLM refuses to start unless the pool holds one whole context: at 16 MiB it found room
     for 128 tokens of SmolLM2 in fp32 and exited; 32 MiB starts)."""
-    from bench_serve_peers import gguf_path, hf_checkpoint, wait_healthy
-
     from kvwall.files import home
     from kvwall.units import parse_bytes
+
+    from bench_serve_peers import gguf_path, hf_checkpoint, wait_healthy
 
     checkpoint = hf_checkpoint(args.vllm_python, gguf_path(args.model))
     port = free_port()
@@ -99,9 +100,9 @@ def start_vllm(args, kv: str) -> tuple[subprocess.Popen, str]:
     log.parent.mkdir(parents=True, exist_ok=True)
     argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
             "--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-            "--max-model-len", str(args.prompt_tokens + args.output_tokens + 64), "--max-num-seqs", str(args.max_batch), "--kv-cache-memory-bytes",
-            str(parse_bytes(kv)), "--max-num-batched-tokens", str(VLLM_SCHEDULER["chunk"]), "--block-size",
-            str(VLLM_SCHEDULER["block_size"])]
+            "--max-model-len", str(args.prompt_tokens + args.output_tokens + 64), "--max-num-seqs", str(args.max_batch),
+            "--kv-cache-memory-bytes", str(parse_bytes(kv)), "--max-num-batched-tokens", str(VLLM_SCHEDULER["chunk"]),
+            "--block-size", str(VLLM_SCHEDULER["block_size"])]
     # VLLM_CPU_KVCACHE_SPACE (GiB) replaces --kv-cache-memory-bytes on the CPU build: with it set to 1, the 16 MiB
     # runs of 2026-12-03 05:00 held 20,384 tokens ("Explicitly set (1.0/12.96) GiB for KV cache" in its log)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"} | fair.vllm_env(args.threads)
@@ -390,7 +391,10 @@ def print_row(r: dict) -> None:
     for name, _, sub in METRICS:
         c = r[name]
         scale = 1e3 if sub else 1.0
-        fmt = (lambda v: "-" if v is None else f"{v * scale:,.1f}")
+
+        def fmt(v, scale=scale):
+            return "-" if v is None else f"{v * scale:,.1f}"
+
         err = "-" if c["error"] is None else f"{c['error']:+.0%}"
         counts = scored(r, name) if name == "req/s" else True
         if counts is False:

@@ -10,8 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvwall import catalog
 from kvwall.cli import main
@@ -20,7 +19,6 @@ from kvwall.predict.devices import get_device
 from kvwall.predict.memory import memory
 from kvwall.predict.roofline import Roof, decode, prefill
 from kvwall.spec.hf import spec_from_config
-
 
 BASES = {"llama": "llama-3.2-1b", "mixtral": "mixtral-8x7b", "qwen_moe": "qwen3-30b-a3b", "mamba": "mamba-130m-hf",
          "mamba2": "mamba-codestral-7b", "deepseek": "deepseek-v2-lite", "jamba": "jamba-v0.1", "gemma3": "gemma-3-1b",
@@ -50,15 +48,20 @@ def assert_one_clean_line(rc, err, *names):
 
 NAN = float("nan")
 CONFIG_CASES = [  # (family, field, value, what the message must name)
-    ("llama", "head_dim", -128, "head_dim"), ("llama", "head_dim", 0, "head_dim"), ("llama", "head_dim", 64.5, "head_dim"),
-    ("llama", "head_dim", "64", "head_dim"), ("llama", "head_dim", True, "head_dim"), ("llama", "head_dim", [64], "head_dim"),
-    ("llama", "num_key_value_heads", 0, "num_key_value_heads"), ("llama", "num_key_value_heads", -8, "num_key_value_heads"),
-    ("llama", "num_key_value_heads", 5, "num_key_value_heads"), ("llama", "num_key_value_heads", "8", "num_key_value_heads"),
-    ("llama", "num_attention_heads", 0, "num_attention_heads"), ("llama", "num_attention_heads", -32, "num_attention_heads"),
+    ("llama", "head_dim", -128, "head_dim"), ("llama", "head_dim", 0, "head_dim"),
+    ("llama", "head_dim", 64.5, "head_dim"), ("llama", "head_dim", "64", "head_dim"),
+    ("llama", "head_dim", True, "head_dim"), ("llama", "head_dim", [64], "head_dim"),
+    ("llama", "num_key_value_heads", 0, "num_key_value_heads"),
+    ("llama", "num_key_value_heads", -8, "num_key_value_heads"),
+    ("llama", "num_key_value_heads", 5, "num_key_value_heads"),
+    ("llama", "num_key_value_heads", "8", "num_key_value_heads"),
+    ("llama", "num_attention_heads", 0, "num_attention_heads"),
+    ("llama", "num_attention_heads", -32, "num_attention_heads"),
     ("llama", "hidden_size", 0, "hidden_size"), ("llama", "hidden_size", -1, "hidden_size"),
     ("llama", "hidden_size", "2048", "hidden_size"), ("llama", "hidden_size", 2048.5, "hidden_size"),
     ("llama", "hidden_size", 2**41, "hidden_size"), ("llama", "num_hidden_layers", 0, "num_hidden_layers"),
-    ("llama", "num_hidden_layers", -1, "num_hidden_layers"), ("llama", "num_hidden_layers", 50_000_000, "num_hidden_layers"),
+    ("llama", "num_hidden_layers", -1, "num_hidden_layers"),
+    ("llama", "num_hidden_layers", 50_000_000, "num_hidden_layers"),
     ("llama", "num_hidden_layers", 1.5, "num_hidden_layers"), ("llama", "num_hidden_layers", "16", "num_hidden_layers"),
     ("llama", "num_hidden_layers", None, "num_hidden_layers"), ("llama", "intermediate_size", 0, "intermediate_size"),
     ("llama", "intermediate_size", -1, "intermediate_size"), ("llama", "vocab_size", 0, "vocab_size"),
@@ -72,15 +75,19 @@ CONFIG_CASES = [  # (family, field, value, what the message must name)
     ("llama", "max_position_embeddings", 0, "max_position_embeddings"), ("llama", "rms_norm_eps", -1, "rms_norm_eps"),
     ("llama", "rope_scaling", "x", "rope_scaling"), ("llama", "eos_token_id", -2, "eos_token_id"),
     ("llama", "eos_token_id", "x", "eos_token_id"), ("llama", "bos_token_id", -2, "bos_token_id"),
-    ("mixtral", "num_experts_per_tok", 9, "num_experts_per_tok"), ("mixtral", "num_experts_per_tok", 0, "num_experts_per_tok"),
+    ("mixtral", "num_experts_per_tok", 9, "num_experts_per_tok"),
+    ("mixtral", "num_experts_per_tok", 0, "num_experts_per_tok"),
     ("mixtral", "num_local_experts", 0, "num_local_experts"), ("mixtral", "num_attention_heads", 33, "hidden_size"),
-    ("qwen_moe", "decoder_sparse_step", 0, "decoder_sparse_step"), ("qwen_moe", "num_experts_per_tok", 200, "num_experts_per_tok"),
-    ("qwen_moe", "mlp_only_layers", "x", "mlp_only_layers"), ("qwen_moe", "moe_intermediate_size", -768, "moe_intermediate_size"),
+    ("qwen_moe", "decoder_sparse_step", 0, "decoder_sparse_step"),
+    ("qwen_moe", "num_experts_per_tok", 200, "num_experts_per_tok"),
+    ("qwen_moe", "mlp_only_layers", "x", "mlp_only_layers"),
+    ("qwen_moe", "moe_intermediate_size", -768, "moe_intermediate_size"),
     ("mamba", "state_size", 0, "state_size"), ("mamba", "conv_kernel", -4, "conv_kernel"),
     ("mamba", "hidden_size", "768", "hidden_size"), ("mamba", "time_step_rank", 0, "time_step_rank"),
     ("mamba", "time_step_rank", "big", "time_step_rank"), ("mamba", "expand", 0, "expand"),
     ("mamba", "intermediate_size", -1, "intermediate_size"), ("mamba2", "n_groups", 0, "n_groups"),
-    ("mamba2", "n_groups", 3, "n_groups"), ("mamba2", "num_heads", 0, "num_heads"), ("mamba2", "head_dim", -64, "head_dim"),
+    ("mamba2", "n_groups", 3, "n_groups"), ("mamba2", "num_heads", 0, "num_heads"),
+    ("mamba2", "head_dim", -64, "head_dim"),
     ("mamba2", "time_step_limit", "x", "time_step_limit"), ("mamba2", "state_size", 0, "state_size"),
     ("deepseek", "kv_lora_rank", 0, "kv_lora_rank"), ("deepseek", "qk_rope_head_dim", -64, "qk_rope_head_dim"),
     ("deepseek", "num_experts_per_tok", 100, "num_experts_per_tok"), ("deepseek", "n_group", 0, "n_group"),
@@ -89,12 +96,15 @@ CONFIG_CASES = [  # (family, field, value, what the message must name)
     ("jamba", "mamba_d_state", 0, "mamba_d_state"), ("jamba", "num_experts_per_tok", 17, "num_experts_per_tok"),
     ("jamba", "mamba_dt_rank", 0, "mamba_dt_rank"), ("jamba", "attn_layer_offset", -1, "attn_layer_offset"),
     ("gemma3", "sliding_window_pattern", 0, "sliding_window_pattern"),
-    ("gemma3", "query_pre_attn_scalar", -1, "query_pre_attn_scalar"), ("gemma3", "sliding_window", -1, "sliding_window"),
+    ("gemma3", "query_pre_attn_scalar", -1, "query_pre_attn_scalar"),
+    ("gemma3", "sliding_window", -1, "sliding_window"),
     ("gemma3", "layer_types", "x", "layer_types"), ("gpt2", "n_head", 7, "n_embd"), ("gpt2", "n_embd", 0, "n_embd"),
     ("gpt2", "n_layer", 200_000, "n_layer"), ("nemotron", "n_groups", 0, "n_groups"),
-    ("nemotron", "hybrid_override_pattern", 5, "hybrid_override_pattern"), ("nemotron", "mamba_num_heads", 0, "mamba_num_heads"),
+    ("nemotron", "hybrid_override_pattern", 5, "hybrid_override_pattern"),
+    ("nemotron", "mamba_num_heads", 0, "mamba_num_heads"),
     ("nemotron", "num_key_value_heads", 0, "num_key_value_heads"),
-    ("nemotron", "time_step_limit", [0.5, 0.1], "time_step_limit"), ("nemotron", "time_step_limit", [-1, 1], "time_step_limit"),
+    ("nemotron", "time_step_limit", [0.5, 0.1], "time_step_limit"),
+    ("nemotron", "time_step_limit", [-1, 1], "time_step_limit"),
     ("mamba2", "time_step_limit", [0, "x"], "time_step_limit"),
 ]
 
@@ -264,7 +274,8 @@ OPTION_CASES = [  # (argv, what the message must name)
 ]
 
 
-@pytest.mark.parametrize("argv, name", OPTION_CASES, ids=[" ".join(a[2:] if len(a) > 2 else a) for a, _ in OPTION_CASES])
+@pytest.mark.parametrize("argv, name", OPTION_CASES,
+                         ids=[" ".join(a[2:] if len(a) > 2 else a) for a, _ in OPTION_CASES])
 def test_bad_option(argv, name, capsys):
     assert_one_clean_line(*run(argv, capsys), name)
 
@@ -332,8 +343,8 @@ NEG_HEAD_DIM = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers":
                 "num_key_value_heads": 8, "head_dim": -128, "intermediate_size": 14336, "vocab_size": 128256}
 
 
-@pytest.mark.parametrize("args", ["memory no-such-model", "memory llama-3-8b --context -5", "memory neg.json --context 4k",
-                                  "roofline llama-3-8b --compute-dtype banana",
+@pytest.mark.parametrize("args", ["memory no-such-model", "memory llama-3-8b --context -5",
+                                  "memory neg.json --context 4k", "roofline llama-3-8b --compute-dtype banana",
                                   "roofline llama-3-8b --tp 8 --link-latency nan"])
 def test_hostile_cases_in_a_subprocess(args, tmp_path):
     (tmp_path / "neg.json").write_text(json.dumps(NEG_HEAD_DIM))
@@ -406,7 +417,8 @@ def _numbers(node, key=""):
         yield key, node
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(family=st.sampled_from(sorted(FIELDS)), data=st.data())
 def test_random_field_values_through_the_cli(family, data, tmp_path_factory, capsys):
     cfg = base(family)

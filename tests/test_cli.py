@@ -17,7 +17,8 @@ def run_json(capsys, *argv):
 def test_compare_default_lineup(capsys):
     data = run_json(capsys, "compare")
     names = [m["model"] for m in data["models"]]
-    assert names == ["gpt2-xl", "llama-3-8b", "llama-3-70b", "deepseek-v3", "gemma-3-27b", "mamba-2.8b-hf", "jamba-v0.1"]
+    assert names == ["gpt2-xl", "llama-3-8b", "llama-3-70b", "deepseek-v3", "gemma-3-27b", "mamba-2.8b-hf",
+                     "jamba-v0.1"]
     by = {m["model"]: m for m in data["models"]}
     assert by["llama-3-8b"]["cache_bytes"]["131072"] == 131_072 * 131_072
     # 141 GB of bf16 weights do not fit one 80 GB GPU (72 GB after the reserve): two do

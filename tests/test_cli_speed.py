@@ -31,7 +31,10 @@ def test_roofline_json_states_assumptions(capsys):
 def test_roofline_kv_format_and_tp(capsys):
     base = run_json(capsys, "roofline", "llama-3-70b", "--tp", "4", "--context", "32k")
     fp8 = run_json(capsys, "roofline", "llama-3-70b", "--tp", "4", "--context", "32k", "--kv-format", "fp8")
-    cache = lambda d: sum(o["cache_read"] for o in d["phases"][0]["decode"]["ops"])
+
+    def cache(d):
+        return sum(o["cache_read"] for o in d["phases"][0]["decode"]["ops"])
+
     assert cache(fp8) == pytest.approx(cache(base) / 2)
     assert base["weights_fit"] is True
 

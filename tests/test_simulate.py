@@ -6,13 +6,13 @@ from dataclasses import replace
 
 import pytest
 
+from kvwall import simulate as sim
 from kvwall.cli import main
 from kvwall.errors import KvwallError
 from kvwall.predict.devices import get_device
 from kvwall.predict.memory import Formats, Parallel
 from kvwall.predict.roofline import Roof, run_mix
 from kvwall.predict.step import Step
-from kvwall import simulate as sim
 from kvwall.simulate import Pool, StepClock, kv_pool, report, simulate
 from kvwall.spec.resolve import load_spec
 from kvwall.workload import Lengths, Request, stream, summarize
@@ -248,7 +248,8 @@ def test_cli_shared_prefix_sweep(capsys):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--rate", "1", "--shared-prefix", "-5"], "--shared-prefix"), (["--rate", "-1"], "--rate"), (["--rate", "1", "--requests", "0"], "--requests"),
+    (["--rate", "1", "--shared-prefix", "-5"], "--shared-prefix"), (["--rate", "-1"], "--rate"),
+    (["--rate", "1", "--requests", "0"], "--requests"),
     (["--find-rate"], "needs an SLO"), ([], "say how requests come"),
     (["--rate", "1", "--sweep", "banana=1"], "bad --sweep"), (["--rate", "1", "--sweep", "tp=x"], "bad --sweep value"),
     (["--rate", "1", "--prompt-tokens", "lognormal:mean=1"], "bad --prompt-tokens"),
@@ -306,8 +307,6 @@ def test_clock_with_pipeline_stages():
 
 def test_clock_equals_the_mixed_roofline_on_a_measured_cpu():
     """The local profile's rates (FLOPs paid on top of bytes, matmul rows, fixed costs) in the clock as in run_mix."""
-    from dataclasses import replace
-
     dev = replace(get_device("h100"), op_bandwidth={"matmul": 20e9, "attention": 25e9, "latent": 25e9},
                   op_flops={"attention": 30e9, "attention:prefill": 90e9, "latent": 60e9},
                   op_fixed_s={"attention": 5e-5, "attention:prefill": 2e-5},
@@ -330,8 +329,6 @@ def test_paged_pool_cost_by_hand():
     layer. Rows (99, 1), (5000, 1), (0, 300) in blocks of 16 hold 100, 5,001 and 300 tokens: the widest is 313
     blocks, so every row gathers 313 x 16 = 5,008 tokens: 3 x 5,008 x 4,096 = 61,538,304 bytes a layer.
     Per layer 1e-4 + 61,538,304 x 1e-9 = 0.061638304 s; 32 layers: 1.972425728 s, on top of the roofline."""
-    from dataclasses import replace
-
     spec = load_spec("llama-3-8b")
     fm = Formats.for_spec(spec)
     roof = Roof(replace(get_device("h100"), paged_pool=POOL_COST))
@@ -347,8 +344,6 @@ def test_paged_pool_cost_by_hand():
 
 def test_pool_cost_skips_layers_without_a_cache():
     """Jamba keeps K/V in 4 of its 32 layers (1 attention : 7 Mamba), 8 KV heads x 128, bf16: only those pay."""
-    from dataclasses import replace
-
     spec = load_spec("jamba-v0.1")
     fm = Formats.for_spec(spec)
     roof = Roof(replace(get_device("h100"), paged_pool=POOL_COST))
@@ -382,8 +377,6 @@ def test_a_profile_without_the_pool_cost_is_todays_clock(tmp_path, monkeypatch, 
 def test_runner_cost_once_per_step_by_hand():
     """1 ms + 0.2 ms a row, once per scheduler step even when decode rows and chunks run as two forwards:
     3 rows -> 1.6 ms on top of the forwards."""
-    from dataclasses import replace
-
     from kvwall.simulate import _step_time
 
     spec = load_spec("llama-3-8b")
@@ -400,8 +393,6 @@ def test_runner_cost_once_per_step_by_hand():
 def test_runner_slowdown_scales_the_step_forwards_by_hand():
     """A runner that slows the forwards beside it by 10 %: 1 ms + 0.2 ms a row + 0.1 x the forwards' time, the
     split forwards' sum when kvwall serve runs them apart."""
-    from dataclasses import replace
-
     from kvwall.simulate import _step_time
 
     spec = load_spec("llama-3-8b")

@@ -54,7 +54,8 @@ def test_dataset(tmp_path):
     path.write_text('{"prompt_tokens": 7, "output_tokens": 2, "arrival_s": 1.5}\n'
                     '{"prompt_tokens": 3, "output_tokens": 2, "arrival_s": 0.25}\n')
     assert [r.arrival_s for r in load_dataset(path, rate=100.0)] == [1.5, 0.25]  # a recorded trace, replayed
-    path.write_text('{"prompt_tokens": 7, "output_tokens": 2, "arrival_s": 1.5}\n{"prompt_tokens": 3, "output_tokens": 2}\n')
+    path.write_text('{"prompt_tokens": 7, "output_tokens": 2, "arrival_s": 1.5}\n'
+                    '{"prompt_tokens": 3, "output_tokens": 2}\n')
     with pytest.raises(KvwallError, match="some lines have arrival_s"):
         load_dataset(path)
     path.write_text('{"prompt_tokens": 7, "output_tokens": 2, "arrival_s": -1}\n')

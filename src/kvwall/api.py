@@ -31,10 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from contextlib import nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Mapping, Sequence, Union
+from typing import Any
 
 from kvwall import catalog
 from kvwall.errors import KvwallError
@@ -42,7 +43,7 @@ from kvwall.predict import devices as dev
 from kvwall.predict.memory import Formats, MemoryReport, Parallel
 from kvwall.predict.roofline import PhaseResult, Roof
 from kvwall.spec.model import ModelSpec
-from kvwall.units import (parse_bytes, parse_int_list, parse_token_list, parse_tokens, real, seconds_arg, whole)
+from kvwall.units import parse_bytes, parse_int_list, parse_token_list, parse_tokens, real, seconds_arg, whole
 
 __all__ = [
     "memory", "fit", "compare", "roofline", "speed", "simulate", "validate",
@@ -50,9 +51,9 @@ __all__ = [
     "SpeedResult", "SpeedRow", "SpeedPoint", "SimulateResult", "SimulatePoint", "ValidateResult",
 ]
 
-Model = Union[str, "os.PathLike[str]", ModelSpec]
-Tokens = Union[int, str]
-TokenList = Union[int, str, Sequence[Union[int, str]]]
+Model = str | os.PathLike[str] | ModelSpec
+Tokens = int | str
+TokenList = int | str | Sequence[int | str]
 
 LINEUP = catalog.LINEUP
 COMPARE_CONTEXTS = "4k,32k,128k,1M"
@@ -581,7 +582,8 @@ def reshape(spec: ModelSpec, *, kv_heads: int | None = None, window: Tokens | No
     notes = []
     if kv_heads is not None:
         n = _check(kv_heads, whole(1), "kv_heads")
-        heads = {l.mixer.n_q_heads for l in spec.layers if l.mixer is not None and l.mixer.kind == "attention"}
+        heads = {layer.mixer.n_q_heads for layer in spec.layers
+                 if layer.mixer is not None and layer.mixer.kind == "attention"}
         if not heads:
             raise KvwallError(f"--kv-heads: {spec.name} has no (non-latent) attention layers to re-shape")
         if n <= 0 or any(h % n for h in heads):
@@ -649,7 +651,7 @@ def roof_for(spec: ModelSpec, fm: Formats, tp: int = 1, *, device: str = DEFAULT
         roof = expected_roof(d, dtype, fm, spec, tp)
     if roof.bandwidth != roof.bandwidth:
         raise KvwallError(f"device {device!r} has no bandwidth figure")
-    roof.peak  # raises a clear error if the dtype has no peak on this device
+    _ = roof.peak  # raises a clear error if the dtype has no peak on this device
     return roof
 
 
@@ -765,14 +767,14 @@ def fit(model: Model, *, device: str | None = None, memory: int | str | None = N
         >>> r.max_context == (80 * 10**9 - 8 * 10**9 - 16_060_522_496) // (8 * 131_072)
         True
     """
-    from kvwall.predict.fit import fit as _fit
-    from kvwall.predict.fit import parse_reserve
+    from kvwall.predict.fit import fit as _fit, parse_reserve
 
     batch = _check(batch, whole(1), "batch")
     block_size = _check(block_size, whole(1), "block_size")
     tp, pp, ep = _sizes(tp, pp, ep)
     if batch is not None and context is not None:
-        raise KvwallError("give --batch (to find the longest context) or --context (to find the largest batch), not both")
+        raise KvwallError("give --batch (to find the longest context) or --context (to find the largest batch), "
+                          "not both")
     _positive(batch, "--batch")
     spec, fm, notes = resolve(model, kv_heads=kv_heads, window=window, context=context, weight_format=weight_format,
                               kv_format=kv_format, state_format=state_format)
@@ -897,8 +899,7 @@ def roofline(model: Model, *, batch: int | str | Sequence[int] = 1, context: Tok
         4.6
     """
     from kvwall.predict.expected import describe
-    from kvwall.predict.fit import fit as _fit
-    from kvwall.predict.fit import fit_warning
+    from kvwall.predict.fit import fit as _fit, fit_warning
     from kvwall.predict.roofline import compute_bound_batch, decode, energy_estimate, prefill
 
     plot_path = _plot_path(plot)
@@ -1112,13 +1113,13 @@ def _speed_row(name, batch: int, contexts: list[int], prompt: int, sizes: tuple,
         warning = (f"{spec.name}: points marked (!) do not fit {where} of {roof.device.name} (weights + batch x "
                    "context of cache, 10 % reserve); their times are what-ifs")
     return {"model": spec.name, "family": spec.family(), "formats": fm.as_dict(), "ttft_s": ttft,
-            "ttft_fits": first["fits"], **{f"ttft_{k}": first[k] for k in GROUP}, "decode": per_ctx, "weights_fit": fits,
-            "fit_warning": warning, "notes": notes}, roof
+            "ttft_fits": first["fits"], **{f"ttft_{k}": first[k] for k in GROUP}, "decode": per_ctx,
+            "weights_fit": fits, "fit_warning": warning, "notes": notes}, roof
 
 
 # -- simulate ----------------------------------------------------------------------------------------------------
 
-Progress = Callable[[str], ContextManager[Callable[[float, int], None]]]
+Progress = Callable[[str], AbstractContextManager[Callable[[float, int], None]]]
 
 
 def simulate(model: Model, *, rate: float | None = None, concurrency: int | None = None, requests: int = 1000,
@@ -1286,8 +1287,7 @@ def _typed(key: str, value: str):
 
 def _sim_point(a: dict, progress: Progress | None) -> tuple[dict, dict]:
     """One configuration: simulated at its rate or concurrency, or the largest rate that meets the SLO."""
-    from kvwall import simulate as sim
-    from kvwall import workload
+    from kvwall import simulate as sim, workload
     from kvwall.predict.expected import describe
     from kvwall.predict.fit import parse_reserve
 

@@ -20,8 +20,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvwall.commands import (bench_cmd, calibrate_cmd, engine_cmds, loadtest_cmd, memory_cmds, quality_cmd,
-                                 recall_cmd, report_cmd, serve_cmd, simulate_cmd, speed_cmds, validate_cmd)
+    from kvwall.commands import (
+        bench_cmd,
+        calibrate_cmd,
+        engine_cmds,
+        loadtest_cmd,
+        memory_cmds,
+        quality_cmd,
+        recall_cmd,
+        report_cmd,
+        serve_cmd,
+        simulate_cmd,
+        speed_cmds,
+        validate_cmd,
+    )
 
     p = _Parser(
         prog="kvwall",

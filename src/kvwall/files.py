@@ -13,9 +13,10 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any
 
 from kvwall.errors import KvwallError
 

@@ -36,8 +36,7 @@ from kvwall.predict.memory import Formats, Parallel, memory, pipeline_stages, st
 from kvwall.predict.ops import PER_SEQUENCE, embedding, layer_ops, lm_head
 from kvwall.predict.roofline import Roof, pipeline_sends, step_overhead
 from kvwall.predict.step import Step, matmul_kernel
-from kvwall.serve.scheduler import Request as Job
-from kvwall.serve.scheduler import Scheduler, forward_groups
+from kvwall.serve.scheduler import Request as Job, Scheduler, forward_groups
 from kvwall.spec.model import ModelSpec
 from kvwall.workload import Record, Request, summarize
 

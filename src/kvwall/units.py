@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from kvwall.errors import KvwallError
 

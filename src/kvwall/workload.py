@@ -227,5 +227,6 @@ def summarize(records: list[Record], slo_ttft: float | None = None, slo_tpot: fl
             "request_throughput": rate(len(done)), "output_token_throughput": rate(tokens),
             "goodput": rate(sum(r.meets(slo_ttft, slo_tpot) for r in done)),
             "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot},
-            "ttft_s": distribution([r.ttft for r in done]), "tpot_s": distribution([r.tpot for r in done if r.tpot is not None]),
+            "ttft_s": distribution([r.ttft for r in done]),
+            "tpot_s": distribution([r.tpot for r in done if r.tpot is not None]),
             "itl_s": distribution([g for r in done for g in r.itl()]), "e2e_s": distribution([r.e2e for r in done])}

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvwall.engine import native  # noqa: E402
+from kvwall.engine import native
 
 ALL = sorted(p.stem for p in native.KERNELS.glob("*.cpp"))
 N = len(ALL)

@@ -51,8 +51,8 @@ def test_kernel_sources_are_package_files():
     assert {"common.h", "selective_scan.cpp", "quantized_decode.cpp", "mla_decode.cpp", "paged_decode.cpp",
             "fused_ops.cpp"} <= names
     for name, function in [("selective_scan", "selective_scan"), ("quantized_decode", "quantized_decode"),
-                           ("mla_decode", "mla_decode"), ("paged_decode", "paged_decode"), ("fused_ops", "add_rms_norm"),
-                           ("fused_ops", "silu_mul")]:
+                           ("mla_decode", "mla_decode"), ("paged_decode", "paged_decode"),
+                           ("fused_ops", "add_rms_norm"), ("fused_ops", "silu_mul")]:
         text = (kernels / f"{name}.cpp").read_text()
         assert '#include "common.h"' in text and f'm.def("{function}"' in text
 

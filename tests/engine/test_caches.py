@@ -17,8 +17,8 @@ from kvwall.engine.caches.quant import dequantize, group_size, quantize  # noqa:
 from kvwall.engine.generate import generate  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
 from kvwall.errors import KvwallError  # noqa: E402
-from kvwall.spec.formats import get_format  # noqa: E402
 from kvwall.predict.memory import Formats, kivi_cache_bytes, memory  # noqa: E402
+from kvwall.spec.formats import get_format  # noqa: E402
 from kvwall.spec.model import MLP, Attention, Layer, ModelSpec  # noqa: E402
 
 
@@ -45,7 +45,8 @@ def feed(cache, spec, lengths, chunk=7, seed=0):
         cache.step(pos)
         for i, layer in enumerate(spec.layers):
             a = layer.mixer
-            k, v = torch.randn(B, a.n_kv_heads, T, a.head_dim, generator=g), torch.randn(B, a.n_kv_heads, T, a.v_head_dim, generator=g)
+            k, v = (torch.randn(B, a.n_kv_heads, T, a.head_dim, generator=g),
+                    torch.randn(B, a.n_kv_heads, T, a.v_head_dim, generator=g))
             cache.update(i, k, v, pos)
 
 
@@ -77,7 +78,8 @@ def test_quantized_bytes_equal_predictor(fmt, length):
                                 residual_format=get_format("fp32"))
     assert cache.nbytes() == expected
     if length >= 32 + f.group:  # something was quantized: fewer bytes than fp32
-        assert cache.nbytes() < memory(spec.with_window(None), batch=2, context=length, formats=fmts("fp32")).cache_bytes
+        fp32_bytes = memory(spec.with_window(None), batch=2, context=length, formats=fmts("fp32")).cache_bytes
+        assert cache.nbytes() < fp32_bytes
 
 
 @pytest.mark.parametrize("block", [1, 4, 16])

@@ -16,8 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from kvwall.engine import decode_stack  # noqa: E402
 from kvwall.engine.caches import make_cache  # noqa: E402
 from kvwall.engine.generate import generate  # noqa: E402
-from kvwall.engine.layers import mlp as mlp_module  # noqa: E402
-from kvwall.engine.layers import norm as norm_module  # noqa: E402
+from kvwall.engine.layers import (  # noqa: E402
+    mlp as mlp_module,
+    norm as norm_module,
+)
 from kvwall.engine.layers.norm import RMSNorm  # noqa: E402
 from kvwall.engine.layers.rope import Rotary, apply_rope, rotate  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402

@@ -18,7 +18,7 @@ def test_fp8_bytes_are_one_per_element(checkpoint):
     model = load_model(path)
     spec = model.spec
     cache = make_cache("fp8", spec, 3, 40)
-    attn = [l.mixer for l in spec.layers]
+    attn = [layer.mixer for layer in spec.layers]
     by_hand = sum(3 * 40 * a.n_kv_heads * (a.head_dim + a.v_head_dim) for a in attn)  # 1 byte each
     assert cache.nbytes() == by_hand
     assert cache.layers[0].k.dtype == torch.float8_e4m3fn and cache.layers[0].k.element_size() == 1

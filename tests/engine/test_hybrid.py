@@ -21,8 +21,8 @@ from kvwall.engine.caches import ModelCache, make_cache  # noqa: E402
 from kvwall.engine.generate import generate  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
 from kvwall.errors import KvwallError  # noqa: E402
-from kvwall.spec.formats import get_format  # noqa: E402
 from kvwall.predict.memory import Formats, memory  # noqa: E402
+from kvwall.spec.formats import get_format  # noqa: E402
 from kvwall.spec.hf import spec_from_config  # noqa: E402
 from kvwall.spec.model import Attention, Mamba, Mamba2  # noqa: E402
 
@@ -53,10 +53,11 @@ def test_cache_holds_kv_for_attention_layers_and_state_for_ssm_layers(family, hy
     spec = hybrid(family).spec
     cache = make_cache("contiguous", spec, 2, 32)
     assert isinstance(cache, ModelCache)
-    kv = [i for i, l in enumerate(cache.kv.layers) if l is not None]
+    kv = [i for i, layer in enumerate(cache.kv.layers) if layer is not None]
     state = [i for i, s in enumerate(cache.state.layers) if s is not None]
-    assert kv == [i for i, l in enumerate(spec.layers) if isinstance(l.mixer, Attention)] == spec.attention_layers()
-    assert state == [i for i, l in enumerate(spec.layers) if isinstance(l.mixer, (Mamba, Mamba2))]
+    assert kv == [i for i, layer in enumerate(spec.layers)
+                  if isinstance(layer.mixer, Attention)] == spec.attention_layers()
+    assert state == [i for i, layer in enumerate(spec.layers) if isinstance(layer.mixer, (Mamba, Mamba2))]
     expected = {"jamba": ([1, 3], [0, 2]), "nemotron_h": ([1], [0, 4])}[family]
     assert (kv, state) == expected  # nemotron_h's MLP / MoE blocks (2, 3, 5) hold nothing
 
@@ -110,9 +111,9 @@ def test_right_padded_batch_equals_one_by_one(family, hybrid):
 def test_jamba_attention_has_no_positions(hybrid):
     """transformers' Jamba attention applies no rotary or learned positions; neither does the engine."""
     model = hybrid("jamba")
-    assert all(l.mixer.rope is None for l in model.spec.layers if isinstance(l.mixer, Attention))
+    assert all(layer.mixer.rope is None for layer in model.spec.layers if isinstance(layer.mixer, Attention))
     assert len(model.rotary) == 0 and model.pos_embed is None
-    m = next(l.mixer for l in model.spec.layers if isinstance(l.mixer, Mamba))
+    m = next(layer.mixer for layer in model.spec.layers if isinstance(layer.mixer, Mamba))
     assert m.inner_norms and m.inner_norm_eps == 1e-5 == model.spec.norm_eps  # rms_norm_eps, dt/B/C norms too
 
 
@@ -129,7 +130,7 @@ def test_nemotron_h_step_size_is_clamped_to_time_step_limit(tmp_path, limit):
                 p.fill_(-10.0)
     ref.save_pretrained(tmp_path / "ckpt")
     model = load_model(tmp_path / "ckpt")
-    assert next(l.mixer for l in model.spec.layers if isinstance(l.mixer, Mamba2)).dt_limit == limit
+    assert next(layer.mixer for layer in model.spec.layers if isinstance(layer.mixer, Mamba2)).dt_limit == limit
     x = ids(length=20)
     with torch.no_grad():
         assert (model(x) - ref(x).logits).abs().max().item() < 1e-4
@@ -143,7 +144,8 @@ def test_nemotron_h_block_list_equals_the_pattern_string():
     legacy = {k: v for k, v in saved.items() if k != "layers_block_type"}
     legacy.update(hybrid_override_pattern="M*-EM-", num_hidden_layers=6)
     assert spec_from_config(saved) == spec_from_config(legacy)
-    kinds = [(l.mixer.kind if l.mixer else None, l.ffn.kind if l.ffn else None) for l in spec_from_config(saved).layers]
+    kinds = [(layer.mixer.kind if layer.mixer else None, layer.ffn.kind if layer.ffn else None)
+             for layer in spec_from_config(saved).layers]
     assert kinds == [("mamba2", None), ("attention", None), (None, "mlp"), (None, "moe"), ("mamba2", None),
                      (None, "mlp")]
 

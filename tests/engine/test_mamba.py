@@ -13,12 +13,18 @@ from tiny_checkpoints import VOCAB, ids, randomize, transformers_greedy  # noqa:
 
 from kvwall.engine.caches import make_cache  # noqa: E402
 from kvwall.engine.generate import generate  # noqa: E402
-from kvwall.engine.layers.mamba import (causal_conv, scan_chunked, scan_prefill, scan_reference, scan_step,  # noqa: E402
-                                        scan_trainable)
+from kvwall.engine.layers.mamba import (  # noqa: E402
+    causal_conv,
+    scan_chunked,
+    scan_prefill,
+    scan_reference,
+    scan_step,
+    scan_trainable,
+)
 from kvwall.engine.load import load_model  # noqa: E402
 from kvwall.errors import KvwallError  # noqa: E402
-from kvwall.spec.formats import get_format  # noqa: E402
 from kvwall.predict.memory import Formats, memory  # noqa: E402
+from kvwall.spec.formats import get_format  # noqa: E402
 
 NO_TOKENS = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CONFIGS = {

@@ -20,8 +20,8 @@ from kvwall.engine.layers.latent_kernel import mla_decode  # noqa: E402
 from kvwall.engine.layers.rope import attention_factor, inv_frequencies  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
 from kvwall.errors import KvwallError  # noqa: E402
-from kvwall.spec.formats import get_format  # noqa: E402
 from kvwall.predict.memory import Formats, memory  # noqa: E402
+from kvwall.spec.formats import get_format  # noqa: E402
 from kvwall.spec.hf import spec_from_config  # noqa: E402
 
 FAMILIES = ["deepseek_v2", "deepseek_v3"]  # v2: plain q_proj, biases, group-limited softmax; v3: q LoRA, YaRN

@@ -222,9 +222,9 @@ def test_q4_k_repacks_as_q4_1_within_fp16_rounding():
     gguf package's own dequantizer gives, within the fp16 rounding of each sub-block's d sc and dmin m: 2^-11 of
     15 |d'| + |m'| per weight."""
     gg = pytest.importorskip("gguf")
-    import numpy as np
     from types import SimpleNamespace
 
+    import numpy as np
     from gguf.quants import dequantize as reference
 
     from kvwall.engine.gguf import repack
@@ -285,9 +285,8 @@ def test_smollm2_file_bytes_equal_the_predictor():
     """Independent of the engine: the bytes the gguf package gives for each tensor of SmolLM2's file add up to
     `--weight-format q4_1/q8_0`, the norms (F32 in the file) counted at the predictor's 2 bytes."""
     gg = pytest.importorskip("gguf")
-    from kvwall.spec.gguf_meta import packaged_path
+    from kvwall.spec.gguf_meta import config_from_meta, packaged_path, read_meta, weight_format
     from kvwall.spec.hf import spec_from_config
-    from kvwall.spec.gguf_meta import config_from_meta, read_meta, weight_format
 
     try:
         path = packaged_path("smollm2-135m")

@@ -7,8 +7,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import (  # noqa: E402
+    given,
+    settings,
+    strategies as st,
+)
 
 from kvwall.engine.caches import PagedCache  # noqa: E402
 from kvwall.errors import KvwallError  # noqa: E402

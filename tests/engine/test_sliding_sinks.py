@@ -59,10 +59,11 @@ def test_sinks_need_a_window():
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from tiny_checkpoints import ids  # noqa: E402
+
 from kvwall.engine.caches import make_cache  # noqa: E402
 from kvwall.engine.caches.base import NoCache  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
-from tiny_checkpoints import ids  # noqa: E402
 
 
 class MaskedForward(NoCache):

@@ -35,8 +35,8 @@ NEMOTRON_H = dict({k: v for k, v in COMMON.items() if k != "num_hidden_layers"},
 def _configs():
     t = transformers
     return {
-        "gpt2": lambda: t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=512, tie_word_embeddings=False,
-                                     bos_token_id=None, eos_token_id=None),
+        "gpt2": lambda: t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=512,
+                                     tie_word_embeddings=False, bos_token_id=None, eos_token_id=None),
         "llama": lambda: t.LlamaConfig(**COMMON, rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                                "original_max_position_embeddings": 64},

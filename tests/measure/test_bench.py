@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvwall.cli import main  # noqa: E402
+from kvwall.cli import main
 
 PROFILE = {"memory_bytes": 8 * 2**30, "memory_bandwidth_Bps": 20e9, "peak_flops": {"fp32": 1e11},
            "source": "test profile", "notes": []}

@@ -18,11 +18,12 @@ pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 
+from tiny_checkpoints import ids, make_checkpoint  # noqa: E402
+
 from kvwall.cli import main  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
 from kvwall.engine.tokenizer import load_tokenizer  # noqa: E402
 from kvwall.measure import quality  # noqa: E402
-from tiny_checkpoints import ids, make_checkpoint  # noqa: E402
 
 CHARS = [chr(c) for c in range(32, 127)] + ["\n", "[UNK]"]  # 97 ids, inside the tiny vocabulary of 160
 PER_TOKEN = 3 * 2 * 2 * 16 * 4  # tiny llama: 3 layers x (K + V) x 2 KV heads x 16 wide x 4 B (fp32)
@@ -110,7 +111,8 @@ def test_default_strategies():
     from kvwall.spec.model import MLP, Attention, Layer, ModelSpec
 
     plain = ModelSpec("t", "llama", 32, 50, tuple(Layer(Attention(4, 2, 16, 16), MLP(32)) for _ in range(2)))
-    local = ModelSpec("t", "gemma3_text", 32, 50, tuple(Layer(Attention(4, 2, 16, 16, w), MLP(32)) for w in (512, None)))
+    local = ModelSpec("t", "gemma3_text", 32, 50,
+                      tuple(Layer(Attention(4, 2, 16, 16, w), MLP(32)) for w in (512, None)))
     base = ["contiguous", "fp8", "int8", "int4", "int2", "sliding:256", "sliding:256:sink4"]
     assert quality.default_strategies(plain, 1024) == base
     assert quality.default_strategies(local, 1024) == base + ["sliding", "sliding:1024"]  # half = a quarter here

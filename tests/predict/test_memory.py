@@ -1,13 +1,12 @@
 """The cache numbers of the source documents, by hand, and the predictor's invariants."""
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvwall.errors import KvwallError
-from kvwall.spec.formats import get_format
 from kvwall.predict.memory import Formats, Parallel, cache_bytes_per_token, memory, state_bytes
-from kvwall.spec.model import MLP, Attention, Layer, LatentAttention, Mamba, Mamba2, ModelSpec
+from kvwall.spec.formats import get_format
+from kvwall.spec.model import MLP, Attention, LatentAttention, Layer, Mamba, Mamba2, ModelSpec
 from kvwall.spec.resolve import load_spec
 
 BF16, FP16 = get_format("bf16"), get_format("fp16")
@@ -53,7 +52,10 @@ def test_mamba2_state_by_hand():
 def test_gemma3_sliding_layers_stop_at_window():
     spec = load_spec("gemma-3-27b")
     per_layer = 2 * 16 * 128 * 2  # 8 KiB per token per layer
-    at = lambda ctx: memory(spec, context=ctx, formats=Formats(BF16, BF16, BF16)).cache_bytes
+
+    def at(ctx):
+        return memory(spec, context=ctx, formats=Formats(BF16, BF16, BF16)).cache_bytes
+
     assert at(1024) == 62 * 1024 * per_layer
     # past the window: 52 sliding layers hold 1024 tokens, 10 global layers hold everything
     assert at(131_072) == (52 * 1024 + 10 * 131_072) * per_layer
@@ -157,10 +159,10 @@ def test_cache_monotone_in_context_and_bounded_by_windows(spec, a, b):
     lo, hi = sorted((a, b))
     m_lo, m_hi = memory(spec, context=lo).cache_bytes, memory(spec, context=hi).cache_bytes
     assert m_lo <= m_hi
-    growing = any(isinstance(l.mixer, LatentAttention) or (isinstance(l.mixer, Attention) and not l.mixer.window)
-                  for l in spec.layers)
+    growing = any(isinstance(layer.mixer, LatentAttention)
+                  or (isinstance(layer.mixer, Attention) and not layer.mixer.window) for layer in spec.layers)
     if not growing:  # only SSM and sliding layers: nothing grows past the largest window
-        cap = max([l.mixer.window for l in spec.layers if isinstance(l.mixer, Attention)] + [1])
+        cap = max([layer.mixer.window for layer in spec.layers if isinstance(layer.mixer, Attention)] + [1])
         assert memory(spec, context=max(hi, cap)).cache_bytes == memory(spec, context=cap).cache_bytes
 
 
@@ -169,5 +171,5 @@ def test_cache_monotone_in_context_and_bounded_by_windows(spec, a, b):
 def test_paging_never_saves_and_wastes_under_a_block(spec, ctx, block):
     paged = memory(spec, batch=2, context=ctx, block_size=block)
     assert 0 <= paged.cache_bytes - paged.cache_used_bytes
-    per_token = sum(l.token_bytes for l in paged.layers)
+    per_token = sum(layer.token_bytes for layer in paged.layers)
     assert paged.cache_bytes - paged.cache_used_bytes <= 2 * (block - 1) * per_token

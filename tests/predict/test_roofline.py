@@ -3,12 +3,12 @@
 import pytest
 
 from kvwall.predict.devices import get_device
-from kvwall.spec.formats import get_format
 from kvwall.predict.memory import Formats, Parallel, memory
 from kvwall.predict.mixers.moe import expected_experts
 from kvwall.predict.ops import step_ops
-from kvwall.predict.step import Step
 from kvwall.predict.roofline import Roof, compute_bound_batch, decode, expected_tokens, prefill, speculative
+from kvwall.predict.step import Step
+from kvwall.spec.formats import get_format
 from kvwall.spec.model import MLP, Attention, Layer, ModelSpec
 from kvwall.spec.resolve import load_spec
 
@@ -70,7 +70,10 @@ def test_decode_at_least_bytes_over_bandwidth():
 def test_mamba_decode_flat_and_sliding_bends():
     roof = Roof(get_device("h100-sxm"))
     mamba, mistral = load_spec("mamba-2.8b"), load_spec("mistral-7b-v0.1")
-    t = lambda s, c: decode(s, c, 1, Formats.for_spec(s), roof).time_s
+
+    def t(s, c):
+        return decode(s, c, 1, Formats.for_spec(s), roof).time_s
+
     assert t(mamba, 1024) == t(mamba, 1 << 20)
     # Mistral-7B v0.1: 32 layers x 8 KV heads x 128 x (K, V) x 2 bytes = 131,072 cache bytes per token, window 4,096
     per_token = 32 * 8 * 128 * 2 * 2
@@ -98,7 +101,10 @@ def test_mla_absorbed_same_bytes_fewer_flops():
     fm = Formats.for_spec(spec)
     a = decode(spec, 8192, 1, fm, roof, mla_absorbed=True)
     n = decode(spec, 8192, 1, fm, roof, mla_absorbed=False)
-    cache = lambda r: sum(o.cache_read for o in r.ops)
+
+    def cache(r):
+        return sum(o.cache_read for o in r.ops)
+
     assert cache(a) == cache(n) == 61 * 8192 * 576 * 2
     assert a.flops * 10 < n.flops
 
@@ -129,7 +135,10 @@ def test_tensor_parallel_halves_weights_and_adds_allreduce():
     roof = Roof(get_device("h100-sxm"))
     one = decode(spec, 4096, 1, fm, roof)
     two = decode(spec, 4096, 1, fm, roof, Parallel(tp=2))
-    w = lambda r: sum(o.weight_bytes for o in r.ops)
+
+    def w(r):
+        return sum(o.weight_bytes for o in r.ops)
+
     assert w(two) == pytest.approx(w(one) / 2, rel=0.01)
     assert sum(1 for o in two.ops if o.name == "all-reduce") == 32
     assert two.link_s > 0

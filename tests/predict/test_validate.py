@@ -1,5 +1,6 @@
-"""`kvwall validate` (ideal mode; expected mode in test_expected.py): one row reproduced by hand from public numbers, the summary on a tiny
-synthetic table, the rate convention for time metrics, filters, bad inputs and the JSON's keys."""
+"""`kvwall validate` (ideal mode; expected mode in test_expected.py): one row reproduced by hand from public
+numbers, the summary on a tiny synthetic table, the rate convention for time metrics, filters, bad inputs and the
+JSON's keys."""
 
 import json
 

@@ -17,8 +17,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 
-import bench_serve_peers as peers  # noqa: E402
-import fair  # noqa: E402
+import bench_serve_peers as peers
+import fair
 
 
 def test_hits_in_reads_kvwall_and_vllm_counters():

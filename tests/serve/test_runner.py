@@ -9,8 +9,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import (  # noqa: E402
+    HealthCheck,
+    given,
+    settings,
+    strategies as st,
+)
 
 from kvwall.engine.caches.registry import predicted_bytes  # noqa: E402
 from kvwall.engine.generate import Sampling, generate  # noqa: E402
@@ -138,9 +142,10 @@ def test_integer_pools_hold_the_predicted_bytes_and_decode_close(tiny_model):
     for kv, per_block in [(torch.float32, 12288), ("int8", 3840), ("int4:g8", 3072)]:
         runner = Runner(model, kv_memory=100_000, kv_dtype=kv)
         assert runner.block_bytes == per_block and runner.sched.pool.n_blocks == 100_000 // per_block
-        assert runner.cache.block_bytes() == per_block and isinstance(runner.cache, QuantizedPages) == (kv != torch.float32)
+        assert runner.cache.block_bytes() == per_block
+        assert isinstance(runner.cache, QuantizedPages) == (kv != torch.float32)
         seen, forward = [], runner.forward
-        runner.forward = lambda chunks: seen.append(forward(chunks)) or seen[-1]
+        runner.forward = lambda chunks, seen=seen, forward=forward: seen.append(forward(chunks)) or seen[-1]
         runner.add(Request(0, prompt, 1))
         runner.step()
         logits[str(kv)] = seen[0]  # the prefill's attention reads its K/V back from the pool

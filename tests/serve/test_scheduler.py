@@ -11,8 +11,11 @@ from kvwall.errors import KvwallError
 from kvwall.serve.scheduler import Request, Scheduler, forward_groups
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import (  # noqa: E402
+    given,
+    settings,
+    strategies as st,
+)
 
 VOCAB = 50
 

@@ -19,10 +19,10 @@ pytest.importorskip("starlette")
 
 from kvwall.engine.generate import generate  # noqa: E402
 from kvwall.engine.tokenizer import Text  # noqa: E402
+from kvwall.serve import free_port, serving_in_thread  # noqa: E402
 from kvwall.serve.runner import Runner  # noqa: E402
 from kvwall.serve.server import Api  # noqa: E402
 from kvwall.serve.worker import Worker  # noqa: E402
-from kvwall.serve import free_port, serving_in_thread  # noqa: E402
 
 NAME, VOCAB = "tiny", 160
 

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from kvwall.serve.server import TextStream  # noqa: E402
+from kvwall.serve.server import TextStream
 
 PIECES = {0: "ab", 1: "c", 2: "d", 3: "x", 4: "\xe9"}
 

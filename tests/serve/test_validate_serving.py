@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 
-import validate_serving as vs  # noqa: E402
+import validate_serving as vs
 
 MEASURED = {"request_throughput": 2.0, "output_token_throughput": 64.0, "ttft_s": {"p50": 0.25, "p99": 0.5},
             "tpot_s": {"p50": 0.040, "p99": 0.080}, "cached_prompt_tokens": 0}

@@ -62,7 +62,8 @@ def test_catalog_params_equal_transformers(name):
 
 def test_mamba2_ssm_format_matches_published_size():
     # state-spaces/mamba2-2.7b: 2.7B parameters; hand count of one layer:
-    # in_proj 2560*(2*5120 + 2*128 + 80), conv 5376*4 + 5376, dt_bias/A_log/D 3*80, norm 5120, out 5120*2560, + norm 2560
+    # in_proj 2560*(2*5120 + 2*128 + 80), conv 5376*4 + 5376, dt_bias/A_log/D 3*80, norm 5120, out 5120*2560,
+    # + norm 2560
     layer = 2560 * (2 * 5120 + 2 * 128 + 80) + 5376 * 5 + 3 * 80 + 5120 + 5120 * 2560 + 2560
     expected = 50288 * 2560 + 64 * layer + 2560
     assert load_spec("mamba2-2.7b").params() == expected

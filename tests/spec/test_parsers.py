@@ -10,12 +10,12 @@ from kvwall.spec.resolve import load_spec
 
 
 def kinds(spec):
-    return [type(l.mixer).__name__ if l.mixer else None for l in spec.layers]
+    return [type(layer.mixer).__name__ if layer.mixer else None for layer in spec.layers]
 
 
 def test_gemma3_27b_local_global():
     spec = load_spec("gemma-3-27b")
-    windows = [l.mixer.window for l in spec.layers]
+    windows = [layer.mixer.window for layer in spec.layers]
     # Gemma 3: every 6th layer (i+1) % 6 == 0 is global, the rest slide over 1024 tokens
     assert [i for i, w in enumerate(windows) if w is None] == [5, 11, 17, 23, 29, 35, 41, 47, 53, 59]
     assert set(w for w in windows if w) == {1024}
@@ -24,31 +24,31 @@ def test_gemma3_27b_local_global():
 
 def test_jamba_attention_and_expert_periods():
     spec = load_spec("jamba-v0.1")
-    assert [i for i, l in enumerate(spec.layers) if isinstance(l.mixer, Attention)] == [4, 12, 20, 28]
-    assert [i for i, l in enumerate(spec.layers) if isinstance(l.ffn, MoE)] == list(range(1, 32, 2))
-    assert all(isinstance(l.mixer, Mamba) for i, l in enumerate(spec.layers) if i % 8 != 4)
+    assert [i for i, layer in enumerate(spec.layers) if isinstance(layer.mixer, Attention)] == [4, 12, 20, 28]
+    assert [i for i, layer in enumerate(spec.layers) if isinstance(layer.ffn, MoE)] == list(range(1, 32, 2))
+    assert all(isinstance(layer.mixer, Mamba) for i, layer in enumerate(spec.layers) if i % 8 != 4)
 
 
 def test_nemotron_h_pattern():
     spec = load_spec("nemotron-h-8b")
-    assert [i for i, l in enumerate(spec.layers) if isinstance(l.mixer, Attention)] == [7, 18, 29, 40]
-    assert sum(isinstance(l.mixer, Mamba2) for l in spec.layers) == 24
-    assert sum(l.mixer is None for l in spec.layers) == 24
-    m = next(l.mixer for l in spec.layers if isinstance(l.mixer, Mamba2))
+    assert [i for i, layer in enumerate(spec.layers) if isinstance(layer.mixer, Attention)] == [7, 18, 29, 40]
+    assert sum(isinstance(layer.mixer, Mamba2) for layer in spec.layers) == 24
+    assert sum(layer.mixer is None for layer in spec.layers) == 24
+    m = next(layer.mixer for layer in spec.layers if isinstance(layer.mixer, Mamba2))
     assert m.conv_dim == 8192 + 2 * 8 * 128
 
 
 def test_deepseek_first_dense_layers():
     spec = load_spec("deepseek-v3")
-    assert all(isinstance(l.mixer, LatentAttention) for l in spec.layers)
-    assert [i for i, l in enumerate(spec.layers) if not isinstance(l.ffn, MoE)] == [0, 1, 2]
+    assert all(isinstance(layer.mixer, LatentAttention) for layer in spec.layers)
+    assert [i for i, layer in enumerate(spec.layers) if not isinstance(layer.ffn, MoE)] == [0, 1, 2]
     lite = load_spec("deepseek-v2-lite")
     assert lite.layers[0].mixer.q_lora_rank is None
 
 
 def test_mistral_sliding_window_everywhere():
     spec = load_spec("mistral-7b-v0.1")
-    assert {l.mixer.window for l in spec.layers} == {4096}
+    assert {layer.mixer.window for layer in spec.layers} == {4096}
 
 
 def test_explicit_head_dim_and_layer_types_win(write_config):
@@ -56,8 +56,8 @@ def test_explicit_head_dim_and_layer_types_win(write_config):
            "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128, "vocab_size": 100,
            "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
     spec = load_spec(str(write_config(cfg)))
-    assert [l.mixer.head_dim for l in spec.layers] == [32, 32, 32]  # not 64 / 4
-    assert [l.mixer.window for l in spec.layers] == [16, None, 16]
+    assert [layer.mixer.head_dim for layer in spec.layers] == [32, 32, 32]  # not 64 / 4
+    assert [layer.mixer.window for layer in spec.layers] == [16, None, 16]
 
 
 def test_multimodal_gemma3_uses_text_config():
@@ -79,7 +79,7 @@ def test_transformers_agrees_on_sliding_layers():
         if types is None:
             continue
         spec = load_spec(name)
-        ours = ["sliding_attention" if l.mixer.window else "full_attention" for l in spec.layers]
+        ours = ["sliding_attention" if layer.mixer.window else "full_attention" for layer in spec.layers]
         assert ours == list(types), name
         checked += 1
     assert checked >= 4

@@ -8,7 +8,7 @@ keys starting with ``_`` that say where the copy was seen (``_hub_id``,
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from kvwall.errors import KvwallError
@@ -28,7 +28,7 @@ def model_names() -> list[str]:
     return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_model_config(name: str) -> dict:
     return json.loads((MODELS_DIR / f"{name}.json").read_text())
 
@@ -49,18 +49,18 @@ def find_model(query: str) -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def devices_table() -> dict:
     data = json.loads(DEVICES_FILE.read_text())
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
-@lru_cache(maxsize=None)
+@cache
 def energy_table() -> dict:
     return json.loads(ENERGY_FILE.read_text())
 
 
-@lru_cache(maxsize=None)
+@cache
 def measurements() -> tuple[dict, ...]:
     """Published inference measurements (measurements.json rows), each with its source; see the file's _about."""
     return tuple(json.loads(MEASUREMENTS_FILE.read_text())["rows"])

@@ -7,11 +7,11 @@ import json
 import time
 
 from kvwall.commands import common
+from kvwall.engine.caches.registry import CACHE_NAMES
 from kvwall.errors import KvwallError
 from kvwall.files import PLOT_EXTS, check_output, write_text
 from kvwall.report.measured import plot_results
 from kvwall.report.tables import console, table
-from kvwall.engine.caches.registry import CACHE_NAMES
 from kvwall.spec.gguf_meta import PACKAGED
 from kvwall.units import fmt_bytes, fmt_tokens, parse_int_list, parse_token_list, parse_tokens, whole
 
@@ -93,7 +93,8 @@ def real_data(plan, rows: list[dict]) -> dict:
     from kvwall.measure.real_bench import summary
 
     return {"prompt": plan.prompt, "steps": plan.steps, "warmup": plan.warmup, "batches": list(plan.batches),
-            "caches": plan.caches, "weights": plan.weights, "results": rows, "skipped": plan.skipped, "summary": summary(rows)}
+            "caches": plan.caches, "weights": plan.weights, "results": rows, "skipped": plan.skipped,
+            "summary": summary(rows)}
 
 
 def _run_real(plan, device) -> list[dict]:
@@ -144,9 +145,9 @@ def print_results(data: dict) -> None:
     rows = []
     for r in data["results"]:
         pf = f"{r['prefill_s']:.2f} / {r['prefill_pred_s']:.2f}" if r.get("prefill_s") else "-"
-        rows.append([r["arch"], fmt_tokens(r["context"]), f"{r['decode_s'] * 1e3:.1f}", f"{r['decode_pred_s'] * 1e3:.1f}",
-                     f"{r['decode_error'] * 100:+.0f}%", r["decode_bound"], pf, fmt_bytes(r["cache_bytes"]),
-                     fmt_bytes(r["cache_pred_bytes"]), fmt_bytes(r["peak_rss_bytes"])])
+        rows.append([r["arch"], fmt_tokens(r["context"]), f"{r['decode_s'] * 1e3:.1f}",
+                     f"{r['decode_pred_s'] * 1e3:.1f}", f"{r['decode_error'] * 100:+.0f}%", r["decode_bound"], pf,
+                     fmt_bytes(r["cache_bytes"]), fmt_bytes(r["cache_pred_bytes"]), fmt_bytes(r["peak_rss_bytes"])])
     if rows:
         c.print(table("decode per token: measured vs predicted (roofline on the local profile)",
                       ["arch", "ctx", "ms", "pred ms", "error", "pred bound", "prefill s (meas/pred)", "cache",

@@ -12,7 +12,6 @@ from kvwall.predict.devices import profile_path
 from kvwall.predict.step import PREFILL_ATTENTION
 from kvwall.report.tables import console, table
 
-
 CAPTION = ("read: bytes read once; copy: read + write; GEMV: matrix bytes / time. others: share of the CPUs "
            "other processes used meanwhile (busy steps are measured again, the quietest kept).")
 
@@ -70,9 +69,9 @@ def _op_model(p: dict) -> str:
     rows = p["matmul_rows_Bps"]
     bw, fl = p.get("op_bandwidth_Bps", {}), p.get("op_flops", {})
     parts = ["matmul weights " + " / ".join(f"{g(rows[r])}" for r in rows) + f" GB/s at {' / '.join(rows)} rows"]
-    for kernel, table in (p.get("packed_rows_Bps") or {}).items():
-        parts.append(f"packed {kernel.removeprefix('matmul:')} " + " / ".join(g(v) for v in table.values())
-                     + f" GB/s at {' / '.join(table)} rows" + _packed_fixed(p, kernel))
+    for kernel, rates in (p.get("packed_rows_Bps") or {}).items():
+        parts.append(f"packed {kernel.removeprefix('matmul:')} " + " / ".join(g(v) for v in rates.values())
+                     + f" GB/s at {' / '.join(rates)} rows" + _packed_fixed(p, kernel))
     if "attention" in bw:
         parts.append(f"decode attention {g(bw['attention'])} GB/s + " + (f"{g(fl['attention'])} GFLOP/s"
                                                                           if "attention" in fl else "no FLOP rate"))

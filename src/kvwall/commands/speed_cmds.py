@@ -71,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("speed", help="TTFT and decode speed vs context, model against model")
     p.add_argument("models", nargs="+")
     p.add_argument("--context", default="1k,4k,16k,64k,128k,512k", help="contexts (default 1k..512k)")
-    p.add_argument("--prompt", "--prompt-tokens", dest="prompt", default="2k", help="prompt tokens for TTFT (default 2k)")
+    p.add_argument("--prompt", "--prompt-tokens", dest="prompt", default="2k",
+                   help="prompt tokens for TTFT (default 2k)")
     p.add_argument("--batch", type=whole(1), default=1)
     p.add_argument("--plot", metavar="PNG", help="decode time per token vs context, one line per model")
     common.add_model_knobs(p)
@@ -134,9 +135,10 @@ def _print_roofline(data, phases, roof: Roof, args) -> None:
         e = p["energy_per_token"]["joules"]
         rows.append([p["batch"], _ms(p["ttft_s"]), _ms(p["tpot_s"]), f"{p['tokens_per_s_per_seq']:,.1f}",
                      f"{p['tokens_per_s_total']:,.0f}", f"{e * 1e3:,.2f} mJ" if e else "-"])
-    c.print(table(f"serving ({data['mode']})", ["batch", "TTFT", "time/token", "tok/s per seq", "tok/s total", "energy/token*"], rows,
-                  caption="* estimate: DRAM bytes x pJ/byte of the memory type + FLOPs x TDP/peak, capped at TDP x time "
-                          "(sources: kvwall/catalog/energy.json)"))
+    c.print(table(f"serving ({data['mode']})",
+                  ["batch", "TTFT", "time/token", "tok/s per seq", "tok/s total", "energy/token*"], rows,
+                  caption="* estimate: DRAM bytes x pJ/byte of the memory type + FLOPs x TDP/peak, capped at TDP x "
+                          "time (sources: kvwall/catalog/energy.json)"))
     ops = group_ops(phases[0]["decode"].per_op) if not args.ops else phases[0]["decode"].per_op
     c.print(table(f"decode ops, batch {phases[0]['batch']} (summed over layers)" if not args.ops else "decode ops",
                   ["op", "n", "GFLOP", "bytes", "FLOP/B", "time", "bound"],
@@ -150,10 +152,10 @@ def _print_roofline(data, phases, roof: Roof, args) -> None:
     for p in data["phases"]:
         pd = p.get("pipelined_decode")
         if pd and "skipped" not in pd:
-            c.print(f"pipeline, batch {p['batch']} in {pd['micro_batches']} micro-batches of {pd['micro_batch']}: kept full "
-                    f"across steps, {_ms(pd['steady_tpot_s'])}/token, {pd['steady_tok_s']:,.0f} tok/s (stages idle "
-                    f"{pd['steady_idle']:.0%}); one step alone {_ms(pd['time_s'])} (fill and drain, bubble "
-                    f"{pd['bubble']:.0%}); the batch through the stages in turn {_ms(p['decode']['time_s'])}")
+            c.print(f"pipeline, batch {p['batch']} in {pd['micro_batches']} micro-batches of {pd['micro_batch']}: "
+                    f"kept full across steps, {_ms(pd['steady_tpot_s'])}/token, {pd['steady_tok_s']:,.0f} tok/s "
+                    f"(stages idle {pd['steady_idle']:.0%}); one step alone {_ms(pd['time_s'])} (fill and drain, "
+                    f"bubble {pd['bubble']:.0%}); the batch through the stages in turn {_ms(p['decode']['time_s'])}")
         elif pd:
             c.print(f"pipeline, batch {p['batch']}: {pd['skipped']}")
     ceil = data["throughput_ceiling"]
@@ -205,12 +207,14 @@ def _cell(text: str, r: dict) -> str:
 
 
 def _print_speed(data: dict) -> None:
-    a, out, prompt = data["assumptions"], data["models"], data["prompt"]
+    out, prompt = data["models"], data["prompt"]
     contexts = [r["context"] for r in out[0]["decode"]]
-    rows = [[m["model"], m["family"], _cell(_ms(m["ttft_s"]), {"fits": m["ttft_fits"], **{k: m[f"ttft_{k}"] for k in GROUP}}),
+    rows = [[m["model"], m["family"],
+             _cell(_ms(m["ttft_s"]), {"fits": m["ttft_fits"], **{k: m[f"ttft_{k}"] for k in GROUP}}),
              *[_cell(f"{r['tokens_per_s']:,.1f}", r) for r in m["decode"]]] for m in out]
     console().print(table(
-        f"decode tok/s per sequence on {data['device']} (batch {data['batch']}; TTFT for a {fmt_tokens(prompt)} prompt)",
+        f"decode tok/s per sequence on {data['device']} (batch {data['batch']}; "
+        f"TTFT for a {fmt_tokens(prompt)} prompt)",
         ["model", "family", "TTFT", *[f"@{fmt_tokens(c)}" for c in contexts]], rows,
         caption=f"{data['mode_text']}; contexts past a "
                 "model's trained maximum are what-ifs; (tp N): on the smallest group of N GPUs that holds the "
@@ -249,7 +253,8 @@ def cmd_speculate(args) -> int:
     return common.emit(args, data, _print_speculate)
 
 
-VOCAB_SLACK = 0.01  # vocabularies this close are one tokenizer padded apart (Qwen3-8B 151,936 beside Qwen2.5-7B 152,064)
+# vocabularies this close are one tokenizer padded apart (Qwen3-8B 151,936 beside Qwen2.5-7B 152,064)
+VOCAB_SLACK = 0.01
 
 
 def _check_shared_vocab(target, draft) -> None:
@@ -267,7 +272,8 @@ def _print_speculate(data: dict) -> None:
     c.print(f"[bold]{data['target']}[/bold] drafted by [bold]{data['draft']}[/bold] on {data['device']}, acceptance "
             f"{data['acceptance']:g}, context {fmt_tokens(data['context'])}, batch {data['batch']}")
     c.print(f"mode: {data['mode_text']} (the target's roof times the draft too)")
-    c.print(table(f"speculative decoding ({data['mode']})", ["k", "E[tokens]/pass", "draft", "verify", "time/token", "speed-up"],
+    c.print(table(f"speculative decoding ({data['mode']})",
+                  ["k", "E[tokens]/pass", "draft", "verify", "time/token", "speed-up"],
                   [[r["k"], f"{r['expected_tokens']:.2f}", _ms(r["draft_s"]), _ms(r["verify_s"]),
                     _ms(r["time_per_token_s"]), f"{r['speedup']:.2f}x"] for r in rows],
                   caption=data["formula"] + " (Leviathan et al. 2023)"))

@@ -104,7 +104,7 @@ class DecodeStack:
         self.stack, self.min_kv = stack, min_kv  # min_kv: the fewest KV heads of any layer
 
     @classmethod
-    def build(cls, model: nn.Module) -> "DecodeStack | None":
+    def build(cls, model: nn.Module) -> DecodeStack | None:
         """The stack of `model` (a Transformer), or None when some layer, or the kernel, is not there for it."""
         mod = kernel_module()
         if mod is None or not isinstance(model.norm, RMSNorm):

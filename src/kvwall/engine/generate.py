@@ -10,14 +10,13 @@ may release its memory (paged).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from kvwall.engine.caches import CacheChoice, KVCache, make_cache
 from kvwall.errors import KvwallError
-
 
 # A temperature below float32's smallest normal number (2**-126, 1.2e-38) samples greedily: the logits are float32,
 # so a smaller one is subnormal there and one below 2**-149 (1.4e-45) rounds to 0, where the top logit's

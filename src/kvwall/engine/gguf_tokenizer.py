@@ -120,7 +120,8 @@ class GGUFText(Text):
                                   f"({first_line(e)}); the file is not safe to chat with: send plain prompts "
                                   "(not chat messages) or use a model file from a trusted source") from None
             raise KvwallError(f"{self.path}: tokenizer.chat_template failed on these messages ({type(e).__name__}: "
-                              f"{first_line(e)}); fix the file's template or send plain prompts (not chat messages)") from None
+                              f"{first_line(e)}); fix the file's template or send plain prompts "
+                              "(not chat messages)") from None
 
     def _template(self):
         if self._compiled is None:
@@ -135,8 +136,8 @@ class GGUFText(Text):
                 self._compiled = _sandbox().from_string(self.chat_template)
             except jinja2.exceptions.TemplateSyntaxError as e:
                 raise KvwallError(f"{self.path}: tokenizer.chat_template has a syntax error on line {e.lineno} "
-                                  f"({first_line(e)}); fix the file's template or send plain prompts (not chat messages)") \
-                    from None
+                                  f"({first_line(e)}); fix the file's template or send plain prompts "
+                                  "(not chat messages)") from None
         return self._compiled
 
     def encode_chat(self, messages: list[dict]) -> list[int]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -228,7 +228,8 @@ def read_header(file: Path) -> dict[str, tuple[int, ...]]:
             n = int.from_bytes(f.read(8), "little") if size >= 8 else 0
             raw = f.read(n) if 0 < n <= min(size - 8, HEADER_LIMIT) else b""
     except OSError as e:
-        raise KvwallError(f"{file}: cannot be read ({e.strerror or first_line(e)}); check the file and its permissions")
+        why = e.strerror or first_line(e)
+        raise KvwallError(f"{file}: cannot be read ({why}); check the file and its permissions") from None
     if size < 8:
         raise _damaged(file, "is empty" if size == 0 else f"is only {size} bytes long")
     if n > HEADER_LIMIT or n > size - 8:

@@ -10,7 +10,7 @@ mixer kind is its layer module and nothing else here.
 from __future__ import annotations
 
 import importlib
-from functools import lru_cache
+from functools import cache
 
 from torch import nn
 
@@ -19,7 +19,7 @@ from kvwall.errors import KvwallError
 from kvwall.spec.model import ModelSpec
 
 
-@lru_cache(maxsize=None)
+@cache
 def _found(kind: str):
     """The MIXER of layers/<kind>.py, or None when the engine has no module for that kind."""
     try:

@@ -25,8 +25,7 @@ from kvwall.engine.decode_stack import DecodeStack
 from kvwall.engine.layers.attention import Attention
 from kvwall.engine.layers.mlp import GatedMLP, PlainMLP
 from kvwall.engine.layers.norm import add_norm, make_norm
-from kvwall.engine.layers.onednn import OneDnnLinear
-from kvwall.engine.layers.onednn import available as onednn_available
+from kvwall.engine.layers.onednn import OneDnnLinear, available as onednn_available
 from kvwall.engine.layers.rope import Rotary
 from kvwall.engine.mixers import make_ffn, make_mixer, rotary, runs
 from kvwall.errors import KvwallError
@@ -121,7 +120,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(spec, i) for i in range(spec.n_layers))
         self.norm = make_norm(spec.norm, spec.hidden, spec.norm_eps)
         self.lm_head = None if spec.tied_embeddings else nn.Linear(spec.hidden, spec.vocab, bias=False)
-        ropes = [rotary(l.mixer) for l in spec.layers]
+        ropes = [rotary(layer.mixer) for layer in spec.layers]
         self.rope_keys = sorted({r for r in ropes if r[0] is not None}, key=str)  # distinct rotary tables
         self.rotary = nn.ModuleList(Rotary(r, d) for r, d in self.rope_keys)
         self.rope_of_layer = [self.rope_keys.index(r) if r[0] is not None else None for r in ropes]
@@ -172,7 +171,7 @@ class Transformer(nn.Module):
         """Weights or modules changed: the fused decode step is built again at the next step."""
         self.stack = None
 
-    def set_eager(self, eager: bool = True) -> "Transformer":
+    def set_eager(self, eager: bool = True) -> Transformer:
         """eager: the reference path (every layer's plain ops, weights in their checkpoint layout), which the
         fast path is tested against; False: the fast path (fused norm, one rotation for q and k, projection
         weights column-major on the CPU (column_major), or in oneDNN's layout after prepack)."""
@@ -202,7 +201,7 @@ class Transformer(nn.Module):
         self._copy_head(self.head_copy is not None)
         self.forget_stack()
 
-    def prepack(self, onednn: bool = True) -> "Transformer":
+    def prepack(self, onednn: bool = True) -> Transformer:
         """The fast path's projections in oneDNN's layout (engine/layers/onednn.py) where this CPU has it for
         the weights' dtype (else column-major); onednn=False: back to column-major. For a model whose weights
         are loaded: set_eager(True) (the reference) swaps them back to nn.Linear, set_eager(False) repacks."""

@@ -170,8 +170,8 @@ def build_lock(where: Path):
 def first_error(exc: BaseException) -> str:
     """The line of a failed build that says why: the compiler's first "error:" line (file:line:col: error: ...),
     else the message's first line (no compiler, no ninja), cut to 300 characters."""
-    lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
-    errors = [l for l in lines if "error:" in l]
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
     line = (errors or lines or [type(exc).__name__])[0]
     return line.replace(str(KERNELS) + os.sep, "")[:300]  # kernels/x.cpp:3:1: error: ... -> x.cpp:3:1: ...
 

@@ -13,17 +13,17 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
+from kvwall.engine.caches.registry import predicted_bytes
 from kvwall.errors import KvwallError
 from kvwall.measure import machine
 from kvwall.measure.archs import Arch
 from kvwall.predict.devices import Device
-from kvwall.spec.formats import get_format
-from kvwall.engine.caches.registry import predicted_bytes
 from kvwall.predict.memory import Formats
 from kvwall.predict.roofline import Roof, decode, prefill
+from kvwall.spec.formats import get_format
 from kvwall.spec.hf import spec_from_config
 from kvwall.spec.model import ModelSpec
 from kvwall.units import fmt_bytes, fmt_tokens

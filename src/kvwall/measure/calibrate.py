@@ -15,8 +15,8 @@ import dataclasses
 import datetime
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from kvwall.errors import KvwallError
 from kvwall.files import check_output, refuse_unless_ours, write_text
@@ -44,7 +44,7 @@ class Settings:
     settle_s: float  # pause before each step
 
     @staticmethod
-    def choose(quick: bool) -> "Settings":
+    def choose(quick: bool) -> Settings:
         llc = machine.llc_bytes() or 0
         want = 256 * MiB if quick else max(GiB, 2 * llc)  # default: at least twice the last-level cache
         # buffer + copy destination + a bf16 copy of it must fit comfortably in what is free
@@ -98,8 +98,8 @@ class Calibration:
         read, gemv = self.best("read"), self.best("gemv")
         out = [f"memory_bandwidth_Bps: best median sustained streaming read, by {read.method} over a "
                f"{read.size} buffer",
-               "peak_flops: measured dense GEMM rates (n = %d, smaller for a dtype too slow to time at that size "
-               "in %.0f s), not datasheet peaks; fp32 is the best of numpy and torch" % (s.gemm_n, GEMM_BUDGET_S),
+               f"peak_flops: measured dense GEMM rates (n = {s.gemm_n:d}, smaller for a dtype too slow to time at that "
+               f"size in {GEMM_BUDGET_S:.0f} s), not datasheet peaks; fp32 is the best of numpy and torch",
                f"best GEMV ({gemv.method}, {gemv.dtype}) reached {gemv.bandwidth / 1e9:.1f} GB/s, "
                f"{gemv.bandwidth / read.bandwidth:.0%} of the streaming read"]
         if llc and s.buffer_bytes < 2 * llc:

@@ -22,7 +22,6 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
-
 from kvwall.errors import KvwallError
 from kvwall.files import read_user_text
 from kvwall.workload import distribution, meets

@@ -72,7 +72,7 @@ def blas_info() -> dict:
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         info |= {"name": blas.get("name"), "version": blas.get("version")}
-    except Exception:  # noqa: BLE001 - show_config's layout differs across numpy versions
+    except Exception:  # show_config's layout differs across numpy versions
         pass
     core = _openblas_core(Path(np.__file__).parent)
     if core:

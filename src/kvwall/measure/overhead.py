@@ -351,7 +351,8 @@ def packed_layer_overheads(rates, steps: int = 30) -> dict[str, float]:
         fmt = get_format(name)
         if matmul_kernel(fmt) not in rates.packed_rows:
             continue  # no kernel: the reference path runs, at no packed rate
-        p_lo, p_hi = (decode(s, 64 + 1, 1, Formats(dataclasses.replace(fmt, head=fp32), fp32, fp32), bare).time_s for s in specs)
+        p_lo, p_hi = (decode(s, 64 + 1, 1, Formats(dataclasses.replace(fmt, head=fp32), fp32, fp32), bare).time_s
+                      for s in specs)
         step_lo, step_hi = (_decoder(s, weights=fmt) for s in specs)
         t_lo, t_hi = _rounds(step_lo, step_hi, steps)
         out[matmul_kernel(fmt)] = max(((t_hi - t_lo) - (p_hi - p_lo)) / (hi - lo), 0.0)
@@ -425,7 +426,7 @@ def prefill_attention_rates(runs: int = 3) -> dict[int, float]:
         q = torch.randn(1, hkv * group, t, d)  # (B, Hq, T, D)
         k, v = torch.randn(1, hkv, t, d), torch.randn(1, hkv, t, d)  # (B, Hkv, T, D)
         with torch.inference_mode():
-            s = _fastest_time(lambda: attend_causal(q, k, v, d ** -0.5), runs)
+            s = _fastest_time(lambda q=q, k=k, v=v: attend_causal(q, k, v, d ** -0.5), runs)
         out[t] = 2 * hkv * group * 2 * d * (t * (t + 1) // 2) / s
     return out
 

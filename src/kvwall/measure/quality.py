@@ -25,9 +25,9 @@ from __future__ import annotations
 import random
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from kvwall.errors import KvwallError
 
@@ -50,9 +50,9 @@ def prose_paragraphs(raw: str) -> list[str]:
         lines = block.split("\n")
         if not lines[0] or lines[0][0].isspace() or "::=" in block or re.search(r"^[*=~^+|-]{3,}", block, re.M):
             continue
-        if any(l.startswith((" ", "\t")) and not l.startswith("  ") for l in lines[1:]):
+        if any(line.startswith((" ", "\t")) and not line.startswith("  ") for line in lines[1:]):
             continue  # a block whose later lines are odd-indented is a table or a literal
-        text = " ".join(l.strip() for l in lines)
+        text = " ".join(line.strip() for line in lines)
         if len(text.split()) >= 8 and text[-1] in ".:)":
             out.append(text)
     return out
@@ -103,8 +103,8 @@ class Tokens:
 
 def native_window(spec) -> int | None:
     """The model's own sliding window (Gemma 3's local layers), or None."""
-    return max((l.mixer.window for l in spec.layers if l.mixer is not None and getattr(l.mixer, "window", None)),
-               default=None)
+    return max((layer.mixer.window for layer in spec.layers
+                if layer.mixer is not None and getattr(layer.mixer, "window", None)), default=None)
 
 
 def default_strategies(spec, row_tokens: int) -> list[str]:

@@ -8,15 +8,15 @@ every timed step, and `vs_transformers` is kvwall's tok/s over transformers' at 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 from kvwall.engine.caches.registry import CACHE_NAMES, parse_cache
+from kvwall.errors import KvwallError
 from kvwall.measure.archs import Arch
 from kvwall.predict.devices import Device
 from kvwall.predict.memory import Formats
 from kvwall.predict.roofline import Roof, decode
-from kvwall.errors import KvwallError
 from kvwall.spec.formats import Format, engine_weights, get_format
 from kvwall.spec.gguf_meta import read_meta, weight_format
 from kvwall.spec.hf import spec_from_config

@@ -84,7 +84,7 @@ def load_transformers(path: str):
         return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval(), None
     except ImportError as exc:
         return None, f"transformers is not installed ({exc})"
-    except Exception as exc:  # noqa: BLE001  transformers' own loading failure: reported, kvwall still runs
+    except Exception as exc:  # transformers' own loading failure: reported, kvwall still runs
         return None, f"transformers could not load it ({type(exc).__name__}: {exc})"
 
 

@@ -36,9 +36,10 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from kvwall.errors import KvwallError
 from kvwall.predict.memory import Formats, memory
@@ -431,7 +432,7 @@ def one(arch: Arch, width: int, pairs: list[int], plan: Plan,
              "seq": plan.seq, "accuracy": round(done.accuracy[n], 4), "params": n_params, "lr": rate(arch, width, plan),
              **kept_bytes(spec, plan.seq), "trained_on": sorted(pairs), "seed": tried.seed, "attempts": attempt + 1,
              "steps": done.steps, "stopped": done.stopped, "train_seconds": round(seconds, 1), "curve": done.curve,
-             "layers": [l.describe() for l in spec.layers]} for n in pairs]
+             "layers": [layer.describe() for layer in spec.layers]} for n in pairs]
 
 
 def run(archs: list[Arch], widths: list[int], pairs: list[int], plan: Plan, *, cache: Path | None = None,

@@ -84,8 +84,8 @@ def device_class(device: Device) -> str:
 
 def group_of(spec: ModelSpec) -> float:
     """Query heads per KV head of the model's (non-latent) attention layers; 1 when it has none."""
-    groups = [l.mixer.n_q_heads / l.mixer.n_kv_heads for l in spec.layers
-              if l.mixer is not None and l.mixer.kind == "attention"]
+    groups = [layer.mixer.n_q_heads / layer.mixer.n_kv_heads for layer in spec.layers
+              if layer.mixer is not None and layer.mixer.kind == "attention"]
     return max(groups, default=1.0)
 
 

@@ -10,10 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvwall.errors import KvwallError
-from kvwall.predict.memory import (NEVER, Formats, Parallel, cache_bytes_per_token, growth_bytes_per_token, memory,
-                                   state_bytes)
+from kvwall.predict.memory import (
+    NEVER,
+    Formats,
+    Parallel,
+    cache_bytes_per_token,
+    growth_bytes_per_token,
+    memory,
+    state_bytes,
+)
 from kvwall.spec.model import ModelSpec
-
 
 
 def default_reserve(memory_bytes: int) -> int:

@@ -36,7 +36,7 @@ class Formats:
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, weights: str | None = None, kv: str | None = None,
-                 state: str | None = None) -> "Formats":
+                 state: str | None = None) -> Formats:
         """Defaults: the checkpoint's 16-bit type (bf16 for fp32 or unknown) for all three."""
         base = checkpoint_format(spec.dtype)
         if base.bits > 16:
@@ -172,14 +172,15 @@ class MemoryReport:
     def cache_bytes(self) -> int:
         """The whole batch's cache, all GPUs together (replicated copies counted once per GPU; with expert parallel
         each of the batch's sequences once, where the layers hold the busiest GPU's share)."""
-        per_gpu = sum(l.cache_bytes for l in self.layers)
+        per_gpu = sum(layer.cache_bytes for layer in self.layers)
         return per_gpu * self.parallel.tp * self.batch // self.parallel.local(self.batch)
 
     @property
     def cache_used_bytes(self) -> int:
         """Cache bytes actually holding tokens (paged allocation rounds up to blocks)."""
         return self.parallel.tp * sum(
-            self.batch * (l.token_bytes * min(l.tokens_held, self.context) + l.fixed_bytes) for l in self.layers)
+            self.batch * (layer.token_bytes * min(layer.tokens_held, self.context) + layer.fixed_bytes)
+            for layer in self.layers)
 
     @property
     def token_bytes(self) -> int:
@@ -188,7 +189,7 @@ class MemoryReport:
 
     @property
     def fixed_bytes(self) -> int:
-        return sum(l.fixed_bytes for l in self.layers)
+        return sum(layer.fixed_bytes for layer in self.layers)
 
     def stage_bytes(self, stage: int) -> tuple[int, int]:
         """(weights, cache) on one GPU of a pipeline stage."""
@@ -220,13 +221,13 @@ class MemoryReport:
             "cache_bytes_per_token_per_gpu": self.token_bytes,
             "fixed_bytes_per_sequence": self.fixed_bytes,
             "per_gpu": {"weight_bytes": w, "cache_bytes": c, "total_bytes": w + c},
-            "layers": [l.as_dict() for l in self.layers],
+            "layers": [layer.as_dict() for layer in self.layers],
         }
 
 
 def total_weight_bytes(spec: ModelSpec, fmt: Format) -> int:
     emb, head = embedding_bytes(spec, fmt)
-    return emb + head + sum(layer_weight_bytes(l, spec, fmt) for l in spec.layers)
+    return emb + head + sum(layer_weight_bytes(layer, spec, fmt) for layer in spec.layers)
 
 
 def pipeline_stages(n_layers: int, pp: int) -> list[list[int]]:

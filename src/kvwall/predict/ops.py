@@ -25,9 +25,9 @@ expected number of distinct experts is ``E (1 - (1 - k/E)^T)``.
 from __future__ import annotations
 
 from kvwall.predict import mixers
-from kvwall.spec.formats import head_format
 from kvwall.predict.memory import Formats, check_expert_parallel
 from kvwall.predict.step import ACT_BYTES, CACHE, GATHER, LINK, SCAN, Op, Step, matmul
+from kvwall.spec.formats import head_format
 from kvwall.spec.model import Layer, ModelSpec
 
 PER_SEQUENCE = (CACHE, SCAN)  # ops whose work follows each sequence's own context, not just its token count

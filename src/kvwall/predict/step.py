@@ -89,7 +89,7 @@ def matmul(name: str, layer: int | None, tokens: int, n_in: int, n_out: float, w
               act_bytes=tokens * (n_in + n_out) * ACT_BYTES, rows=tokens, kernel=matmul_kernel(wfmt))
 
 
-def fixed_key(op: "Op") -> str:
+def fixed_key(op: Op) -> str:
     """The key of an op's fixed cost per call in a profile's op_fixed_s: its kernel; a float matrix's (kernel "")
     is MATMUL, the key its streaming rate has in op_bandwidth too."""
     return op.kernel or (MATMUL if op.kind == MATMUL else "")

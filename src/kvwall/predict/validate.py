@@ -18,7 +18,7 @@ from kvwall import catalog
 from kvwall.errors import KvwallError
 from kvwall.predict.expected import MODES, PARAMS, expected_roof, fitted
 from kvwall.predict.roofline import Roof
-from kvwall.predict.table import CONVENTIONS, TIME_METRICS, figures, prepare, skip_reason  # noqa: F401
+from kvwall.predict.table import CONVENTIONS, TIME_METRICS, figures, prepare, skip_reason
 
 OUTLIER = 0.35  # |leave-one-out error| above which a row is called an outlier (the target)
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from kvwall import catalog
 from kvwall.predict.devices import balance_trend, get_device
+from kvwall.predict.expected import expected_roof
 from kvwall.predict.fit import longest_on_group, placement
 from kvwall.predict.memory import Formats, Parallel, cache_bytes_per_token, growth_bytes_per_token, memory, state_bytes
-from kvwall.predict.expected import expected_roof
 from kvwall.predict.roofline import PhaseResult, Roof, decode, prefill
 from kvwall.report import plots
 from kvwall.report.document import Figure, Section, Table
@@ -28,7 +28,7 @@ def _specs():
 def memory_section(out: Path) -> Section:
     specs = _specs()
     rows = []
-    for name, spec in specs:
+    for _, spec in specs:
         fm = Formats.for_spec(spec)
         longest = [_longest(spec, fm, get_device(d).memory_bytes) for d in DEVICES]
         rows.append([spec.name, spec.family(), fmt_bytes(cache_bytes_per_token(spec, fm.kv)),
@@ -62,7 +62,7 @@ def speed_section(out: Path) -> Section:
     specs = _specs()
     h100 = get_device("h100-sxm")
     series, rows = {}, []
-    for name, spec in specs:
+    for _, spec in specs:
         fm = Formats.for_spec(spec)
         series[spec.name] = [(c, _decode_s(spec, fm, h100, c) * 1e3) for c in CONTEXTS if _par(spec, fm, h100, c)]
         cells = [_tok_s(spec, fm, get_device(d), c) for d in DEVICES for c in (4096, 131072)]
@@ -90,8 +90,8 @@ def speed_section(out: Path) -> Section:
         figures=[Figure(fig, "Expected decode time per token vs context on H100", "decode-vs-context"),
                  Figure(fig2, "Ideal roofline: Llama-3-8B's ops (first layer, embeddings, LM head) at batch 8",
                         "roofline")],
-        assumptions=["expected mode: fitted fractions of the datasheet peaks and fixed costs (catalog/efficiency.json); "
-                     "the roofline chart alone is ideal (efficiency 1.0)",
+        assumptions=["expected mode: fitted fractions of the datasheet peaks and fixed costs "
+                     "(catalog/efficiency.json); the roofline chart alone is ideal (efficiency 1.0)",
                      "bf16 math; ops do not overlap; MLA decode in absorbed form; MoE reads the experts a step "
                      "touches", "each model runs on the smallest tensor-parallel group (1, 2, 4 or 8 GPUs, shown as "
                      "'tp N') that holds its weights and the sequence's cache with 10 % in reserve; 'does not fit "
@@ -141,8 +141,8 @@ def _longest(spec, fm, memory_bytes: int) -> str:
 
 def balance_section(out: Path) -> Section:
     trend = balance_trend()
-    rows = [[r["device"], r["year"], f"{r['flops'] / 1e12:,.0f}", f"{r['bandwidth'] / 1e9:,.0f}", f"{r['balance']:,.0f}"]
-            for r in trend]
+    rows = [[r["device"], r["year"], f"{r['flops'] / 1e12:,.0f}", f"{r['bandwidth'] / 1e9:,.0f}",
+             f"{r['balance']:,.0f}"] for r in trend]
     labels = [f"{r['device']}\nbalance {r['balance']:.0f}" for r in trend]
     growth = {"16-bit peak FLOP/s": [r["flops_growth"] for r in trend],
               "memory bandwidth": [r["bandwidth_growth"] for r in trend]}

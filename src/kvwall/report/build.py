@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import datetime
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from kvwall import __version__
 from kvwall.errors import KvwallError

@@ -53,7 +53,8 @@ def section(out: Path, full: bool) -> Section:
                                 "decode step that reads the cache; KL and top-1 against the exact (contiguous) cache",
                                 "int8 / int4 / int2: KIVI-style, the newest 32 .. 32 + group - 1 tokens kept in full "
                                 "precision; sliding:W:sinkS keeps the first S tokens and the last W (StreamingLLM)",
-                                "fp32 weights dequantized from the GGUF file; fp32 cache, so bytes per token are fp32's"])
+                                "fp32 weights dequantized from the GGUF file; fp32 cache, so bytes per token are "
+                                "fp32's"])
 
 
 def _model_part(name: str, settings: dict, out: Path) -> tuple[list[str], list[Table], Figure]:

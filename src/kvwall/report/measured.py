@@ -72,14 +72,15 @@ def section(out: Path, plan_device, progress=None, report_started: datetime.date
         "Measured on this machine",
         provenance=f"measured in this run on {started}; {calibration_provenance(report_started)}",
         paragraphs=[where, verdict, *reasons, *skipped],
-        tables=([real] if real else []) + [Table(["arch", "context", "decode ms", "predicted ms", "error", "predicted bound", "cache",
-                       "predicted cache", "peak RSS"], rows,
-                      "decode: median of the timed steps after warm-up; error = predicted / measured - 1")],
+        tables=([real] if real else []) + [Table(["arch", "context", "decode ms", "predicted ms", "error",
+                                                  "predicted bound", "cache", "predicted cache", "peak RSS"], rows,
+                                                 "decode: median of the timed steps after warm-up; "
+                                                 "error = predicted / measured - 1")],
         figures=[Figure(fig, "Measured (solid) vs predicted (dashed) decode time per token vs context, per "
                              "architecture", "measured-vs-predicted")],
         assumptions=["random weights, fp32, batch 1, matched size (121.1-144.5M parameters)",
-                     "prediction: expected mode on the `local` profile, i.e. its calibration (measured streaming bandwidth and GEMM rate, plus the "
-                     "engine's measured per-layer dispatch cost)",
+                     "prediction: expected mode on the `local` profile, i.e. its calibration (measured streaming "
+                     "bandwidth and GEMM rate, plus the engine's measured per-layer dispatch cost)",
                      "contexts above the prefill limit are filled with random K/V through the cache's own update()"],
     )
 

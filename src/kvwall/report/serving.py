@@ -31,8 +31,7 @@ def _run(fmt: str, gib: int) -> dict:
     """What `kvwall simulate MODEL --device DEVICE --concurrency 128 --requests 128 --prompt-tokens 2048
     --output-tokens 256 --chunk 2048 --kv-memory {gib}GiB --kv-format {fmt}` reports (its summary and trace), with
     the pool's block count and the stream it ran: its (prompt, output) lengths, and whether all arrived at 0."""
-    from kvwall import simulate as sim
-    from kvwall import workload
+    from kvwall import simulate as sim, workload
 
     spec = load_spec(MODEL)
     fm = Formats.for_spec(spec, kv=fmt)

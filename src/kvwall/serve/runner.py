@@ -24,16 +24,16 @@ import time
 
 import torch
 
+from kvwall.engine.caches.base import attention_specs, valid_tokens
 from kvwall.engine.caches.fp8 import E4M3_MAX
 from kvwall.engine.caches.paged import PagedCache
+from kvwall.engine.caches.quant import dequantize, group_size, quantize
 from kvwall.engine.caches.registry import predicted_bytes
 from kvwall.engine.caches.state import has_state
 from kvwall.engine.generate import Sampling, check_logits, pick
-from kvwall.engine.caches.base import attention_specs, valid_tokens
-from kvwall.engine.caches.quant import dequantize, group_size, quantize
 from kvwall.errors import KvwallError
-from kvwall.spec.formats import get_format
 from kvwall.serve.scheduler import Chunk, Request, Scheduler, Step, forward_groups
+from kvwall.spec.formats import get_format
 from kvwall.units import fmt_bytes
 
 

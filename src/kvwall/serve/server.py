@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -424,7 +423,7 @@ class Reply:
     async def whole(self, request: HttpRequest):
         parts, finish = [], None
         try:
-            async for delta, finish in self.events(request.is_disconnected):
+            async for delta, finish in self.events(request.is_disconnected):  # noqa: B007  (finish: read after it)
                 parts.append(delta)
         except BadRequest as e:
             return error_response(e)

@@ -8,8 +8,8 @@ when the engine does not run it, why. Every supported list (the parsers, the eng
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvwall.spec import hf
 from kvwall.spec.model import ModelSpec

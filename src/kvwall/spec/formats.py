@@ -67,7 +67,7 @@ class Format:
     zero_bytes: int = 0
     torch_dtype: str | None = None  # the element type an engine stores (None: packed integers)
     fixed: bool = False  # a fixed block layout (nvfp4, GGUF blocks): no :gN / :sym options
-    head: "Format | None" = None  # weights only: the embedding table's and LM head's format (None: keep_16bit)
+    head: Format | None = None  # weights only: the embedding table's and LM head's format (None: keep_16bit)
 
     @property
     def label(self) -> str:
@@ -120,8 +120,8 @@ _BASE = {
     "q5_k": Format("q5_k", 5, 256, 16, 0, fixed=True),
     "q6_k": Format("q6_k", 6, 256, 18, 0, fixed=True),
 }
-_ALIASES = {"float32": "fp32", "f32": "fp32", "float16": "fp16", "f16": "fp16", "half": "fp16", "bfloat16": "bf16", "e4m3": "fp8_e4m3",
-            "e5m2": "fp8_e5m2", "float8": "fp8", "fp4": "nvfp4"}
+_ALIASES = {"float32": "fp32", "f32": "fp32", "float16": "fp16", "f16": "fp16", "half": "fp16", "bfloat16": "bf16",
+            "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2", "float8": "fp8", "fp4": "nvfp4"}
 FORMAT_NAMES = sorted(_BASE)
 
 

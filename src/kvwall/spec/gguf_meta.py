@@ -60,7 +60,7 @@ class GGUFMeta:
 def open_reader(path: str | Path):
     """A gguf.GGUFReader (memory-mapped: opening reads no tensor data)."""
     try:
-        import gguf
+        import gguf  # noqa: F401  (only whether it is installed; _reader imports it to parse)
     except ImportError:
         raise KvwallError("reading a .gguf file needs the gguf package: pip install gguf") from None
     path = Path(path).expanduser()

@@ -7,16 +7,17 @@ family; a new architecture is a new function plus one entry in ``kvwall.spec.fam
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from kvwall.errors import KvwallError
 from kvwall.spec import validate
 from kvwall.spec.model import (
     MLP,
     Attention,
-    Layer,
     LatentAttention,
+    Layer,
     Mamba,
     Mamba2,
     ModelSpec,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Union
 
 from kvwall.errors import KvwallError
 
@@ -360,8 +359,8 @@ class MoE:
         return s
 
 
-SequenceMixer = Union[Attention, LatentAttention, Mamba, Mamba2]
-ChannelMixer = Union[MLP, MoE]
+SequenceMixer = Attention | LatentAttention | Mamba | Mamba2
+ChannelMixer = MLP | MoE
 
 
 @dataclass(frozen=True)
@@ -481,7 +480,7 @@ class ModelSpec:
         return list(groups.items())
 
     # -- what-if reshaping -------------------------------------------------
-    def with_kv_heads(self, n_kv: int) -> "ModelSpec":
+    def with_kv_heads(self, n_kv: int) -> ModelSpec:
         """Every attention layer re-shaped to n_kv key/value heads (n_q stays)."""
         layers = []
         for layer in self.layers:
@@ -491,7 +490,7 @@ class ModelSpec:
             layers.append(replace(layer, mixer=m))
         return replace(self, layers=tuple(layers))
 
-    def with_window(self, window: int | None) -> "ModelSpec":
+    def with_window(self, window: int | None) -> ModelSpec:
         """Every attention layer given the same sliding window (None: full attention everywhere)."""
         layers = []
         for layer in self.layers:
@@ -501,10 +500,11 @@ class ModelSpec:
             layers.append(replace(layer, mixer=m))
         return replace(self, layers=tuple(layers))
 
-    def with_local_window(self, window: int) -> "ModelSpec":
+    def with_local_window(self, window: int) -> ModelSpec:
         """A what-if window that replaces the model's own: the attention layers that have a window get `window`
         (Gemma 3's local layers; its global ones stay global); a model without any window gets it everywhere."""
-        attention = [l.mixer for l in self.layers if l.mixer is not None and l.mixer.kind == "attention"]
+        attention = [layer.mixer for layer in self.layers
+                     if layer.mixer is not None and layer.mixer.kind == "attention"]
         if not any(m.window for m in attention):
             return self.with_window(window)
         layers = []

@@ -19,7 +19,6 @@ from kvwall.errors import KvwallError
 from kvwall.spec.hf import spec_from_config
 from kvwall.spec.model import ModelSpec
 
-
 MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KB; anything this big is not one
 
 

@@ -13,7 +13,8 @@ Two stages, both one-line errors naming the file, the field, the value and the f
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvwall.errors import KvwallError
 from kvwall.spec.model import ModelSpec, Rope

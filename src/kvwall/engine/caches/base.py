@@ -44,7 +44,7 @@ class KVCache:
     _masks: dict = {}
 
     @classmethod
-    def create(cls, choice, spec: ModelSpec, batch: int, max_len: int, dtype, device, **knobs) -> "KVCache":
+    def create(cls, choice, spec: ModelSpec, batch: int, max_len: int, dtype, device, **knobs) -> KVCache:
         """make_cache's way in: choice is the parsed name (registry.CacheChoice), knobs the registry entry's
         keywords (block_size, residual). A strategy whose constructor needs more overrides this."""
         return cls(spec, batch, max_len=max_len, dtype=dtype, device=device, **knobs)

@@ -101,8 +101,9 @@ class ContiguousCache(KVCache):
         if self.at is None:
             return None
         if self.pools is None:
-            fits = all(type(l) is ContiguousLayer and l.k.dtype == l.v.dtype == torch.float32 for l in self.layers)
-            self.pools = ([l.k for l in self.layers], [l.v for l in self.layers]) if fits else False
+            fits = all(type(layer) is ContiguousLayer and layer.k.dtype == layer.v.dtype == torch.float32
+                       for layer in self.layers)
+            self.pools = ([layer.k for layer in self.layers], [layer.v for layer in self.layers]) if fits else False
         return (*self.pools, self.rows[:batch], self.lengths) if self.pools else None
 
     def attend_rows(self, kernel, q, store, lengths, window, scale):
@@ -111,4 +112,4 @@ class ContiguousCache(KVCache):
         return attend_blocks(kernel, q, store.k[:B], store.v[:B], self.rows[:B], lengths, window, scale)
 
     def nbytes(self) -> int:
-        return sum(l.nbytes() for l in self.layers if l is not None)
+        return sum(layer.nbytes() for layer in self.layers if layer is not None)

@@ -143,7 +143,7 @@ class QuantizedCache(KVCache):
     name = "quantized"
 
     @classmethod
-    def create(cls, choice, spec, batch, max_len, dtype, device, residual: int = RESIDUAL) -> "QuantizedCache":
+    def create(cls, choice, spec, batch, max_len, dtype, device, residual: int = RESIDUAL) -> QuantizedCache:
         """From the registry: the format is the cache's name and options (``int4:g64:sym``)."""
         return cls(spec, batch, max_len, get_format(choice.format), residual, dtype, device)
 
@@ -186,4 +186,4 @@ class QuantizedCache(KVCache):
         return self.layers[layer].attend_decode(q, pos, scale, window, kernel).to(q.dtype)
 
     def nbytes(self) -> int:
-        return sum(l.nbytes() for l in self.layers if l is not None)
+        return sum(layer.nbytes() for layer in self.layers if layer is not None)

@@ -12,9 +12,9 @@ A new strategy is one new module (a KVCache subclass) plus one line in CACHES.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Callable
 
 from kvwall.errors import KvwallError
 
@@ -34,7 +34,7 @@ class CacheChoice:
         return ":".join((self.name, *self.options))
 
     @property
-    def entry(self) -> "CacheEntry":
+    def entry(self) -> CacheEntry:
         return CACHES[self.name]
 
     @property
@@ -97,8 +97,8 @@ def sliding_spec(spec, choice: CacheChoice):
         if not spec.has("attention"):
             raise KvwallError(f"cache {choice.text!r}: {spec.name} has no softmax attention layers to give a window")
         spec = spec.with_local_window(choice.window)
-    if choice.sink and not any(l.mixer is not None and l.mixer.kind == "attention" and l.mixer.window
-                               for l in spec.layers):
+    if choice.sink and not any(layer.mixer is not None and layer.mixer.kind == "attention" and layer.mixer.window
+                               for layer in spec.layers):
         raise KvwallError(f"cache {choice.text!r}: {spec.name} has no sliding window for sinks to go with; give one, "
                           f"e.g. sliding:1024:sink{choice.sink}")
     return spec, choice.sink
@@ -145,8 +145,8 @@ def paged_bytes(spec, batch, tokens, choice, element, block_size: int = BLOCK_SI
 
 def kivi_bytes(spec, batch, tokens, choice, element, residual: int = RESIDUAL) -> int:
     """KIVI-style quantized K/V with a full-precision residual (every token kept), plus any SSM state."""
-    from kvwall.spec.formats import get_format
     from kvwall.predict.memory import kivi_cache_bytes, state_bytes
+    from kvwall.spec.formats import get_format
 
     kv = kivi_cache_bytes(spec.with_window(None), batch=batch, context=tokens, kv=get_format(choice.format),
                           residual=residual, residual_format=element)

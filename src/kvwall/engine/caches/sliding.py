@@ -75,7 +75,7 @@ class SlidingCache(ContiguousCache):
     name = "sliding"
 
     @classmethod
-    def create(cls, choice, spec, batch, max_len, dtype, device) -> "SlidingCache":
+    def create(cls, choice, spec, batch, max_len, dtype, device) -> SlidingCache:
         """From the registry: sliding:W re-windows the spec (registry.sliding_spec), :sinkS adds sinks."""
         run, sink = sliding_spec(spec, choice)
         return cls(run, batch, max_len, dtype, device, sink)

@@ -24,12 +24,13 @@ from kvwall.spec.model import ModelSpec
 
 def has_state(spec: ModelSpec) -> bool:
     """Whether any layer's mixer keeps a fixed state (an SSM layer)."""
-    return any(state_shapes(l.mixer) is not None for l in spec.layers)
+    return any(state_shapes(layer.mixer) is not None for layer in spec.layers)
 
 
 def without_state(spec: ModelSpec) -> ModelSpec:
     """The spec as the KV caches see it: SSM layers have no mixer to hold K/V for."""
-    layers = tuple(replace(l, mixer=None) if state_shapes(l.mixer) is not None else l for l in spec.layers)
+    layers = tuple(replace(layer, mixer=None) if state_shapes(layer.mixer) is not None else layer
+                   for layer in spec.layers)
     return replace(spec, layers=layers)
 
 
@@ -39,7 +40,7 @@ class LayerState:
     ssm: torch.Tensor  # (B, E, N) or (B, H, P, N)
 
     @classmethod
-    def zeros(cls, shapes: tuple[tuple[int, ...], tuple[int, ...]], batch: int, dtype, device) -> "LayerState":
+    def zeros(cls, shapes: tuple[tuple[int, ...], tuple[int, ...]], batch: int, dtype, device) -> LayerState:
         """shapes: the mixer's state_shapes, (conv, ssm) without the batch dimension."""
         conv, ssm = shapes
         z = lambda shape: torch.zeros(batch, *shape, dtype=dtype, device=device)  # noqa: E731
@@ -60,7 +61,7 @@ class StateCache(KVCache):
 
     def __init__(self, spec: ModelSpec, batch: int, dtype=torch.float32, device="cpu"):
         assert batch > 0, batch
-        shapes = [state_shapes(l.mixer) for l in spec.layers]
+        shapes = [state_shapes(layer.mixer) for layer in spec.layers]
         self.layers = [LayerState.zeros(s, batch, dtype, device) if s is not None else None for s in shapes]
         self.seen = [0] * batch  # tokens each row's state has taken in
 

@@ -111,7 +111,7 @@ class Attention(SequenceMixer):
     """wqkv holds [q; k; v] fused (one matmul); wo projects heads back to hidden."""
 
     @classmethod
-    def build(cls, m: AttentionSpec, spec, index: int) -> "Attention":
+    def build(cls, m: AttentionSpec, spec, index: int) -> Attention:
         return cls(m, spec.hidden, index, spec.norm_eps, gemma_norm=spec.norm == "rms1p")
 
     @staticmethod

@@ -37,7 +37,7 @@ PATHS = ("auto", "naive", "absorbed")
 
 class LatentAttention(SequenceMixer):
     @classmethod
-    def build(cls, m: LatentSpec, spec, index: int) -> "LatentAttention":
+    def build(cls, m: LatentSpec, spec, index: int) -> LatentAttention:
         return cls(m, spec.hidden, index)
 
     @staticmethod

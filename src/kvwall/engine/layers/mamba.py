@@ -161,7 +161,8 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, conv: nn.Conv1d, lengths: 
         y = torch.addcmul(y, xs[:, k + 1:k + 1 + T].to(x.dtype), w[:, k])
     if conv.bias is not None:
         y = y + conv.bias
-    idx = lengths[:, None, None] + torch.arange(K, device=x.device)[:, None]  # (B, K, 1): window ending at the last token
+    # (B, K, 1): the window ending at the last token
+    idx = lengths[:, None, None] + torch.arange(K, device=x.device)[:, None]
     state.copy_(xs.gather(1, idx.expand(-1, -1, xs.shape[2])).transpose(1, 2))  # (B, C, K)
     return y  # (B, T, C)
 
@@ -176,7 +177,7 @@ class Mamba(SequenceMixer):
     """Parameter names are Hugging Face's (in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj)."""
 
     @classmethod
-    def build(cls, m: MambaSpec, spec, index: int) -> "Mamba":
+    def build(cls, m: MambaSpec, spec, index: int) -> Mamba:
         return cls(m, spec.hidden, index)
 
     @staticmethod

@@ -93,7 +93,7 @@ class Mamba2(SequenceMixer):
     """Parameter names are Hugging Face's (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj)."""
 
     @classmethod
-    def build(cls, m: Mamba2Spec, spec, index: int) -> "Mamba2":
+    def build(cls, m: Mamba2Spec, spec, index: int) -> Mamba2:
         return cls(m, spec.hidden, index, spec.norm_eps)
 
     @staticmethod

@@ -29,7 +29,7 @@ class SequenceMixer(nn.Module):
     """Defaults: no K/V, no fixed state, no rotary positions (each mixer overrides what it has)."""
 
     @classmethod
-    def build(cls, m, spec, index: int) -> "SequenceMixer":
+    def build(cls, m, spec, index: int) -> SequenceMixer:
         raise NotImplementedError
 
     @staticmethod

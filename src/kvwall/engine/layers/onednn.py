@@ -6,7 +6,8 @@ figure at the model's dtype); only the order of each dot product's sum differs (
 
 The reorder is opaque (a ``torch._mkldnn`` tensor: no storage, not a parameter), so OneDnnLinear keeps
 nn.Linear's outside where it is safe: its state_dict holds ``weight`` / ``bias`` like nn.Linear's, and
-``dense_weight()`` reads the matrix back (a copy; there is no ``weight`` to write to by mistake). Transformer.set_eager(True) swaps each back to nn.Linear; a model uses this layout only after
+``dense_weight()`` reads the matrix back (a copy; there is no ``weight`` to write to by mistake).
+Transformer.set_eager(True) swaps each back to nn.Linear; a model uses this layout only after
 Transformer.prepack() (the loaders call it), never by default, so code that writes parameters in place
 (random inits, tests) meets plain nn.Linear.
 """
@@ -47,7 +48,7 @@ class OneDnnLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear) -> "OneDnnLinear":
+    def from_linear(cls, lin: nn.Linear) -> OneDnnLinear:
         return cls(lin.weight, lin.bias)
 
     def dense_weight(self) -> torch.Tensor:

@@ -124,7 +124,7 @@ class PackedLinear(nn.Module):
         self.eager = False  # True: the reference path (Transformer.set_eager)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, fmt: Format) -> "PackedLinear":
+    def from_linear(cls, lin: nn.Linear, fmt: Format) -> PackedLinear:
         q, scale, zero = quantize(lin.weight.data, fmt)
         return cls(q, scale, zero, fmt, lin.in_features, None if lin.bias is None else lin.bias.data)
 

@@ -19,11 +19,11 @@ iterate over layers and ask; the module is found by the spec's ``kind`` (``kind 
 from __future__ import annotations
 
 import importlib
-from functools import lru_cache
+from functools import cache
 from types import ModuleType
 
 
-@lru_cache(maxsize=None)
+@cache
 def _module(kind: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{kind}")
 

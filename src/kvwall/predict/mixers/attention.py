@@ -8,8 +8,8 @@ the K/V heads each GPU holds one (replicated) K/V head, and its K/V projection i
 from __future__ import annotations
 
 from kvwall.errors import KvwallError
-from kvwall.spec.formats import Format
 from kvwall.predict.step import ACT_BYTES, CACHE, PREFILL_ATTENTION, Op, Step, matmul
+from kvwall.spec.formats import Format
 from kvwall.spec.model import Attention
 
 

@@ -11,8 +11,8 @@ output so attention runs in latent space (far fewer FLOPs, the same bytes).
 
 from __future__ import annotations
 
-from kvwall.spec.formats import Format
 from kvwall.predict.step import ACT_BYTES, CACHE, Op, Step, matmul, per_head
+from kvwall.spec.formats import Format
 from kvwall.spec.model import LatentAttention
 
 

@@ -5,8 +5,8 @@ Nothing grows with the context. Tensor parallel splits the d_inner channels.
 
 from __future__ import annotations
 
-from kvwall.spec.formats import Format
 from kvwall.predict.step import ACT_BYTES, SCAN, Op, Step, matmul, split
+from kvwall.spec.formats import Format
 from kvwall.spec.model import Mamba
 
 

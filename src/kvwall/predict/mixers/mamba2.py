@@ -7,8 +7,8 @@ else each GPU keeps one group (``shard``, the one place this rule is written).
 
 from __future__ import annotations
 
-from kvwall.spec.formats import Format
 from kvwall.predict.step import ACT_BYTES, SCAN, Op, Step, matmul, split
+from kvwall.spec.formats import Format
 from kvwall.spec.model import Mamba2
 
 
