@@ -1,7 +1,10 @@
 import json
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # test modules import cli_checks (any --import-mode)
 
 REFERENCE = Path(__file__).resolve().parents[1] / "src" / "kvwall" / "catalog" / "models"
 

@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_checks import assert_one_line, run_cli
 
 from kvwall import catalog
-from kvwall.cli import main
 from kvwall.errors import KvwallError
 from kvwall.files import home
 from kvwall.predict.devices import PLAUSIBLE, _profile_problem, get_device
@@ -38,20 +38,6 @@ PROFILE = {
     "source": "measured by `kvwall calibrate` on vm at 2026-12-04T19:02:09+00:00", "unconfirmed": [], "notes": [],
     "busy_warning": None,
 }
-
-
-def run(argv, capsys):
-    rc = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
-def assert_one_line(rc, err, *names):
-    assert rc == 2, err
-    assert "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1, err
-    for name in names:
-        assert name in err, (name, err)
 
 
 def digest(path: Path) -> str:
@@ -83,7 +69,7 @@ def test_calibrate_refuses_a_text_file_before_measuring(tmp_path, monkeypatch, c
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path / "home"))
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes\n")
-    rc, _, err = run(["calibrate", "--quick", "--out", notes], capsys)
+    rc, _, err = run_cli(["calibrate", "--quick", "--out", notes], capsys)
     assert_one_line(rc, err, str(notes), "not a kvwall device profile")
     assert no_measuring == []  # refused before measuring
     assert notes.read_text() == "my notes\n" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
@@ -95,7 +81,7 @@ def test_calibrate_refuses_other_json_and_bytes(content, tmp_path, monkeypatch, 
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path / "home"))
     target = tmp_path / "data.json"
     target.write_bytes(content)
-    rc, _, err = run(["calibrate", "--quick", "--out", target], capsys)
+    rc, _, err = run_cli(["calibrate", "--quick", "--out", target], capsys)
     assert_one_line(rc, err, "not a kvwall device profile")
     assert target.read_bytes() == content and no_measuring == []
 
@@ -104,7 +90,7 @@ def test_calibrate_replaces_an_existing_profile_whole(tmp_path, monkeypatch, cap
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path / "home"))
     target = tmp_path / "old.json"
     target.write_text(json.dumps({**PROFILE, "memory_bandwidth_Bps": 5e9}))  # an older profile: calibrate's job
-    rc, _, err = run(["calibrate", "--quick", "--json", "--out", target], capsys)
+    rc, _, err = run_cli(["calibrate", "--quick", "--json", "--out", target], capsys)
     assert rc == 0, err
     assert json.loads(target.read_text())["memory_bandwidth_Bps"] == 23.1e9
     assert no_measuring == [True] and sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]  # no temp left
@@ -114,9 +100,9 @@ def test_calibrate_replaces_a_damaged_local_profile(tmp_path, monkeypatch, capsy
     """The damaged-profile error says `run kvwall calibrate again`: that must work on kvwall's own file."""
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
     (tmp_path / "local-device.json").write_text("{ half written")
-    rc, _, err = run(["memory", M, "--device", "local"], capsys)
+    rc, _, err = run_cli(["memory", M, "--device", "local"], capsys)
     assert_one_line(rc, err, "local profile", "kvwall calibrate")
-    assert run(["calibrate", "--quick", "--json"], capsys)[0] == 0
+    assert run_cli(["calibrate", "--quick", "--json"], capsys)[0] == 0
     assert get_device("local").bandwidth == 23.1e9
 
 
@@ -124,7 +110,7 @@ def test_calibrate_checks_the_folder_before_measuring(tmp_path, monkeypatch, cap
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path / "home"))
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    rc, _, err = run(["calibrate", "--quick", "--out", blocker / "p.json"], capsys)
+    rc, _, err = run_cli(["calibrate", "--quick", "--out", blocker / "p.json"], capsys)
     assert_one_line(rc, err, str(blocker), "is a file, not a folder")
     assert no_measuring == [] and blocker.read_text() == "x"
 
@@ -155,7 +141,7 @@ def no_fitting(monkeypatch):
 def test_validate_fit_refuses_an_unknown_engine_before_fitting(tmp_path, monkeypatch, capsys, package_unchanged,
                                                               no_fitting):
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
-    rc, _, err = run(["validate", "--fit", "--engine", "nosuch"], capsys)
+    rc, _, err = run_cli(["validate", "--fit", "--engine", "nosuch"], capsys)
     assert_one_line(rc, err, "engine 'nosuch'")
     assert no_fitting == [] and list(tmp_path.iterdir()) == []
 
@@ -163,14 +149,14 @@ def test_validate_fit_refuses_an_unknown_engine_before_fitting(tmp_path, monkeyp
 def test_validate_fit_writes_kvwall_home_and_expected_mode_reads_it(tmp_path, monkeypatch, capsys,
                                                                    package_unchanged, no_fitting):
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path / "home"))
-    rc, out, err = run(["validate", "--fit", "--json"], capsys)
+    rc, out, err = run_cli(["validate", "--fit", "--json"], capsys)
     assert rc == 0, err
     mine = tmp_path / "home" / "efficiency.json"
     data = json.loads(out)
     assert data["fit_written"] == str(mine) and json.loads(mine.read_text())["date"] == "fit"
     assert data["fit"]["file"] == str(mine) and data["fit"]["date"] == "fit"
     assert catalog.efficiency_file() == mine
-    rc, out, err = run(["speed", M, "--device", "h100", "--json"], capsys)
+    rc, out, err = run_cli(["speed", M, "--device", "h100", "--json"], capsys)
     assert rc == 0, err
     assert f"table {mine}, your `kvwall validate --fit`" in json.loads(out)["mode_text"]
 
@@ -180,10 +166,10 @@ def test_validate_fit_out_refuses_a_file_it_did_not_write(tmp_path, monkeypatch,
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path / "home"))
     other = tmp_path / "results.json"
     other.write_text('{"mine": 1}')
-    rc, _, err = run(["validate", "--fit", "--out", other], capsys)
+    rc, _, err = run_cli(["validate", "--fit", "--out", other], capsys)
     assert_one_line(rc, err, str(other), "not a kvwall fitted efficiency table")
     assert other.read_text() == '{"mine": 1}' and no_fitting == []
-    rc, _, err = run(["validate", "--out", tmp_path / "x.json"], capsys)  # --out without --fit
+    rc, _, err = run_cli(["validate", "--out", tmp_path / "x.json"], capsys)  # --out without --fit
     assert_one_line(rc, err, "--out", "--fit")
 
 
@@ -191,7 +177,7 @@ def test_validate_fit_out_replaces_a_table(tmp_path, monkeypatch, capsys, packag
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path / "home"))
     target = tmp_path / "eff.json"
     target.write_text(json.dumps({"params": {}, "table_version": "old"}))
-    assert run(["validate", "--fit", "--json", "--out", target], capsys)[0] == 0
+    assert run_cli(["validate", "--fit", "--json", "--out", target], capsys)[0] == 0
     assert json.loads(target.read_text())["date"] == "fit"
     assert not (tmp_path / "home" / "efficiency.json").exists()  # written where told, nowhere else
 
@@ -208,7 +194,7 @@ def test_a_fit_of_an_older_table_is_passed_over_and_said(tmp_path, monkeypatch):
 def test_a_damaged_user_fit_is_one_line(content, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
     (tmp_path / "efficiency.json").write_text(content)
-    rc, _, err = run(["speed", M, "--device", "h100"], capsys)
+    rc, _, err = run_cli(["speed", M, "--device", "h100"], capsys)
     assert_one_line(rc, err, str(tmp_path / "efficiency.json"), "kvwall validate --fit")
 
 
@@ -218,10 +204,10 @@ def test_kvwall_home_of_no_such_user(tmp_path, monkeypatch, capsys, no_measuring
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("KVWALL_HOME", "~kvwall-nosuchuser/x")
     for argv in (["calibrate", "--quick"], ["memory", M, "--device", "local"], ["speed", M, "--device", "h100"]):
-        rc, _, err = run(argv, capsys)
+        rc, _, err = run_cli(argv, capsys)
         assert_one_line(rc, err, "KVWALL_HOME", "~kvwall-nosuchuser/x")
     assert no_measuring == [] and list(tmp_path.iterdir()) == []  # no folder named "~kvwall-nosuchuser" made here
-    rc, _, err = run(["calibrate", "--quick", "--out", "~kvwall-nosuchuser/x"], capsys)
+    rc, _, err = run_cli(["calibrate", "--quick", "--out", "~kvwall-nosuchuser/x"], capsys)
     assert_one_line(rc, err, "--out", "~kvwall-nosuchuser/x")
 
 
@@ -234,9 +220,9 @@ def test_no_home_directory_at_all(monkeypatch, capsys):
     monkeypatch.setattr(Path, "home", staticmethod(no_home))
     with pytest.raises(KvwallError, match="set KVWALL_HOME"):
         home()
-    rc, _, err = run(["memory", M, "--device", "local"], capsys)
+    rc, _, err = run_cli(["memory", M, "--device", "local"], capsys)
     assert_one_line(rc, err, "home directory", "KVWALL_HOME")
-    assert run(["calibrate", "--help"], capsys)[0] == 0  # the parser itself never resolves the home
+    assert run_cli(["calibrate", "--help"], capsys)[0] == 0  # the parser itself never resolves the home
 
 
 # -- 4. the local profile's figures: plausible, whichever command reads it --------------------------------
@@ -246,7 +232,7 @@ def test_a_real_profile_shape_loads(tmp_path, monkeypatch, capsys):
     (tmp_path / "local-device.json").write_text(json.dumps(PROFILE))
     d = get_device("local")
     assert d.bandwidth == 23.1e9 and d.flops("fp32") == 120e9 and d.runner_step["slowdown"] == 0.11
-    rc, out, err = run(["roofline", M, "--device", "local", "--json"], capsys)
+    rc, out, err = run_cli(["roofline", M, "--device", "local", "--json"], capsys)
     assert rc == 0, err
 
 
@@ -277,7 +263,7 @@ def test_an_absurd_figure_is_refused_where_the_profile_loads(field, value, name,
     before = digest(path)
     for argv in (["roofline", M, "--device", "local"], ["speed", M, "--device", "local"],
                  ["memory", M, "--device", "local"], ["simulate", M, "--device", "local", "--rate", "1"]):
-        rc, _, err = run(argv, capsys)
+        rc, _, err = run_cli(argv, capsys)
         assert_one_line(rc, err, str(path), repr(name), "kvwall calibrate")
     assert digest(path) == before
 
@@ -285,7 +271,7 @@ def test_an_absurd_figure_is_refused_where_the_profile_loads(field, value, name,
 def test_the_message_names_the_value_and_the_range(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
     (tmp_path / "local-device.json").write_text(json.dumps({**PROFILE, "peak_flops": {"fp32": 1e-300}}))
-    rc, _, err = run(["roofline", M, "--device", "local"], capsys)
+    rc, _, err = run_cli(["roofline", M, "--device", "local"], capsys)
     assert_one_line(rc, err, "'peak_flops.fp32' is 1e-300, outside the plausible 1e+06 to 1e+17 (FLOP/s)",
                     "run `kvwall calibrate` again")
 

@@ -12,6 +12,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from cli_checks import assert_one_line, run_cli
 
 from kvwall.cli import main
 from kvwall.errors import KvwallError
@@ -22,16 +23,8 @@ SIM = ["simulate", "llama-3.2-1b", "--device", "h100", "--rate", "1", "--request
 
 
 def run(argv, capsys):
-    rc = main([str(a) for a in argv])
-    return rc, capsys.readouterr().err
-
-
-def assert_one_line(rc, err, *names):
-    assert rc == 2, err
-    assert "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1, err
-    for name in names:
-        assert name in err, (name, err)
+    rc, _, err = run_cli(argv, capsys)
+    return rc, err
 
 
 # -- 1. digits that are not 0-9, numbers that are not numbers -----------------------------------------------------

@@ -259,3 +259,21 @@ def test_recall_provenance_dates_the_cached_files(tmp_path, monkeypatch):
                                    f"{shown[1]} (not trained in this run)")
     files[0].unlink()
     assert recall_provenance().startswith("nothing: no cached results")
+
+
+def test_decode_figure_marks_where_a_model_moves_to_a_larger_group():
+    """The saw-teeth of decode-vs-context are group changes, ringed on the figure. By hand, on an H100 (80 GB,
+    10 % reserve: 72 GB usable per GPU): Llama-3-70B's 141.1 GB of bf16 weights need tp 2 (70.6 GB a GPU), which
+    leaves 1.45 GB a GPU for 327,680 B a token: 8,826 tokens, so 8k stays on 2 and 16k moves to 4. Llama-3-8B
+    (16.1 GB + 131,072 B a token) holds 256k on one (50.4 GB) but not 512k (84.8 GB)."""
+    from kvwall.predict.devices import get_device
+    from kvwall.predict.memory import Formats
+    from kvwall.report.analysis import group_changes
+    from kvwall.spec.resolve import load_spec
+
+    h100 = get_device("h100-sxm")
+    for name, want in [("llama-3-70b", [(16384, "tp 4"), (524288, "tp 8")]),
+                       ("llama-3-8b", [(524288, "tp 2"), (1048576, "tp 4")]), ("mamba-2.8b-hf", [])]:
+        spec = load_spec(name)
+        points = [(c, 1.0) for c in (8192, 16384, 262144, 524288, 1048576)]
+        assert [(c, text) for c, _, text in group_changes(spec, Formats.for_spec(spec), h100, points)] == want

@@ -61,18 +61,20 @@ def memory_section(out: Path) -> Section:
 def speed_section(out: Path) -> Section:
     specs = _specs()
     h100 = get_device("h100-sxm")
-    series, rows = {}, []
+    series, marks, rows = {}, {}, []
     for _, spec in specs:
         fm = Formats.for_spec(spec)
         series[spec.name] = [(c, _decode_s(spec, fm, h100, c) * 1e3) for c in CONTEXTS if _par(spec, fm, h100, c)]
+        marks[spec.name] = group_changes(spec, fm, h100, series[spec.name])
         cells = [_tok_s(spec, fm, get_device(d), c) for d in DEVICES for c in (4096, 131072)]
         par = _par(spec, fm, h100, 2048)
         ttft = (f"{prefill(spec, 2048, 1, fm, _roof(spec, fm, h100, par), par).time_s * 1e3:,.1f}{_on(par)}"
                 if par else "does not fit 8")
         rows.append([spec.name, ttft, *cells])
     fig = plots.lines(series, "context (tokens)", "decode time per token (ms)",
-                      "The memory wall on H100: expected decode time vs context (batch 1)",
-                      out / "decode-vs-context.png", logy=True)
+                      "The memory wall on H100: expected decode time vs context (batch 1); "
+                      "ringed: the model moves to a larger tensor-parallel group",
+                      out / "decode-vs-context.png", logy=True, marks=marks)
     roof = Roof(h100)  # the chart draws the ideal roof: the ceiling each op sits under
     llama = load_spec("llama-3-8b")
     pts = roofline_points((prefill(llama, 2048, 8, Formats.for_spec(llama), roof),
@@ -120,6 +122,18 @@ def _roof(spec, fm, device, par: Parallel) -> Roof:
 def _decode_s(spec, fm, device, context: int) -> float:
     par = _par(spec, fm, device, context)
     return decode(spec, context, 1, fm, _roof(spec, fm, device, par), par).time_s
+
+
+def group_changes(spec, fm, device, points: list[tuple[int, float]]) -> list[tuple[int, float, str]]:
+    """The points where the smallest group that holds the model grows (a saw-tooth in decode time: more GPUs
+    share the weight reads), each with its new group, e.g. (32768, 11.2, 'tp 2')."""
+    out, before = [], None
+    for c, y in points:
+        tp = _par(spec, fm, device, c).tp
+        if before is not None and tp != before:
+            out.append((c, y, f"tp {tp}"))
+        before = tp
+    return out
 
 
 def _on(par: Parallel) -> str:

@@ -75,8 +75,9 @@ def _merge_close(points: list[dict]) -> dict:
 
 def lines(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, title: str, path: str | Path,
           logx: bool = True, logy: bool = False, hline: tuple[float, str] | None = None,
-          dashed: set[str] | None = None) -> Path:
-    """One line per series: {label: [(x, y), ...]}."""
+          dashed: set[str] | None = None, marks: dict[str, list[tuple[float, float, str]]] | None = None) -> Path:
+    """One line per series: {label: [(x, y), ...]}; marks: {label: [(x, y, text), ...]} ringed and labelled on
+    that series' line (e.g. where a model moves to a larger GPU group and its time steps down)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9 if dashed else 8, 5))
     dashed = dashed or set()
@@ -89,6 +90,9 @@ def lines(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str
         color = palette(bases.index(_base(label, dashed)) % palette.N)  # a series and its dashed twin share a colour
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3, color=color,
                 ls="--" if label in dashed else "-", label=None if label in dashed else label)
+        for x, y, text in (marks or {}).get(label, []):
+            ax.plot([x], [y], marker="o", ms=9, mfc="none", color=color)
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 6), fontsize=7, color=color)
     if hline:
         ax.axhline(hline[0], color="red", ls=":", lw=1)
         ax.text(ax.get_xlim()[0], hline[0], " " + hline[1], color="red", va="bottom", fontsize=8)
