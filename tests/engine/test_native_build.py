@@ -17,6 +17,20 @@ def test_build_folder_is_named_by_sources_and_flags(tmp_path, monkeypatch):
     assert a.parent == tmp_path / "kvwall" and a.name.startswith("selective_scan-")
 
 
+def test_another_checkout_builds_in_its_own_folder(tmp_path, monkeypatch):
+    """The same sources in another checkout (a CI clone beside the working tree) get another folder: torch writes
+    the .cpp path into build.ninja, so a shared folder was rebuilt by each checkout in turn."""
+    import shutil
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    here = native.build_dir("selective_scan", ["-O3"])
+    clone = tmp_path / "clone" / "kernels"
+    shutil.copytree(native.KERNELS, clone)
+    monkeypatch.setattr(native, "KERNELS", clone)
+    assert native.source("selective_scan").read_bytes() == (clone / "selective_scan.cpp").read_bytes()
+    assert native.build_dir("selective_scan", ["-O3"]) != here
+
+
 def test_build_lock_removes_a_stale_torch_lock(tmp_path):
     stale = tmp_path / "lock"
     stale.write_text("")  # what torch's FileBaton leaves when its build is killed

@@ -4,9 +4,9 @@ The sources are package files, ``kernels/<name>.cpp`` with the headers it includ
 includes, the SIMD vector type, the multiply-accumulate loops; packed.h: the packed matmul). Each kernel module
 (layers/scan_kernel.py, caches/quant_kernel.py, layers/latent_kernel.py) asks for its kernel by
 name; the build is cached under ~/.cache/torch_extensions/kvwall (TORCH_EXTENSIONS_DIR), in a folder named by
-a hash of the sources, the flags and torch's version: a changed source never overwrites another checkout's (torch's
-own per-name folder made them rebuild in turn). Two checkouts with the same sources share the folder, but its
-build.ninja names one checkout's .cpp path, so the other's first use compiles again (up_to_date knows it).
+a hash of the sources, the flags, torch's version and the checkout's kernel folder: a changed source never
+overwrites another checkout's (torch's own per-name folder made them rebuild in turn), and two checkouts never
+share a folder (its build.ninja names one checkout's .cpp path, so they compiled again in turn; up_to_date checks it).
 Builds of one folder take an OS lock (released when a process dies), so the lock file torch leaves behind
 when a build is killed can no longer hang every later run (torch waits on it for ever).
 
@@ -96,12 +96,15 @@ def simd_width(flags: list[str]) -> int:
 
 
 def build_dir(name: str, flags: list[str]) -> Path:
-    """Where kernel `name` built with `flags` lives: named by a hash of its sources, flags and torch version."""
+    """Where kernel `name` built with `flags` lives: named by a hash of its sources, flags, torch version and the
+    checkout's kernel folder (torch rewrites build.ninja with the .cpp path, so two checkouts sharing one folder
+    rebuilt each other's kernel on every first use: a CI clone beside a working tree compiled for minutes)."""
     import torch
 
     h = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(KERNELS.glob("*.h"))]  # any a source may include
-    for part in (source(name).read_bytes(), *headers, " ".join(flags).encode(), torch.__version__.encode()):
+    for part in (source(name).read_bytes(), *headers, " ".join(flags).encode(), torch.__version__.encode(),
+                 os.path.abspath(KERNELS).encode()):
         h.update(part)
     return build_root() / f"{name}-{h.hexdigest()[:16]}"
 
