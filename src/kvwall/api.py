@@ -550,7 +550,8 @@ def resolve(model: Model, *, kv_heads: int | None = None, window: Tokens | None 
         kv_heads: Every attention layer gets this many KV heads (1 = MQA).
         window: Every attention layer gets a sliding window of this many tokens.
         context: The context(s) asked for (a window must be shorter than the longest, or the model's maximum).
-        weight_format: Storage format of the weights (default: the checkpoint's 16-bit type).
+        weight_format: Storage format of the weights (default: the checkpoint's own format, from its
+            quantization_config, else its 16-bit type).
         kv_format: Storage format of the KV cache.
         state_format: Storage format of SSM state.
 

@@ -9,7 +9,8 @@ SEQUENCE = ["token_bytes", "tokens_held", "fixed_bytes", "shard_params", "ops", 
 CHANNEL = ["shard_params", "ops"]
 
 
-@pytest.mark.parametrize("cls", [model.Attention, model.LatentAttention, model.Mamba, model.Mamba2])
+@pytest.mark.parametrize("cls", [model.Attention, model.LatentAttention, model.Mamba, model.Mamba2,
+                                 model.GatedDeltaNet])
 def test_sequence_mixers_have_a_module(cls):
     rules = mixers._module(cls.kind)
     assert [f for f in SEQUENCE if not callable(getattr(rules, f, None))] == []

@@ -101,12 +101,13 @@ def test_a_stale_or_foreign_profile_is_measured_again(tmp_path, monkeypatch):
 
 def test_speeds_are_for_deployments_that_fit(tmp_path):
     """Llama-3-70B (141 GB of bf16 weights) cannot run on one 80 GB H100: its row names the GPUs it needs;
-    DeepSeek-V3 (1.34 TB) does not fit 8 H100s (640 GB) and gets no speed at all."""
+    DeepSeek-V3 (673 GB in its checkpoint's block FP8, 78.6 GiB a GPU under tp 8) does not fit 8 H100s (74.5 GiB
+    each) and gets no H100 speed, but fits 8 H200s."""
     from kvwall.report import analysis
 
     rows = {r[0]: r for r in analysis.speed_section(tmp_path).tables[0].rows}
     assert rows["llama-3-70b"][2].endswith("(tp 2)") and rows["llama-3-8b"][2].replace(".", "").isdigit()
-    assert set(rows["deepseek-v3"][1:]) == {"does not fit 8"}
+    assert set(rows["deepseek-v3"][1:4]) == {"does not fit 8"} and rows["deepseek-v3"][4].endswith("(tp 8)")
     longest = {r[0]: r for r in analysis.memory_section(tmp_path).tables[0].rows}
     assert longest["llama-3-70b"][6].endswith("(tp 2)") and longest["deepseek-v3"][6] == "weights do not fit 8"
 

@@ -28,7 +28,8 @@ def add_model_knobs(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window", type=tokens_arg, metavar="N", help="sliding window of N tokens on every attention layer")
     f = p.add_argument_group("storage formats")
     f.add_argument("--weight-format", type=format_arg(head_ok=True), metavar="F",
-                   help="weights: bf16, fp16, fp8, int8, int4[:g128], nvfp4, ...")
+                   help="weights: bf16, fp16, fp8, int8, int4[:g128], nvfp4, ... (default: the checkpoint's "
+                        "quantization_config, else its 16-bit type)")
     f.add_argument("--kv-format", type=format_arg(), metavar="F",
                    help="KV cache: bf16, fp8, int8, int4, int2, nvfp4, ...")
     f.add_argument("--state-format", type=format_arg(), metavar="F",
@@ -131,3 +132,11 @@ def model_and_formats(arg: str, args: argparse.Namespace) -> tuple[ModelSpec, Fo
     from kvwall import api
 
     return api.resolve(arg, context=getattr(args, "context", None), **model_knobs(args))
+
+
+def weights_notes(models: list[dict]) -> list[str]:
+    """'MODEL: weights LABEL' for each model of a table whose weights are in its checkpoint's own format
+    (quantization_config) or a --weight-format that overrides it: a table of several models has no header line
+    to name them in."""
+    return [f"{m['model']}: weights {m['formats']['weights']}" for m in models
+            if m["formats"]["weights"].endswith(("from quantization_config)", "from --weight-format)"))]

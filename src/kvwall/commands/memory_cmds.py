@@ -315,6 +315,8 @@ def _print_compare(data: dict) -> None:
                "10% of memory kept in reserve for activations and runtime.")
     console().print(table(title, ["model", "family", "params", "max ctx", "cache/token", "past windows", "fixed state",
                                   *[f"@{fmt_tokens(c)}" for c in contexts], "longest ctx"], rows, caption=caption))
+    for note in common.weights_notes(data["models"]):
+        console().print(f"note: {note}")
 
 
 # -- fit -----------------------------------------------------------------------

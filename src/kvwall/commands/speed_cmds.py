@@ -219,6 +219,8 @@ def _print_speed(data: dict) -> None:
         caption=f"{data['mode_text']}; contexts past a "
                 "model's trained maximum are what-ifs; (tp N): on the smallest group of N GPUs that holds the "
                 "weights and the batch's cache (10% reserve), --tp/--pp to fix it; (!) does not fit, a what-if"))
+    for note in common.weights_notes(out):
+        console().print(f"note: {note}")
     for m in out:
         if m["fit_warning"]:
             console().print(f"[bold]warning:[/bold] {m['fit_warning']}")

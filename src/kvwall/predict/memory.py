@@ -16,11 +16,11 @@ parallel gives each stage a contiguous run of layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvwall.errors import KvwallError
 from kvwall.predict import mixers
-from kvwall.spec.formats import Format, checkpoint_format, get_format, head_format, keep_16bit
+from kvwall.spec.formats import UNREADABLE, Format, checkpoint_format, get_format, per_tensor, tensor_format
 from kvwall.spec.model import Layer, ModelSpec
 
 NEVER = 1 << 40  # a context no model reaches: a layer keeping fewer has a window; a batch fitting it never fills
@@ -37,15 +37,21 @@ class Formats:
     @classmethod
     def for_spec(cls, spec: ModelSpec, weights: str | None = None, kv: str | None = None,
                  state: str | None = None) -> Formats:
-        """Defaults: the checkpoint's 16-bit type (bf16 for fp32 or unknown) for all three."""
+        """Defaults: the checkpoint's 16-bit type (bf16 for fp32 or unknown) for all three; the weights in the
+        checkpoint's own format where its config declares one (quantization_config), which a named one overrides."""
         base = checkpoint_format(spec.dtype)
         if base.bits > 16:
             base = get_format("bf16")
-        w = get_format(weights, head_ok=True) if weights is not None else base  # "" is a bad name, not the default
+        own = spec.weight_format
+        if weights is None and own is not None and own.name == UNREADABLE:  # a quantization_config not counted
+            raise KvwallError(own.detail)
+        w = get_format(weights, head_ok=True) if weights is not None else (own or base)  # "" is a bad name
+        if weights is not None and spec.weight_format is not None:  # say that it replaces the checkpoint's own
+            w = replace(w, source="--weight-format")
         return cls(w, get_format(kv) if kv is not None else base, get_format(state) if state is not None else base)
 
     def as_dict(self) -> dict:
-        return {"weights": self.weights.label, "head": head_format(self.weights).label, "kv": self.kv.label,
+        return {"weights": self.weights.label, "head": tensor_format(self.weights, "head").label, "kv": self.kv.label,
                 "state": self.state.label}
 
 
@@ -120,17 +126,66 @@ def layer_weight_bytes(layer: Layer, spec: ModelSpec, fmt: Format, tp: int = 1, 
     expert parallel too), norms replicated."""
     mats = mixers.of(layer.mixer).shard_params(layer.mixer, spec.hidden, tp) if layer.mixer is not None else 0
     mats += mixers.of(layer.ffn).shard_params(layer.ffn, spec.hidden, tp, ep) if layer.ffn is not None else 0
-    return _param_bytes(mats, fmt) + _param_bytes(layer.norm_params, keep_16bit(fmt))
+    if per_tensor(fmt):
+        return _native_layer_bytes(layer, spec, fmt, mats)
+    return _param_bytes(mats, fmt) + _param_bytes(layer.norm_params, tensor_format(fmt, "norm"))
+
+
+# (tensor kind, module name, out, in, how many): the matrices a checkpoint quantizes, per mixer kind
+def _matrices(m, hidden: int) -> list[tuple[str, str, int, int, int]]:
+    if m.kind == "attention":
+        return [("linear", "self_attn.q_proj", m.n_q_heads * m.head_dim, hidden, 1),
+                ("linear", "self_attn.k_proj", m.n_kv_heads * m.head_dim, hidden, 1),
+                ("linear", "self_attn.v_proj", m.n_kv_heads * m.v_head_dim, hidden, 1),
+                ("linear", "self_attn.o_proj", hidden, m.n_q_heads * m.v_head_dim, 1)]
+    if m.kind == "latent":
+        h = m.n_heads
+        q = ([("linear", "self_attn.q_a_proj", m.q_lora_rank, hidden, 1),
+              ("linear", "self_attn.q_b_proj", h * m.qk_head_dim, m.q_lora_rank, 1)] if m.q_lora_rank
+             else [("linear", "self_attn.q_proj", h * m.qk_head_dim, hidden, 1)])
+        return q + [("linear", "self_attn.kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, hidden, 1),
+                    ("linear", "self_attn.kv_b_proj", h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, 1),
+                    ("linear", "self_attn.o_proj", hidden, h * m.v_head_dim, 1)]
+    if m.kind == "mlp":
+        return _mlp_matrices("linear", "mlp", m.d_ff, m.gated, hidden, 1)
+    if m.kind == "moe":
+        return (_mlp_matrices("expert", "mlp.experts", m.d_expert, m.gated, hidden, m.n_experts)
+                + _mlp_matrices("linear", "mlp.shared_experts", m.d_shared or m.d_expert, m.gated, hidden, m.n_shared)
+                + [("router", "mlp.gate", m.n_experts, hidden, 1)])
+    raise KvwallError(f"a checkpoint's own weight format (quantization_config) is counted for attention, latent "
+                      f"attention, MLP and MoE layers, not {m.kind}; pass --weight-format to size it")
+
+
+def _mlp_matrices(kind: str, name: str, d_ff: int, gated: bool, hidden: int, n: int) -> list:
+    names = ("gate_proj", "up_proj") if gated else ("up_proj",)
+    return [(kind, f"{name}.{x}", d_ff, hidden, n) for x in names] + [(kind, f"{name}.down_proj", hidden, d_ff, n)]
+
+
+def _native_layer_bytes(layer: Layer, spec: ModelSpec, fmt: Format, shard: float) -> int:
+    """A layer in a checkpoint's own format: every matrix as stored (tensor_format decides each one's format),
+    the rest of its parameters (norms, biases) in the model's dtype. One GPU's share: the whole layer's bytes
+    times shard / params (each matrix's scales split with it)."""
+    whole = layer.params(spec.hidden)
+    total, counted = 0, 0
+    for part in (layer.mixer, layer.ffn):
+        for kind, name, rows, cols, n in (_matrices(part, spec.hidden) if part is not None else []):
+            total += n * tensor_format(fmt, kind, name).matrix_bytes(rows, cols)
+            counted += n * rows * cols
+    total += _param_bytes(whole - counted, tensor_format(fmt, "norm"))
+    if shard + layer.norm_params >= whole:
+        return total
+    return int(-(-total * (shard + layer.norm_params) // whole))
 
 
 def embedding_bytes(spec: ModelSpec, fmt: Format, tp: int = 1) -> tuple[int, int]:
     """(input embedding, LM head + final norm) bytes on one GPU; vocab split tp ways. The token table and the
     head are in head_format(fmt); the final norm and extra parameters stay 16-bit."""
-    f16, table = keep_16bit(fmt), head_format(fmt)
+    f16, table = tensor_format(fmt, "norm"), tensor_format(fmt, "embed")
     tokens = spec.vocab * spec.hidden  # the token table; learned positions and extras stay 16-bit
     emb = _param_bytes(tokens / tp, table) + _param_bytes((spec.embedding_params() - tokens) / tp + spec.extra_params,
                                                           f16)
-    head = _param_bytes(spec.lm_head_params() / tp, table) + _param_bytes(spec.final_norm_params, f16)
+    head = _param_bytes(spec.lm_head_params() / tp, tensor_format(fmt, "head")) + _param_bytes(spec.final_norm_params,
+                                                                                             f16)
     return emb, head
 
 

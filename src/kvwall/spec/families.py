@@ -47,6 +47,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("mamba2", hf.parse_mamba2, "mamba"),
     Family("jamba", hf.parse_jamba, "jamba"),
     Family("nemotron_h", hf.parse_nemotron_h, "nemotron_h"),
+    Family("qwen3_next", hf.parse_qwen3_next, None, "the engine does not run Gated DeltaNet yet"),
+    Family("qwen3_5_text", hf.parse_qwen3_next, None, "the engine does not run Gated DeltaNet yet"),
+    Family("qwen3_5_moe_text", hf.parse_qwen3_next, None, "the engine does not run Gated DeltaNet yet"),
     # state-spaces' own checkpoints: no model_type; spec_from_config recognises d_model + n_layer
     Family("mamba_ssm", hf.parse_mamba_ssm, None, "the state-spaces checkpoint layout is not mapped"),
 ]}

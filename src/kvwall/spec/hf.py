@@ -13,9 +13,11 @@ from typing import Any
 
 from kvwall.errors import KvwallError
 from kvwall.spec import validate
+from kvwall.spec.formats import checkpoint_weights
 from kvwall.spec.model import (
     MLP,
     Attention,
+    GatedDeltaNet,
     LatentAttention,
     Layer,
     Mamba,
@@ -530,6 +532,78 @@ def _nemotron_pattern(c: Config) -> str:
     return "".join(_NEMOTRON_BLOCKS[t] for t in types)
 
 
+# transformers 5.25's class defaults (configuration_qwen3_next.py, configuration_qwen3_5*.py), used where a
+# config.json leaves a field out, as transformers does
+_QWEN_LINEAR_DEFAULTS = {
+    "qwen3_next": {"num_key_value_heads": 2, "num_experts": 512, "num_experts_per_tok": 10},
+    "qwen3_5_text": {"num_key_value_heads": 4},
+    "qwen3_5_moe_text": {"num_key_value_heads": 2, "num_experts": 256, "num_experts_per_tok": 8},
+}
+_QWEN_LINEAR_SHARED = {"head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                       "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                       "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                       "decoder_sparse_step": 1, "full_attention_interval": 4, "partial_rotary_factor": 0.25}
+
+
+def parse_qwen3_next(c: Config, name: str) -> ModelSpec:
+    """Qwen3-Next / Qwen3.5 text: Gated DeltaNet ("linear_attention") layers beside gated full-attention layers.
+
+    layer_types names each layer; without it every full_attention_interval-th layer (i + 1) % interval == 0 is
+    full attention. Full attention: GQA with head_dim, q/k RMSNorm, q_proj twice as wide (the output gate),
+    partial rotary (0.25). Channel mixer: qwen3_next: MoE (router, experts, one sigmoid-gated shared expert) on
+    layers (i + 1) % decoder_sparse_step == 0 not in mlp_only_layers, else a dense MLP of intermediate_size;
+    qwen3_5_text: a dense MLP everywhere; qwen3_5_moe_text: MoE everywhere.
+    """
+    mt = c.req("model_type")
+    defaults = _QWEN_LINEAR_SHARED | _QWEN_LINEAR_DEFAULTS[mt]
+    get = lambda key: c.get(key, defaults[key])  # noqa: E731
+    hidden = c.positive("hidden_size")
+    n = c.positive("num_hidden_layers")
+    types = c.get("layer_types")
+    if types is None:
+        interval = get("full_attention_interval")
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval <= 0:
+            raise KvwallError(f"{c.where}: full_attention_interval is {interval!r}; it must be a positive integer")
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n:
+        raise KvwallError(f"{c.where}: layer_types must list one type per layer ({n}, num_hidden_layers)")
+    unknown = sorted({str(t) for t in types if t not in ("linear_attention", "full_attention")})
+    if unknown:
+        raise KvwallError(f"{c.where}: layer_types has {unknown}; known are linear_attention, full_attention")
+    n_q = c.positive("num_attention_heads")
+    n_kv, hd = get("num_key_value_heads"), get("head_dim")
+    bias = bool(c.get("attention_bias", False))
+    rope = _rope(c)
+    if not (isinstance(c.get("rope_parameters"), dict) and c.get("rope_parameters").get("partial_rotary_factor")):
+        rope = replace(rope, partial=float(get("partial_rotary_factor")))
+    attn = Attention(n_q, n_kv, hd, hd, None, bias, bias, qk_norm=True, output_gate=True, rope=rope)
+    gdn = GatedDeltaNet(get("linear_num_key_heads"), get("linear_num_value_heads"), get("linear_key_head_dim"),
+                        get("linear_value_head_dim"), get("linear_conv_kernel_dim"))
+    act = _activation(c, "hidden_act")
+    if mt == "qwen3_5_text":
+        dense = MLP(c.positive("intermediate_size"), activation=act)
+        ffn = lambda i: dense  # noqa: E731
+    else:
+        n_exp, shared = get("num_experts"), get("shared_expert_intermediate_size")
+        moe = MoE(n_exp, get("num_experts_per_tok"), get("moe_intermediate_size"), n_shared=1 if shared else 0,
+                  d_shared=shared, shared_gate=bool(shared), activation=act,
+                  routing=Routing(normalize=bool(c.get("norm_topk_prob", True))))
+        if mt == "qwen3_5_moe_text":
+            ffn = lambda i: moe  # noqa: E731
+        else:
+            step, dense_only = get("decoder_sparse_step"), set(c.get("mlp_only_layers") or [])
+            use_moe = lambda i: n_exp > 0 and i not in dense_only and (i + 1) % step == 0  # noqa: E731
+            dense = MLP(c.positive("intermediate_size"), activation=act) if not all(map(use_moe, range(n))) else None
+            ffn = lambda i: moe if use_moe(i) else dense  # noqa: E731
+    layers = [Layer(attn if t == "full_attention" else gdn, ffn(i), norm_params=2 * hidden)
+              for i, t in enumerate(types)]
+    notes = ["the Gated DeltaNet state is counted in the state format; transformers keeps its recurrent part in "
+             "fp32 (the conv part in the model's dtype): --state fp32 counts both parts in fp32"]
+    spec = _decoder(c, name, layers, tied=bool(c.get("tie_word_embeddings", False)), final_norm=hidden, hidden=hidden,
+                    notes=notes)
+    return replace(spec, norm="rms1p", norm_eps=float(c.get("rms_norm_eps", 1e-6)))
+
+
 def spec_from_config(data: Any, name: str = "model", where: str = "config.json") -> ModelSpec:
     """Parse a config.json dict into a ModelSpec (raises KvwallError with a one-line reason)."""
     return validate.checked(data, where, lambda: _parse(Config(data, where), name))
@@ -549,6 +623,8 @@ def _parse(c: Config, name: str) -> ModelSpec:
         raise KvwallError(f"model_type {model_type!r} in {where} is not supported; supported: "
                           f"{', '.join(supported())}")
     try:
-        return fam.parse(c, name)
+        spec = fam.parse(c, name)
     except (TypeError, ValueError, AttributeError, KeyError, ArithmeticError) as exc:  # a field of the wrong type
         raise KvwallError(f"{where}: a field has an unexpected type or value ({exc}); check the config") from None
+    native = checkpoint_weights(data.get("quantization_config"), spec.dtype)  # the checkpoint's own format
+    return spec if native is None else replace(spec, weight_format=native)

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from kvwall.errors import KvwallError
+from kvwall.spec.formats import Format
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Attention:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    output_gate: bool = False  # q_proj is twice as wide: a sigmoid gate per query channel on the output (Qwen3-Next)
     # engine-only details (do not change bytes or parameter counts)
     rope: Rope | None = None  # full rotary description; None: learned or no rotary positions
     scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
@@ -67,14 +69,19 @@ class Attention:
     keeps_tokens = True  # the cache grows with the context (up to the window)
     has_state = False  # a fixed-size state per sequence
 
+    @property
+    def q_width(self) -> int:
+        """Output width of q_proj: the queries, and as much again for the output gate when there is one."""
+        return self.n_q_heads * self.head_dim * (2 if self.output_gate else 1)
+
     def params(self, hidden: int) -> int:
-        q = hidden * self.n_q_heads * self.head_dim
+        q = hidden * self.q_width
         k = hidden * self.n_kv_heads * self.head_dim
         v = hidden * self.n_kv_heads * self.v_head_dim
         o = self.n_q_heads * self.v_head_dim * hidden
         bias = 0
         if self.qkv_bias:
-            bias += (self.n_q_heads + self.n_kv_heads) * self.head_dim + self.n_kv_heads * self.v_head_dim
+            bias += self.q_width + self.n_kv_heads * self.head_dim + self.n_kv_heads * self.v_head_dim
         if self.o_bias:
             bias += hidden
         norms = 2 * self.head_dim if self.qk_norm else 0
@@ -103,6 +110,8 @@ class Attention:
             s += f" (v {self.v_head_dim})"
         if self.window:
             s += f", window {self.window}"
+        if self.output_gate:
+            s += ", output gate"
         return s
 
 
@@ -255,6 +264,66 @@ class Mamba2:
 
 
 @dataclass(frozen=True)
+class GatedDeltaNet:
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5 linear_attention layers): q/k/v through a short causal depthwise conv,
+    then the gated delta rule on a per-head state of k_head_dim x v_head_dim; a gated RMSNorm before out_proj.
+
+    n_k_heads query/key heads of k_head_dim, n_v_heads value heads of v_head_dim (n_v_heads a multiple of
+    n_k_heads: each key head serves n_v_heads / n_k_heads value heads). No projection or conv bias.
+    """
+
+    n_k_heads: int
+    n_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    kind = "gated_deltanet"
+    keeps_tokens = False
+    has_state = True
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    def params(self, hidden: int) -> int:
+        in_proj = hidden * (2 * self.key_dim + 2 * self.value_dim) + hidden * 2 * self.n_v_heads  # q k v z, b a
+        conv = self.conv_dim * self.conv_kernel
+        heads = 2 * self.n_v_heads  # dt_bias, A_log
+        norm = self.v_head_dim  # gated RMSNorm, shared by the heads
+        out = self.value_dim * hidden
+        return in_proj + conv + heads + norm + out
+
+    def state_elems(self) -> int:
+        """conv state (conv_dim x conv_kernel) + recurrent state (n_v_heads x k_head_dim x v_head_dim), per sequence."""
+        return self.conv_dim * self.conv_kernel + self.n_v_heads * self.k_head_dim * self.v_head_dim
+
+    def sizes(self) -> dict[str, int]:
+        return {"linear_num_key_heads": self.n_k_heads, "linear_num_value_heads": self.n_v_heads,
+                "linear_key_head_dim": self.k_head_dim, "linear_value_head_dim": self.v_head_dim,
+                "linear_conv_kernel_dim": self.conv_kernel}
+
+    def problems(self) -> list[str]:
+        if self.n_v_heads % self.n_k_heads:
+            return [f"linear_num_value_heads {self.n_v_heads} is not a multiple of linear_num_key_heads "
+                    f"{self.n_k_heads}; fix one of them"]
+        return []
+
+    def describe(self) -> str:
+        return (f"Gated DeltaNet {self.n_k_heads}k x {self.k_head_dim} / {self.n_v_heads}v x {self.v_head_dim}, "
+                f"conv {self.conv_kernel}")
+
+
+@dataclass(frozen=True)
 class MLP:
     """Dense feed-forward: gated (SwiGLU/GeGLU: gate, up, down) or plain (up, down)."""
 
@@ -359,7 +428,7 @@ class MoE:
         return s
 
 
-SequenceMixer = Attention | LatentAttention | Mamba | Mamba2
+SequenceMixer = Attention | LatentAttention | Mamba | Mamba2 | GatedDeltaNet
 ChannelMixer = MLP | MoE
 
 
@@ -410,6 +479,7 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    weight_format: Format | None = None  # the checkpoint's own format (quantization_config), None: its dtype
 
     # -- parameter counts -------------------------------------------------
     def embedding_params(self) -> int:

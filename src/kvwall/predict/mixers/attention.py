@@ -62,7 +62,7 @@ def ops(i: int, m: Attention, spec, st: Step, fm, tp: int, absorbed: bool) -> li
     q_heads = m.n_q_heads // tp
     kvh = kv_heads_per_gpu(m, tp)
     tb = token_bytes(m, fm.kv, tp)
-    qkv_out = q_heads * m.head_dim + kvh * (m.head_dim + m.v_head_dim)
+    qkv_out = m.q_width // tp + kvh * (m.head_dim + m.v_head_dim)  # q_width: with the output gate, if any
     core = Op("attention", i, flops=2 * st.batch * q_heads * (m.head_dim + m.v_head_dim) * st.pairs(m.window),
               cache_read=st.batch * st.held(m.window) * tb,
               cache_write=st.batch * min(st.new, m.window or st.new) * tb,
