@@ -68,6 +68,7 @@ def test_fit_to_dict_is_the_cli_json(capsys, argv, call):
     assert call().to_dict() == cli_json(capsys, *argv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, call", [
     (["compare"], lambda: api.compare()),
     (["compare", "llama-3-8b", "deepseek-v3", "--context", "8k,1M", "--memory", "24GiB", "--kv-format", "fp8"],
@@ -79,6 +80,7 @@ def test_compare_to_dict_is_the_cli_json(capsys, argv, call):
     assert call().to_dict() == cli_json(capsys, *argv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, call", [
     (["roofline", "llama-3-8b"], lambda: api.roofline("llama-3-8b")),
     (["roofline", "llama-3-70b", "--batch", "1,8,64", "--tp", "4", "--ideal"],
@@ -96,6 +98,7 @@ def test_roofline_to_dict_is_the_cli_json(capsys, argv, call):
     assert call().to_dict() == cli_json(capsys, *argv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, call", [
     (["speed", "llama-3-8b", "llama-3-70b"], lambda: api.speed(["llama-3-8b", "llama-3-70b"])),
     (["speed", "llama-3-8b", "gemma-3-27b", "--tp", "2", "--ideal", "--compute-eff", "0.8", "--context", "4k,128k",
@@ -109,6 +112,7 @@ def test_speed_to_dict_is_the_cli_json(capsys, argv, call):
     assert call().to_dict() == cli_json(capsys, *argv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, call", [
     (["simulate", "llama-3-8b", "--rate", "2", "--requests", "50"],
      lambda: api.simulate("llama-3-8b", rate=2, requests=50)),
@@ -125,6 +129,7 @@ def test_simulate_to_dict_is_the_cli_json(capsys, argv, call):
     assert call().to_dict() == cli_json(capsys, *argv)
 
 
+@pytest.mark.slow
 def test_a_plot_path_is_in_both(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     path = str(tmp_path / "speed.png")

@@ -109,6 +109,7 @@ CONFIG_CASES = [  # (family, field, value, what the message must name)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, field, value, names", CONFIG_CASES,
                          ids=[f"{f}-{k}-{v!r}"[:60] for f, k, v, _ in CONFIG_CASES])
 def test_bad_config_value(family, field, value, names, tmp_path, capsys):
@@ -180,6 +181,7 @@ FILE_CASES = [  # (builder, what the message must say)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build, message", FILE_CASES, ids=[f"file{i}" for i in range(len(FILE_CASES))])
 def test_bad_config_file(build, message, tmp_path, capsys):
     path = build(tmp_path)
@@ -274,6 +276,7 @@ OPTION_CASES = [  # (argv, what the message must name)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, name", OPTION_CASES,
                          ids=[" ".join(a[2:] if len(a) > 2 else a) for a, _ in OPTION_CASES])
 def test_bad_option(argv, name, capsys):
@@ -315,6 +318,7 @@ PROFILE_CASES = [  # (file content, what the message must name)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content, name", PROFILE_CASES, ids=[f"profile{i}" for i in range(len(PROFILE_CASES))])
 def test_bad_profile(content, name, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path))
@@ -343,6 +347,7 @@ NEG_HEAD_DIM = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers":
                 "num_key_value_heads": 8, "head_dim": -128, "intermediate_size": 14336, "vocab_size": 128256}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", ["memory no-such-model", "memory llama-3-8b --context -5",
                                   "memory neg.json --context 4k", "roofline llama-3-8b --compute-dtype banana",
                                   "roofline llama-3-8b --tp 8 --link-latency nan"])
@@ -388,6 +393,7 @@ def _finite_sizes_and_times(spec):
             assert math.isfinite(value) and value >= 0, (phase.name, value)
 
 
+@pytest.mark.slow
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(family=st.sampled_from(sorted(FIELDS)), data=st.data())
 def test_random_field_values_give_a_clean_error_or_sane_numbers(family, data):
@@ -417,6 +423,7 @@ def _numbers(node, key=""):
         yield key, node
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(family=st.sampled_from(sorted(FIELDS)), data=st.data())

@@ -56,6 +56,7 @@ def test_show_and_models_and_devices(capsys):
     assert h100["balance_bf16"] == pytest.approx(989e12 / 3.35e12)  # ~295 FLOP/byte
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, message", [
     (["show", "no-such-model"], "unknown model"),
     (["memory", "gpt2", "--context", "-5"], "bad context"),
@@ -84,6 +85,7 @@ def test_a_window_past_the_models_maximum_slides_in_a_longer_what_if(capsys):
     assert data["cache_bytes"] == 32 * 8 * 128 * 2 * 2 * 16384 == 2 * 2**30
 
 
+@pytest.mark.slow
 def test_config_errors_from_files(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
@@ -91,6 +93,7 @@ def test_config_errors_from_files(tmp_path):
     assert proc.returncode == 2 and "not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_predictor_does_not_import_torch():
     code = ("import sys; from kvwall.cli import main; main(['compare']); "
             "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'heavy import'")
@@ -98,6 +101,7 @@ def test_predictor_does_not_import_torch():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_unknown_hub_id_offline_is_one_line(monkeypatch):
     env = {"HF_ENDPOINT": "https://no-such-host.invalid", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-m", "kvwall", "show", "someorg/somemodel"], capture_output=True,

@@ -43,6 +43,7 @@ def test_bad_plot_paths(tmp_path, capsys, command):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no stray temporary or probe
 
 
+@pytest.mark.slow
 def test_plot_as_pdf_and_svg(tmp_path, capsys):
     assert main(["roofline", "gpt2", "--plot", str(tmp_path / "r.pdf")]) == 0
     assert main(["speed", "gpt2", "--context", "1k", "--plot", str(tmp_path / "s.svg")]) == 0
@@ -95,6 +96,7 @@ def test_report_bad_folders(tmp_path, capsys):
         one_line_error(capsys, ["report", "--no-measure", "--out", "/proc/r"], "/proc/r", "cannot create")
 
 
+@pytest.mark.slow
 def test_report_writes_again_into_its_own_folder(tmp_path, capsys):
     out = tmp_path / "rep"
     assert main(["report", "--no-measure", "--out", str(out), "--json"]) == 0
@@ -106,6 +108,7 @@ def test_report_writes_again_into_its_own_folder(tmp_path, capsys):
     assert names == sorted([".kvwall-report", "report.html", "report.md"] + [Path(f).name for f in first["figures"]])
 
 
+@pytest.mark.slow
 def test_two_reports_into_one_folder_at_once(tmp_path):
     """Both finish, or one refuses in one line; never a traceback, never a temporary left behind."""
     out = tmp_path / "rep"

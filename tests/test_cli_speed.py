@@ -28,6 +28,7 @@ def test_roofline_json_states_assumptions(capsys):
     assert b1["energy_per_token"]["estimate"] is True
 
 
+@pytest.mark.slow
 def test_roofline_kv_format_and_tp(capsys):
     base = run_json(capsys, "roofline", "llama-3-70b", "--tp", "4", "--context", "32k")
     fp8 = run_json(capsys, "roofline", "llama-3-70b", "--tp", "4", "--context", "32k", "--kv-format", "fp8")
@@ -39,6 +40,7 @@ def test_roofline_kv_format_and_tp(capsys):
     assert base["weights_fit"] is True
 
 
+@pytest.mark.slow
 def test_roofline_and_speed_plots(tmp_path, capsys):
     png = tmp_path / "roof.png"
     assert main(["roofline", "gpt2", "--plot", str(png)]) == 0
@@ -85,6 +87,7 @@ def test_speculate_says_when_the_pair_does_not_fit_and_what_the_ks_show(capsys):
     assert "best k = 2" in out and "the largest k tried" in out and "cost more than they add" not in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, message", [
     (["roofline", "gpt2", "--mem-eff", "1.5"], "--mem-eff"),
     (["roofline", "gpt2", "--batch", "0"], "bad batch"),
@@ -141,6 +144,7 @@ def test_compare_names_the_group_that_holds_the_weights(capsys):
     assert rows["deepseek-v3"]["fits"] is False and rows["deepseek-v3"]["tp"] is None
 
 
+@pytest.mark.slow
 def test_roofline_pipeline_micro_batches(capsys):
     import json
 
@@ -154,6 +158,7 @@ def test_roofline_pipeline_micro_batches(capsys):
     assert main(["roofline", "llama-3-8b", "--micro-batches", "2"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [["roofline", "llama-3-8b", "--tp", "2"], ["roofline", "mixtral-8x7b", "--ep", "8"],
                                   ["roofline", "jamba-v0.1", "--tp", "2", "--pp", "4"],
                                   ["speed", "llama-3-70b", "--context", "4k,128k"]])

@@ -255,6 +255,7 @@ ABSURD = [  # (field, value, the name the message gives it)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field, value, name", ABSURD, ids=[f"{n}={v!r:.20}" for _, v, n in ABSURD])
 def test_an_absurd_figure_is_refused_where_the_profile_loads(field, value, name, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path))

@@ -61,6 +61,7 @@ def test_lengths_take_every_decimal_float_reads():
 
 # -- 2. a dataset that never ends, a rate that never arrives, a server that says no --------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [
     ["simulate", "llama-3.2-1b", "--device", "h100", "--rate", "1"],
     ["loadtest", "http://127.0.0.1:9", "--model", "m", "--rate", "1"],
@@ -147,6 +148,7 @@ def test_loadtest_stops_at_a_refusal_before_any_success(capsys):
     assert_one_line(rc, err, "HTTP 404", "no such model (or busy)", "stopped after sending 1 of 5", "'nope'")
 
 
+@pytest.mark.slow
 def test_loadtest_counts_load_errors_and_later_refusals(capsys):
     """503 is load, not a refusal: all 3 are sent. A 400 after a served request is counted, not fatal."""
     with _Server([503]) as srv:
@@ -162,6 +164,7 @@ def test_loadtest_counts_load_errors_and_later_refusals(capsys):
 
 # -- 3. an empty value is not the default ------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, option", [
     (["quality", "smollm2-135m", "--cache", ""], "--cache"),
     (["quality", "smollm2-135m", "--text", " "], "--text"),

@@ -203,6 +203,7 @@ def test_pool_by_hand():
         kv_pool(load_spec("llama-3-70b"), Formats.for_spec(load_spec("llama-3-70b")), Parallel(1), 80 * 10**9, 0)
 
 
+@pytest.mark.slow
 def test_cli_json_and_find_rate(capsys):
     assert main(["simulate", "llama-3-8b", "--device", "h100", "--rate", "2", "--requests", "50", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)["points"][0]
@@ -227,6 +228,7 @@ def test_find_rate_never_counts_a_burst():
     assert 2500 / 1.5 < big["rate"] <= 2500
 
 
+@pytest.mark.slow
 def test_cli_sweep(capsys, tmp_path):
     assert main(["simulate", "llama-3-70b", "--device", "h100", "--rate", "2", "--requests", "40", "--sweep",
                  "tp=4,8", "kv-format=bf16,fp8", "--json", "--plot", str(tmp_path / "p.png")]) == 0

@@ -235,6 +235,7 @@ def run(argv, capsys):
     return code, capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["verify", "generate"])
 @pytest.mark.parametrize("case,base,breaks,named", CASES, ids=[c[0] for c in CASES])
 def test_bad_checkpoint_is_one_line(bases, tmp_path, capsys, command, case, base, breaks, named):
@@ -249,6 +250,7 @@ def test_bad_checkpoint_is_one_line(bases, tmp_path, capsys, command, case, base
     assert named in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_a_value_too_large_for_float16_is_named(bases, tmp_path, capsys):
     """1e6 is a finite float32 but inf in float16: loading as float16 says so instead of printing garbage."""
     path = tmp_path / "ckpt"

@@ -125,6 +125,7 @@ def test_a_build_from_another_checkout_or_older_sources_is_not_cached(compiler, 
     assert not native.up_to_date("fused_ops", where)  # sources newer than the module: ninja compiles again
 
 
+@pytest.mark.slow
 def test_build_all_builds_only_what_is_missing_side_by_side(compiler, capsys, monkeypatch):
     native.build("fused_ops", "x")
     native.build("selective_scan", "x")

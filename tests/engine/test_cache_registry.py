@@ -101,6 +101,7 @@ CASES += [(name, latent_spec, 41) for name in ("contiguous", "sliding", "paged")
 CASES += [("int4:g8:sym", attention_spec, 100), ("int8:g16", hybrid_spec, 41)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,make_spec,tokens", CASES)
 def test_every_registry_entry_builds_and_its_bytes_are_the_predicted_figure(name, make_spec, tokens):
     pytest.importorskip("torch")

@@ -67,6 +67,7 @@ def test_sliding_bytes_equal_predictor_and_stop_at_the_window(max_len):
     assert SlidingCache(local, 2, max_len).nbytes() == SlidingCache(local, 2, 10_000).nbytes() or max_len < 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int2", "int8:g32", "int4:g16:sym"])
 @pytest.mark.parametrize("length", [3, 31, 32, 63, 64, 100, 257])
 def test_quantized_bytes_equal_predictor(fmt, length):
@@ -121,6 +122,7 @@ BOUNDS = {("llama", "int8:g8"): (0.02, 2e-5), ("llama", "int4:g8"): (0.25, 2e-3)
           ("gemma3_text", "int2:g8"): (7.0, 1.2)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,fmt", list(BOUNDS))
 def test_quantized_decode_error_is_bounded(family, fmt, checkpoint):
     path, _ = checkpoint(family)
@@ -141,6 +143,7 @@ def test_quantized_decode_error_is_bounded(family, fmt, checkpoint):
     assert (got[:, :8] - full[:, :8]).abs().max().item() < 1e-4  # inside the residual: exact
 
 
+@pytest.mark.slow
 def test_quantized_batch_equals_one_by_one(checkpoint):
     path, _ = checkpoint("qwen3")
     model = load_model(path)

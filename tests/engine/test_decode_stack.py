@@ -89,6 +89,7 @@ def decode(m: Transformer, prompt: torch.Tensor, steps: int, cache: str = "conti
     return torch.cat(logits, 1), torch.cat(tokens, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", list(MODELS))
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
 @pytest.mark.parametrize("batch", [1, 3])
@@ -107,6 +108,7 @@ def test_stack_equals_the_layers_and_the_reference(kernel, stacked, model_type, 
     assert got.abs().max() > 1  # not a degenerate model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int4:g32", "int8", "q4_1"])
 def test_packed_weights_equal_the_layers(kernel, stacked, fmt):
     """Packed projections take packed.h's kernel inside the stack, as PackedLinear does outside it."""

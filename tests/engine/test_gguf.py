@@ -174,6 +174,7 @@ def arch(request):
     return request.param
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0], ids=lambda q: q.name)
 def test_tiny_gguf_logits_equal_transformers(tmp_path, arch, qtype):
     path = tmp_path / f"tiny-{arch}-{qtype.name}.gguf"
@@ -303,18 +304,21 @@ def _real_check(short: str, steps: int):
     return tok.decode(got)
 
 
+@pytest.mark.slow
 @pytest.mark.real
 @needs_smollm
 def test_smollm2_answers_paris_like_transformers():
     assert _real_check("smollm2-135m", 64).startswith(" Paris.")
 
 
+@pytest.mark.slow
 @pytest.mark.real
 @needs_gemma
 def test_gemma3_270m_matches_transformers():
     _real_check("gemma-3-270m", 64)
 
 
+@pytest.mark.slow
 def test_cli_verify_and_generate_take_a_gguf(tmp_path, capsys):
     import json
 
@@ -331,6 +335,7 @@ def test_cli_verify_and_generate_take_a_gguf(tmp_path, capsys):
     assert out["prompt_ids"] == [3 + 116, 3 + 256 + 1, 3 + 256 + 7] and len(out["ids"]) == 4
 
 
+@pytest.mark.slow
 def test_cli_generate_chat_sends_the_prompt_through_the_template(tmp_path, capsys):
     """`generate --chat`: the prompt ids are the template's (<|im_start|> = id 1 opens, as in
     test_chat_template), not the plain encoding; --chat without --prompt is one line, exit 2."""

@@ -111,6 +111,7 @@ def evil(base, tmp_path, template: str, marker):
     return rewrite(base, tmp_path / "evil.gguf", fields=fields)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template", EXPLOITS, ids=["cycler", "context", "joiner", "namespace"])
 def test_chat_template_cannot_run_commands(base, tmp_path, template):
     marker = tmp_path / "PWNED"
@@ -138,6 +139,7 @@ def test_cli_generate_chat_refuses_the_exploit(base, tmp_path, capsys):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_served_chat_refuses_the_exploit(base, tmp_path):
     """`kvwall serve FILE.gguf`: one POST /v1/chat/completions rendered the template inside the server."""
     httpx = pytest.importorskip("httpx")
@@ -185,6 +187,7 @@ def test_real_template_features_render_as_transformers_renders_them(base, tmp_pa
     assert got == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template, words", [
     ("{% for m in messages %}{{ m['content'] }", ["syntax error on line 1"]),
     ("{{ undefined_function() }}", ["UndefinedError", "'undefined_function' is undefined"]),
@@ -244,6 +247,7 @@ TOKENIZER_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(TOKENIZER_CASES))
 def test_broken_tokenizer_fields_are_one_line(base, tmp_path, capsys, case):
     fields, words = TOKENIZER_CASES[case]
@@ -282,6 +286,7 @@ METADATA_CASES = {  # fields or tensors changed -> words of the error; the file 
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(METADATA_CASES))
 def test_show_refuses_metadata_its_tensors_contradict(base, tmp_path, capsys, case):
     """`kvwall show` printed parameter counts from such metadata (rope 7: an AssertionError in generate)."""
@@ -334,6 +339,7 @@ HEADERS = {  # a header as written -> the field named
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(HEADERS))
 def test_absurd_declared_lengths_are_refused_at_once(tmp_path, capsys, case):
     """Such a header hung `kvwall show` and ran `generate` out of memory after 48 s."""
@@ -361,6 +367,7 @@ def test_more_array_elements_than_kvwall_reads(tmp_path):
 
 # -- 8: a tied config whose file also holds lm_head.weight ---------------------------
 
+@pytest.mark.slow
 def test_tied_config_with_its_own_lm_head_loads_as_transformers_does(tmp_path):
     """transformers 5.25 loads a saved lm_head.weight that differs from the embedding as the head (untied, with a
     warning); an equal copy stays tied."""

@@ -48,6 +48,7 @@ def hybrid(checkpoint):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_cache_holds_kv_for_attention_layers_and_state_for_ssm_layers(family, hybrid):
     spec = hybrid(family).spec
@@ -62,6 +63,7 @@ def test_cache_holds_kv_for_attention_layers_and_state_for_ssm_layers(family, hy
     assert (kv, state) == expected  # nemotron_h's MLP / MoE blocks (2, 3, 5) hold nothing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_cache_bytes_equal_the_predictor_state_constant_kv_linear(family, hybrid):
     """Run to 16 and to 300 tokens: KV grows by its per-token bytes, the state stays, both equal predict's."""
@@ -85,6 +87,7 @@ def test_cache_bytes_equal_the_predictor_state_constant_kv_linear(family, hybrid
     assert gen.cache_bytes == memory(model.spec, batch=1, context=3 + 5, formats=FP32).cache_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_prefill_chunk_on_top_of_the_cache_then_decode_equals_full_forward(family, hybrid):
     """Prefill 5, a chunk of 7 (attention over cached K/V, SSMs continuing their state), then one at a time."""
@@ -99,6 +102,7 @@ def test_prefill_chunk_on_top_of_the_cache_then_decode_equals_full_forward(famil
     assert (torch.cat(steps, 1) - full).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_right_padded_batch_equals_one_by_one(family, hybrid):
     model = hybrid(family)
@@ -117,6 +121,7 @@ def test_jamba_attention_has_no_positions(hybrid):
     assert m.inner_norms and m.inner_norm_eps == 1e-5 == model.spec.norm_eps  # rms_norm_eps, dt/B/C norms too
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", [(0.01, math.inf), (0.0, math.inf)])
 def test_nemotron_h_step_size_is_clamped_to_time_step_limit(tmp_path, limit):
     """transformers (>= 5.25) clamps Δ to the config's time_step_limit in its prefill scan, as mamba_ssm does; an

@@ -58,6 +58,7 @@ def ssm(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_full_forward_equals_transformers(family, ssm):
     model, ref = ssm(family)
@@ -68,6 +69,7 @@ def test_full_forward_equals_transformers(family, ssm):
     assert (got - expected).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_chunk_and_decode_equal_full_forward(family, ssm):
     """Prefill 5 tokens, then a chunk of 7 on top of the state, then one token at a time."""
@@ -82,6 +84,7 @@ def test_prefill_chunk_and_decode_equal_full_forward(family, ssm):
     assert (torch.cat(steps, 1) - full).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_32_tokens_equals_transformers_generate(family, ssm):
     model, ref = ssm(family)
@@ -92,6 +95,7 @@ def test_greedy_32_tokens_equals_transformers_generate(family, ssm):
     assert got == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mamba", "mamba2"])
 def test_right_padded_batch_equals_one_by_one(family, ssm):
     """Padding gets Δ = 0 and never enters the conv state, so each row's state is its own."""
@@ -102,6 +106,7 @@ def test_right_padded_batch_equals_one_by_one(family, ssm):
     assert batch == alone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_state_bytes_do_not_grow_and_equal_the_predictor(family, ssm):
     """After 16 tokens and after 1,216 (1,184 more through the fast scan, then 16 decode steps): same bytes."""
@@ -149,6 +154,7 @@ def scan_inputs(B=2, T=37, E=24, N=6, big_dt=False, seed=0):
     return u, dt, A, Bm, Cm, torch.randn(B, E, N, generator=g)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 8, 16, 64])
 @pytest.mark.parametrize("big_dt", [False, True])
 def test_fast_scan_equals_reference(chunk, big_dt):
@@ -159,6 +165,7 @@ def test_fast_scan_equals_reference(chunk, big_dt):
     assert (y - y_ref).abs().max().item() < 1e-4 and (h - h_ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("big_dt", [False, True])
 def test_trainable_scan_equals_reference_values_and_gradients(dtype, tol, big_dt):
@@ -183,6 +190,7 @@ def test_trainable_scan_equals_reference_values_and_gradients(dtype, tol, big_dt
     assert torch.equal(h0, inputs[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_state", [16, 5])
 def test_fused_scan_backward_equals_autograd_through_the_loop(n_state):
     """The C++ backward (training on the CPU) gives the gradients autograd finds through scan_reference (float64)."""
@@ -223,6 +231,7 @@ def test_causal_conv_keeps_each_rows_last_inputs():
     assert torch.equal(state[1, :, :2], torch.zeros(3, 2))  # row 1 saw 2 tokens: two zeros of history kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_state", [16, 5])
 def test_fused_scan_equals_reference(n_state):
     """The C++ scan (built on first use) gives the reference recurrence's outputs and final state."""
@@ -240,6 +249,7 @@ def test_fused_scan_equals_reference(n_state):
     assert torch.allclose(y, y_ref, atol=1e-4, rtol=1e-4) and torch.allclose(h, h_ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_fused_scan_reads_strided_views():
     """The model hands the scan slices of larger projections: strided inputs give the same result."""
     from kvwall.engine.layers.scan_kernel import fused_scan

@@ -23,6 +23,7 @@ def ssd_inputs(B=2, T=45, H=4, P=8, N=6, big_dt=False, seed=0):
     return x, dt, A, Bm, Cm, torch.randn(B, H, P, N, generator=g)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 7, 16, 64])
 @pytest.mark.parametrize("big_dt", [False, True])
 def test_chunked_ssd_equals_reference(chunk, big_dt):

@@ -35,6 +35,7 @@ def decode_token_by_token(model, x, cache):
     return torch.cat(steps, 1)  # (B, T, V)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("path", ["naive", "absorbed"])
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
@@ -49,6 +50,7 @@ def test_each_decode_path_equals_transformers_full_forward(family, path, cache, 
     assert (got - expected).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_absorbed_prefill_equals_naive_prefill(family, checkpoint):
     """The two paths are the same function of the same weights, for many query tokens too."""
@@ -63,6 +65,7 @@ def test_absorbed_prefill_equals_naive_prefill(family, checkpoint):
     assert naive.std().item() > 0.1  # logits that carry signal, not a trivially equal constant
 
 
+@pytest.mark.slow
 def test_auto_path_absorbs_for_decode_and_up_projects_for_prefill(checkpoint, monkeypatch):
     model = load_model(checkpoint("deepseek_v3")[0])
     calls = []
@@ -79,6 +82,7 @@ def test_auto_path_absorbs_for_decode_and_up_projects_for_prefill(checkpoint, mo
     assert prefill == ["naive"] * 3 and calls == [decode] * 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_with_naive_path_equals_transformers_generate(family, checkpoint):
     """test_models.py checks the default (absorbed) decode; this is the naive one."""
@@ -90,6 +94,7 @@ def test_greedy_with_naive_path_equals_transformers_generate(family, checkpoint)
     assert generate(model, [prompt[0].tolist()], max_new_tokens=32).tokens[0] == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_latent_cache_bytes_equal_formula_and_predictor(family, checkpoint):
     """(kv_lora_rank + qk_rope_head_dim) x layers x element size x tokens x batch, to the byte."""
@@ -104,6 +109,7 @@ def test_latent_cache_bytes_equal_formula_and_predictor(family, checkpoint):
     assert per_head_kv / formula == 4.0
 
 
+@pytest.mark.slow
 def test_paged_latent_cache_bytes_equal_predictor(checkpoint):
     model = load_model(checkpoint("deepseek_v3")[0])
     cache = make_cache("paged", model.spec, 1, 64, block_size=16)
@@ -128,12 +134,14 @@ def test_yarn_rope_and_softmax_scale_equal_transformers():
     assert mla.scale != pytest.approx(24 ** -0.5)  # mscale_all_dim changed it
 
 
+@pytest.mark.slow
 def test_quantized_cache_refuses_the_latent(checkpoint):
     model = load_model(checkpoint("deepseek_v2")[0])
     with pytest.raises(KvwallError, match="MLA's latent cache"):
         make_cache("int8", model.spec, 1, 64)
 
 
+@pytest.mark.slow
 def test_unknown_path_is_an_error(checkpoint):
     model = load_model(checkpoint("deepseek_v2")[0])
     with pytest.raises(KvwallError, match="auto, naive, absorbed"):

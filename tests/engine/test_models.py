@@ -20,6 +20,7 @@ from kvwall.errors import KvwallError  # noqa: E402
 EXACT_CACHES = ["contiguous", "sliding", "paged"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_full_forward_equals_transformers(family, checkpoint):
     path, ref = checkpoint(family)
@@ -32,6 +33,7 @@ def test_full_forward_equals_transformers(family, checkpoint):
     assert (got - expected).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("cache", EXACT_CACHES)
 def test_decode_with_cache_equals_full_forward(family, cache, checkpoint):
@@ -50,6 +52,7 @@ def test_decode_with_cache_equals_full_forward(family, cache, checkpoint):
     assert (got - full).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_32_tokens_equals_transformers_generate(family, checkpoint):
     path, ref = checkpoint(family)
@@ -61,6 +64,7 @@ def test_greedy_32_tokens_equals_transformers_generate(family, checkpoint):
     assert got == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt2"])
 @pytest.mark.parametrize("cache", EXACT_CACHES)
 def test_batch_of_different_lengths_equals_one_by_one(family, cache, checkpoint):

@@ -102,6 +102,7 @@ def _uniform_moe(routing: Routing, n_experts=16, top_k=2, hidden=32) -> MoE:
     return moe
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("routing", [Routing(), Routing("sigmoid", n_group=4, topk_group=2, group_score="top2")],
                          ids=["mixtral-softmax", "v3-grouped-sigmoid"])
 def test_touched_experts_match_the_predictors_expectation(routing):

@@ -122,6 +122,7 @@ def test_packed_model_logits_equal_the_dequantized_model(checkpoint, name):
         torch.testing.assert_close(model.set_eager(True)(tokens), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt2"])  # untied head; tied + softcap; + positions
 @pytest.mark.parametrize("name", ["int4/q8_0", "int8:g64/int4:g32:sym"])
 def test_packed_table_and_head_equal_the_dequantized_model(checkpoint, family, name):
@@ -243,6 +244,7 @@ def test_q4_k_repacks_as_q4_1_within_fp16_rounding():
     assert (m < 0).any() and want.abs().max() > 0.1  # mins subtracted, weights of a real scale
 
 
+@pytest.mark.slow
 @pytest.mark.real
 def test_gemma3_q4_k_matrices_are_held_packed():
     """The real Gemma 3 270M file (Q4_K_M): its Q4_K projections are held as Q4_1 blocks (its Q8_0 token table as
@@ -268,6 +270,7 @@ def test_gemma3_q4_k_matrices_are_held_packed():
     assert torch.equal(a[0, -1].topk(5).indices, b[0, -1].topk(5).indices)
 
 
+@pytest.mark.slow
 def test_smollm2_q4_1_native_bytes_equal_the_predictor():
     """The real model's file: every projection is Q4_1, so held natively in bf16 it is `--weight-format q4_1`."""
     from kvwall.spec.gguf_meta import packaged_path
@@ -281,6 +284,7 @@ def test_smollm2_q4_1_native_bytes_equal_the_predictor():
     assert weight_bytes(model) == total_weight_bytes(model.spec, get_format("q4_1/q8_0", head_ok=True))
 
 
+@pytest.mark.slow
 def test_smollm2_file_bytes_equal_the_predictor():
     """Independent of the engine: the bytes the gguf package gives for each tensor of SmolLM2's file add up to
     `--weight-format q4_1/q8_0`, the norms (F32 in the file) counted at the predictor's 2 bytes."""

@@ -58,6 +58,7 @@ def test_a_padding_row_gets_a_finite_output(kernel):
     assert torch.isfinite(y).all()
 
 
+@pytest.mark.slow
 def test_decode_with_and_without_the_kernel_agree(kernel, checkpoint, monkeypatch):
     """The same model and prompts: logits through the kernel equal the dequantizing path's, tokens too."""
     path, _ = checkpoint("llama")

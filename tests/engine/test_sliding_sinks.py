@@ -115,6 +115,7 @@ def test_decode_equals_the_masked_full_forward(family, name, windows, sink, pref
     assert cache.nbytes() == predicted_bytes(name, model.spec, 2, 48)
 
 
+@pytest.mark.slow
 def test_the_window_and_the_sinks_change_the_logits(checkpoint):
     """Not vacuous: on the tiny llama the window and the sinks each move the logits past the tolerance."""
     path, _ = checkpoint("llama")

@@ -18,6 +18,7 @@ def local_profile(tmp_path, monkeypatch):
     (tmp_path / "local-device.json").write_text(json.dumps(PROFILE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gqa", "gqa-int8", "hybrid"])  # hybrid: KV on 3 layers + Mamba state
 def test_bench_point(arch, local_profile, capsys):
     assert main(["bench", arch, "--context", "256", "--steps", "1", "--prefill-max", "256", "--json"]) == 0
@@ -119,6 +120,7 @@ def test_reason_with_a_fixed_part_and_a_slope():
     assert "read the cache at 10.0 GB/s" in why and "plus a fixed 10.0 ms per step more than predicted" in why
 
 
+@pytest.mark.slow
 def test_bench_a_model_directory(tmp_path, local_profile, capsys):
     """A checkpoint directory runs with its own weights; its cache bytes equal the predictor's."""
     transformers = pytest.importorskip("transformers")
@@ -130,6 +132,7 @@ def test_bench_a_model_directory(tmp_path, local_profile, capsys):
     assert r["arch"] == "tiny" and r["cache_bytes"] == r["cache_pred_bytes"] == 2 * 2 * 2 * 16 * 4 * (64 + 3)
 
 
+@pytest.mark.slow
 def test_worker_times_no_first_call(monkeypatch, capsys):
     """A model whose first call takes 1 s (a kernel build, thread start): no prefill or decode time counts it."""
     import time
@@ -165,6 +168,7 @@ def test_worker_times_no_first_call(monkeypatch, capsys):
     assert len(r["prefill_runs_s"]) == 3 and max(r["prefill_runs_s"]) < 0.5, r["prefill_runs_s"]  # fresh caches
 
 
+@pytest.mark.slow
 def test_bench_a_real_model_against_transformers(tmp_path, local_profile, capsys):
     """A .gguf runs at each batch with each cache and transformers in one process: tok/s is batch over the median
     step, the exact cache's greedy tokens equal transformers', its bytes are the preallocation, and the ratio
@@ -201,6 +205,7 @@ def test_bench_a_real_model_against_transformers(tmp_path, local_profile, capsys
     assert set(real["summary"]["contiguous_vs_transformers"]) == {"tiny:fp32@1", "tiny:fp32@2"}
 
 
+@pytest.mark.slow
 def test_bench_a_real_model_by_weight_format(tmp_path, local_profile, capsys):
     """--weights fp32,int8:g32: one kvwall engine per format in the same run; int8's greedy tokens are its own
     (not asserted), and its predicted step reads 73,728 projection weights x (4 - 1.125) bytes fewer (2 layers
@@ -248,6 +253,7 @@ def test_bench_real_model_options_are_one_line_errors(bad, local_profile, capsys
     assert err.startswith("kvwall: error:") and ("batch" in err or "cache" in err) and "missing.gguf" not in err
 
 
+@pytest.mark.slow
 def test_a_busy_machine_is_named(monkeypatch, capsys):
     """Another process spinning one CPU for the whole of a worker's second is half of a 2-core machine's
     CPUs (a quarter of 4): the bench records it against that architecture and says its timings are busy."""

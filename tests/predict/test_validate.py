@@ -67,6 +67,7 @@ def test_null_batch_skipped_with_reason():
     assert "error" not in r and "batch" in r["skipped"]
 
 
+@pytest.mark.slow
 def test_every_catalog_row_predicted_or_skipped_for_its_batch():
     """Each row resolves to a catalog model and device; the only skips are the server-style runs."""
     data = validate(catalog.measurements())
@@ -109,6 +110,7 @@ def test_bad_inputs_one_line(capsys, argv, what):
     assert err.startswith("kvwall: error:") and what in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_json_keys(capsys):
     assert main(["validate", "--engine", "gpt-fast", "--json", "--mode", "ideal"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -119,6 +121,7 @@ def test_json_keys(capsys):
     assert {"measured", "predicted", "error", "tpot_s", "decode_context", "compute_dtype"} <= set(row)
 
 
+@pytest.mark.slow
 def test_table_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "v.png"

@@ -3,11 +3,14 @@
 import json
 import re
 
+import pytest
+
 from kvwall.cli import main
 
 FIGURES = ["cache-per-token", "cache-vs-context", "decode-vs-context", "roofline", "balance"]
 
 
+@pytest.mark.slow
 def test_report_without_measurement(tmp_path, capsys):
     out = tmp_path / "rep"
     assert main(["report", "--no-measure", "--out", str(out), "--json"]) == 0
@@ -43,6 +46,7 @@ def _fresh_profile(home, hours_old: float = 0.0):
     return when
 
 
+@pytest.mark.slow
 def test_report_measures_by_default(tmp_path, capsys, monkeypatch):
     """With the engine installed, the default report adds the measured section and its figure (bench shrunk for
     the test), says first what it will measure, and reuses a fresh profile (no calibration)."""
@@ -99,6 +103,7 @@ def test_a_stale_or_foreign_profile_is_measured_again(tmp_path, monkeypatch):
     assert cal.stale_because(path) is None
 
 
+@pytest.mark.slow
 def test_speeds_are_for_deployments_that_fit(tmp_path):
     """Llama-3-70B (141 GB of bf16 weights) cannot run on one 80 GB H100: its row names the GPUs it needs;
     DeepSeek-V3 (673 GB in its checkpoint's block FP8, 78.6 GiB a GPU under tp 8) does not fit 8 H100s (74.5 GiB
@@ -112,6 +117,7 @@ def test_speeds_are_for_deployments_that_fit(tmp_path):
     assert longest["llama-3-70b"][6].endswith("(tp 2)") and longest["deepseek-v3"][6] == "weights do not fit 8"
 
 
+@pytest.mark.slow
 def test_measured_section_prints_the_bench_numbers(tmp_path, capsys, monkeypatch):
     """The worker and the roofline replaced by fixed numbers: the measured table, verdict and reason show exactly
     those (20 ms measured against 15 predicted is -25%; 50 against 30, -40%; 30 ms over 300 MB is 10 GB/s)."""
@@ -158,6 +164,7 @@ def test_measured_section_prints_the_bench_numbers(tmp_path, capsys, monkeypatch
     assert "## Recall against memory" in md and "_Source: nothing: no cached results of `kvwall recall`" in md
 
 
+@pytest.mark.slow
 def test_recall_section_from_the_cache_or_one_line(tmp_path, monkeypatch):
     """Without cached results of kvwall recall's default grid the section is one line naming the command (no
     training); with them (tiny fake rows, written where kvwall recall caches) it holds the figure and the table."""
@@ -194,6 +201,7 @@ def test_recall_section_from_the_cache_or_one_line(tmp_path, monkeypatch):
     assert first[3] == "0.0 %" and first[4] == f"{len(archs) * len(widths) / 10:.1f} %"
 
 
+@pytest.mark.slow
 def test_serving_section_pools_by_hand(tmp_path):
     """Llama-3.1-8B's bf16 K/V is 32 layers x 8 KV heads x 128 x 2 (K and V) x 2 B = 128 KiB a token, 2 MiB a
     16-token block (config.json), so 1 GiB holds 512 blocks and fp8 twice as many; a larger budget never runs

@@ -135,6 +135,7 @@ def test_busy_threads_by_hand():
     assert fair.busy_threads(before, after, 10.0) == 3
 
 
+@pytest.mark.slow
 def test_thread_cpu_reads_a_spinning_thread_under_its_id():
     """A thread of this process spins 0.3 s of CPU, then idles: thread_cpu_s has its 0.3 s under (pid, its id),
     within /proc's 10 ms ticks."""
@@ -159,6 +160,7 @@ def test_thread_cpu_reads_a_spinning_thread_under_its_id():
         t.join()
 
 
+@pytest.mark.slow
 def test_tree_cpu_counts_a_busy_child():
     pid = os.fork()
     if pid == 0:  # the child spins for 0.3 s of CPU, then exits

@@ -141,6 +141,7 @@ def test_serve_refuses_an_empty_key_or_name(tiny_model, capsys, args, fragment):
     assert err.startswith("kvwall: error: ") and fragment in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_every_v1_route_needs_the_key_and_health_stays_open(tiny_model, tmp_path, monkeypatch):
     import hmac
 
@@ -176,6 +177,7 @@ def test_tiny_temperatures_sample_greedily_and_large_logits_do_not_overflow():
             Sampling(temperature=bad).check()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1e-300, 5e-324])
 def test_a_tiny_temperature_is_greedy_beside_a_stream(server, monkeypatch, temperature):
     """The stream (30 tokens, 10 ms a step) is in flight when the tiny-temperature request arrives."""
@@ -199,6 +201,7 @@ def test_a_tiny_temperature_is_greedy_beside_a_stream(server, monkeypatch, tempe
     assert not server.log.tracebacks()
 
 
+@pytest.mark.slow
 def test_a_failing_sampler_fails_its_request_alone(server, monkeypatch):
     """Sampling that raises for one request (seed 4242) fails that request with a 500; the stream beside it gets
     every token, its blocks and the failed one's go back to the pool."""
@@ -236,6 +239,7 @@ def test_a_failing_sampler_fails_its_request_alone(server, monkeypatch):
 
 # -- 3. bodies that raised in the server ----------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("raw, path, param, fragment", [
     ('{"model": "tiny", "prompt": "w1", "max_tokens": ' + "9" * 5000 + "}", "completions", None, "too many digits"),
     ('{"model": "tiny", "prompt": "w1", "max_tokens": ' + "9" * 4000 + "}", "completions", "max_tokens", "..."),
@@ -288,6 +292,7 @@ def parse_response(got: bytes) -> tuple[int, dict]:
     return int(headers.split()[1]), json.loads(body)
 
 
+@pytest.mark.slow
 def test_a_client_that_sends_less_than_its_content_length_is_closed_quietly(server):
     body = b'{"model": "tiny", "prompt": "w1"'
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -310,6 +315,7 @@ def test_the_body_cap_by_hand(server):
     assert max_body_bytes(runner) == 64 * 1_280_000
 
 
+@pytest.mark.slow
 def test_a_body_over_the_cap_is_refused_before_it_is_read(server):
     """Content-Length past the cap: 413 with no body sent at all. Chunked: 413 once the bytes streamed pass it,
     without the body's end ever being sent (a server reading it whole would never answer)."""
@@ -329,6 +335,7 @@ def test_a_body_over_the_cap_is_refused_before_it_is_read(server):
     assert_still_serving(server)
 
 
+@pytest.mark.slow
 def test_tokenizing_a_long_prompt_leaves_health_answering(server, monkeypatch):
     """The tokenizer takes 2 s on a 400-word prompt; /health answers within 1 s meanwhile (it waited 9 s when
     tokenizing ran on the event loop)."""

@@ -52,6 +52,7 @@ request_st = st.tuples(st.integers(0, 8), st.integers(0, 24), st.lists(st.intege
                        st.integers(1, 8))
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=st.lists(request_st, min_size=1, max_size=6), block_size=st.sampled_from([1, 4, 16]),
        chunk=st.integers(1, 24), max_batch=st.integers(1, 6), spare=st.integers(0, 4))
@@ -68,6 +69,7 @@ def test_every_request_equals_its_solo_run(tiny_model, reqs, block_size, chunk, 
         assert r.out == solo(model, r.prompt, r.max_tokens), f"request {r.id} ({r.preemptions} preemptions)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mistral", "deepseek_v2", "gemma2"])
 def test_other_attention_kinds_equal_solo_runs(tiny_model, family):
     """Sliding window (mistral, contexts past its 16), MLA's latent cache (deepseek_v2), soft-capping (gemma2):

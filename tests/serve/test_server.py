@@ -107,6 +107,7 @@ def test_streamed_completion_equals_the_whole_one(server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow
 def test_chat_through_the_openai_client(server):
     openai = pytest.importorskip("openai")
     base, _, model, tok = server
@@ -151,6 +152,7 @@ def wait_idle(base: str) -> None:
     raise AssertionError("blocks still held")
 
 
+@pytest.mark.slow
 def test_concurrent_requests_equal_solo_runs(server):
     base, _, model, tok = server
     prompts = [[(5 * i + j) % VOCAB for j in range(3 + i % 5)] for i in range(12)]
@@ -184,6 +186,7 @@ def test_a_disconnect_mid_stream_frees_its_blocks(server, monkeypatch):
     assert metric(base, "generation_tokens_total") - before < 400  # aborted long before its 400 tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, status, fragment", [
     (b"{not json", 400, "not valid JSON"),
     ({"model": "gpt-4", "prompt": "w1"}, 400, "not served here"),
@@ -211,6 +214,7 @@ def test_bad_requests_get_a_400_and_the_server_keeps_serving(server, body, statu
     assert ok["choices"][0]["text"] == solo_text(model, tok, [1, 2, 3], 3)
 
 
+@pytest.mark.slow
 def test_kvwall_serve_command_serves_and_stops_on_ctrl_c(tiny_model, tmp_path):
     """The CLI end to end: `kvwall serve DIR --port P` answers, then SIGINT drains and exits with status 0."""
     import shutil
@@ -276,6 +280,7 @@ def test_kvwall_serve_refuses_a_port_in_use(tiny_model, capsys):
     assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [["--concurrency", "4"], ["--rate", "50"]])
 def test_loadtest_against_the_server(server, capsys, mode):
     """8 streamed requests of 5 prompt words (unknown words: one token each) and 6 output tokens each."""
@@ -319,6 +324,7 @@ def test_percentiles_interpolate_like_numpy_docs():
     assert (p["p50"], p["p90"], p["mean"]) == (2.5, pytest.approx(3.7), 2.5)  # 1 + 0.9 * 3 = 3.7
 
 
+@pytest.mark.slow
 def test_loadtest_sends_a_dataset_and_plots(server, tmp_path, capsys):
     from kvwall.cli import main
 
@@ -337,6 +343,7 @@ def test_loadtest_sends_a_dataset_and_plots(server, tmp_path, capsys):
     assert 'line 1: expected a JSON object with a non-empty "prompt" string' in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_loadtest_sweep_runs_each_load_and_plots(server, tmp_path, capsys):
     from kvwall.cli import main
 
@@ -353,6 +360,7 @@ def test_loadtest_sweep_runs_each_load_and_plots(server, tmp_path, capsys):
         assert "--sweep must be rate=R1,R2,... or concurrency=C1,C2,..." in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_client_that_gives_up_on_a_whole_answer_frees_its_blocks(server, monkeypatch):
     """Not streamed: the server notices the closed connection while it waits (polled each second) and aborts."""
     base, runner, _, _ = server

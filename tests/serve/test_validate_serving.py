@@ -26,6 +26,7 @@ def test_row_errors_by_hand():
     assert r["TPOT p50"]["error"] == pytest.approx(-0.25) and r["TPOT p99"]["error"] == pytest.approx(0.0)
 
 
+@pytest.mark.slow
 def test_rows_prints_and_plots_earlier_runs(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     a = [vs.row(kv, rate, MEASURED, SIMULATED) | {"server": "kvwall"} for kv in ("16MiB", "256MiB")
