@@ -174,7 +174,7 @@ def run_error(argv, capsys) -> str:
 @pytest.mark.parametrize("extra,message", [
     (["--cache", "int9"], "unknown cache 'int9'"),
     (["--cache", "sliding:sink4"], "no sliding window for sinks"),
-    (["--text", "/nonexistent/t.txt"], "no such file"),
+    (["--text", "/nonexistent/t.txt"], "cannot read --text /nonexistent/t.txt (No such file or directory)"),
     (["--tokens", "1M", "--rows", "4096"], "the text has"),
     (["--tokens", "16", "--rows", "2"], "too short for --prefill"),
     (["--passkey-lengths", "50"], "too short for the instruction"),

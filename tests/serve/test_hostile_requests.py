@@ -366,12 +366,15 @@ def test_tokenizing_a_long_prompt_leaves_health_answering(server, monkeypatch):
 # -- 5. API errors name request fields ------------------------------------------------------------------------
 
 def test_api_errors_name_request_fields_not_options(server):
-    err = assert_error(complete(server.url, prompt="w1 " * 500, max_tokens=20), 400, "prompt", "max_tokens")
-    assert "shorten prompt or max_tokens" in err["message"] and "--" not in err["message"]
+    # issue #44: the prompt fits the 512-token context, so the field to change is max_tokens: 512 - 500 = 12
+    err = assert_error(complete(server.url, prompt="w1 " * 500, max_tokens=20), 400, "max_tokens",
+                       "give max_tokens at most 12")
+    assert "--" not in err["message"] and err["code"] == "context_length_exceeded"
     r = httpx.post(server.url + "/v1/chat/completions", json={
-        "model": NAME, "messages": [{"role": "user", "content": "w1 " * 100}], "max_tokens": 500})
-    err = assert_error(r, 400, "messages", "shorten messages or max_tokens")
+        "model": NAME, "messages": [{"role": "user", "content": "w1 " * 100}], "max_completion_tokens": 500})
+    err = assert_error(r, 400, "max_completion_tokens", "max_completion_tokens")
     assert "--" not in err["message"]
+    err = assert_error(complete(server.url, prompt="w1 " * 600, max_tokens=1), 400, "prompt", "shorten prompt")
 
 
 def test_the_runner_names_the_callers_fields_for_a_request_past_the_pool(tiny_model):

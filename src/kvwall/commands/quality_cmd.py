@@ -6,6 +6,7 @@ import argparse
 import time
 
 from kvwall.commands import common
+from kvwall.errors import KvwallError
 from kvwall.files import PLOT_EXTS, check_output
 from kvwall.report.tables import console, table
 from kvwall.spec.gguf_meta import INSTALL_HINT
@@ -49,6 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=whole(0, 2**63 - 1), default=0, help="pass-key seed (default 0)")
     common.add_weights(p, many=True)
     p.add_argument("--no-passkey", action="store_true", help="perplexity only")
+    p.add_argument("--server", metavar="URL", help="measure a served model instead (an OpenAI-compatible server "
+                   "that returns prompt logprobs: kvwall serve, vLLM): the same rows and pass-key prompts, made with "
+                   "MODEL's tokenizer and sent as token ids; ppl and top-1 accuracy, no KL")
+    p.add_argument("--server-model", metavar="NAME", help="with --server: the model name to send (default: the "
+                   "one /v1/models lists)")
+    p.add_argument("--api-key", metavar="KEY", help="with --server: sent as Authorization: Bearer KEY")
     p.add_argument("--plot", metavar="PATH", help="Δ perplexity vs bytes per token, and a pass-key heat-map per "
                    "strategy (.png, .pdf or .svg)")
     common.add_json(p)
@@ -64,6 +71,8 @@ def cmd_quality(args) -> int:
     plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
     lengths = None if args.no_passkey else parse_token_list(args.passkey_lengths, "pass-key length")
     path = _checkpoint(args.checkpoint)
+    if args.server is not None:
+        return _served(args, path, lengths)
     common.need_torch("kvwall quality runs the engine")
     from kvwall.measure import quality
 
@@ -87,6 +96,45 @@ def cmd_quality(args) -> int:
         quality_plot(data, plot)
         data["plot"] = str(plot)
     return common.emit(args, data, print_quality)
+
+
+def _served(args, path, lengths) -> int:
+    """--server URL: quality's rows and pass-key prompts through a server (measure/served_quality.py)."""
+    from kvwall.engine.tokenizer import load_tokenizer
+    from kvwall.measure import quality, served_quality
+    from kvwall.spec.resolve import load_spec
+
+    for option, given in (("--cache", args.cache), ("--weights", args.weights), ("--plot", args.plot)):
+        if given:
+            raise KvwallError(f"{option} is for the engine's own run; with --server the server's settings decide it "
+                              f"(leave {option} out)")
+    tok = load_tokenizer(path)
+    if tok is None:
+        raise KvwallError(f"{path} has no tokenizer (tokenizer.json, or a .gguf's); quality needs one to make the "
+                          "token ids it sends")
+    pk = quality.PasskeyPlan(lengths, args.keys, seed=args.seed) if lengths else None
+    plan = quality.Plan([], args.tokens, args.rows, args.prefill, args.residual, pk)
+    plan.check(load_spec(str(path)))
+    text, source = quality.read_text(args.text)
+    started = time.time()
+    data = served_quality.measure(served_quality.Server(args.server, args.server_model, args.api_key), tok, plan,
+                                  text, source)
+    data.update(checkpoint=str(path), seconds=round(time.time() - started, 1))
+    return common.emit(args, data, print_served)
+
+
+def print_served(data: dict) -> None:
+    c = console()
+    t = data["text"]
+    c.print(f"{data['model']} at {data['server']}: {t['used']:,} tokens of {t['source']} in {t['rows']} rows of "
+            f"{t['row_tokens']}, {t['prefill']} + 1 as context per row; took {data['seconds']} s")
+    rows = [[r["cache"], f"{r['ppl']:.3f}", f"{r['top1_accuracy'] * 100:.1f}%", f"{r['predictions']:,}"]
+            for r in data["quality"]]
+    c.print(table("served model", ["model", "ppl", "top-1 accuracy", "predictions"], rows,
+                  caption="top-1 accuracy: scored tokens that were the server's most likely; no KL (a server "
+                          "returns no full distributions)"))
+    if data.get("passkey"):
+        _print_passkey(data["passkey"])
 
 
 def _run_with_progress(model, tok, plan, text, source, quiet: bool) -> dict:

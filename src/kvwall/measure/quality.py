@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvwall.errors import KvwallError
+from kvwall.files import read_user_text
 
 EXACT = "contiguous"  # the reference every strategy is held against
 DEPTHS = (0.1, 0.5, 0.9)
@@ -74,14 +75,7 @@ def read_text(path: str | Path | None) -> tuple[str, str]:
     """--text FILE (UTF-8) or the reference prose -> (text, source)."""
     if path is None:
         return reference_prose()
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise KvwallError(f"--text {path}: no such file; give a UTF-8 text file")
-    try:
-        return p.read_text(encoding="utf-8"), str(p)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise KvwallError(f"--text {path}: cannot be read as UTF-8 text ({exc.__class__.__name__}); give a UTF-8 "
-                          "text file") from None
+    return read_user_text(path, "--text", "a UTF-8 text file"), str(Path(path).expanduser())
 
 
 class Tokens:

@@ -4,7 +4,10 @@ Each chunk of the step is one row of a right-padded (B, T) batch, T the longest 
 tokens [start, start + n) of its request at their true positions, padding is -1 (never written,
 never attended). The pool's block tables come from the scheduler (ScheduledPages); attention reads
 each row's blocks, so rows of any lengths share the forward. Rows whose chunk ends their sequence
-give a logit at their last token and sample the next one with their own sampling settings.
+give a logit at their last token and sample the next one with their own sampling settings and rules (penalties,
+logit_bias, min_tokens: serve/logits.py). Log-probabilities come from the same forward: a forward holding a
+prompt whose tokens' logprobs are asked for (echo) returns logits at every position, (B, T, V), instead of each
+row's last, and those rows are scored there; a token's own logprob is read from the logits that sampled it.
 
 A step runs its decode rows (B, 1) as one forward and its prefill chunks as one forward per length
 (scheduler.forward_groups): rows of one forward are right-padded to the longest, so in one (B + B', T)
@@ -32,6 +35,7 @@ from kvwall.engine.caches.registry import predicted_bytes
 from kvwall.engine.caches.state import has_state
 from kvwall.engine.generate import Sampling, check_logits, pick
 from kvwall.errors import KvwallError
+from kvwall.serve import logits as rules_
 from kvwall.serve.scheduler import Chunk, Request, Scheduler, Step, forward_groups
 from kvwall.spec.formats import get_format
 from kvwall.units import fmt_bytes
@@ -162,7 +166,13 @@ class Runner:
         self.cache = make_pool(model.spec, block_size, n_blocks, kv, self.device)
         assert self.cache.block_bytes() == self.block_bytes, "the pool's block is the predictor's"
         self.sched = Scheduler(n_blocks, block_size, chunk, max_batch)
-        self.sampling: dict[Request, tuple[Sampling, torch.Generator | None]] = {}
+        self.sampling: dict[Request, tuple[Sampling, torch.Generator | None, rules_.Rules]] = {}
+        # log-probabilities asked for, from the forward that sampled the token (no second pass): each request's
+        # prompt tokens' (a list filled as its chunks run; delivered once whole), and this step's new tokens'
+        self.prompt_logprobs: dict[Request, list] = {}
+        self.scored: dict[Request, list] = {}  # the prompt logprobs that became whole in the last step
+        self._whole: list[Request] = []
+        self.token_logprobs: dict[Request, tuple[float, list[tuple[int, float]]]] = {}
         self.generated = self.computed = self.steps = 0
         self.busy_s = 0.0
 
@@ -183,13 +193,18 @@ class Runner:
         self.model.spec.check_context(len(r.prompt) + r.max_tokens, fix)
         self.sched.check_fits(r, fix)
 
-    def add(self, r: Request, sampling: Sampling = Sampling()) -> None:
-        """Queue a request (after check())."""
+    def add(self, r: Request, sampling: Sampling = Sampling(), rules: rules_.Rules = rules_.NONE) -> None:
+        """Queue a request (after check()); `rules`: its penalties, biases and the logprobs it wants back."""
         self.check(r, sampling)
+        if any(not 0 <= t < self.model.spec.vocab for t, _ in rules.logit_bias):
+            raise KvwallError(f"a logit_bias token id is outside the vocabulary [0, {self.model.spec.vocab})")
+        r.score_prompt = rules.prompt_logprobs is not None
         self.sched.add(r)
         seed = sampling.seed
         gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
-        self.sampling[r] = (sampling, gen)
+        self.sampling[r] = (sampling, gen, rules)
+        if r.score_prompt:
+            self.prompt_logprobs[r] = [None] * len(r.prompt)  # the first token has none: nothing comes before it
 
     def warm_up(self) -> None:
         """One 2-token request through prefill and decode, then the counters back to zero: the C++ kernels a
@@ -207,6 +222,7 @@ class Runner:
     def abort(self, r: Request) -> None:
         self.sched.abort(r)
         self.sampling.pop(r, None)
+        self.prompt_logprobs.pop(r, None)
 
     @torch.inference_mode()
     def step(self) -> tuple[Step, list[Request]]:
@@ -218,9 +234,11 @@ class Runner:
         for src, dst in step.copies:
             self.cache.copy_block(src, dst)
         sampled, failed = {}, {}
+        self._whole, self.token_logprobs = [], {}
         for rows in forward_groups(step.chunks):
             sampled.update(self.sample(rows, self.forward(rows), failed))  # forward: (B, V)
         self._drop(step, failed)
+        self.scored = {r: self.prompt_logprobs.pop(r) for r in self._whole if r in self.prompt_logprobs}
         done = self.sched.finish(step, sampled)
         for r in done:
             self.sampling.pop(r, None)
@@ -238,9 +256,33 @@ class Runner:
             tokens[i, :c.n] = torch.tensor(c.request.tokens[c.start:c.start + c.n])
             pos[i, :c.n] = torch.arange(c.start, c.start + c.n)
         self.cache.plan([c.request.blocks for c in chunks], [c.start + c.n for c in chunks])
-        logits = self.model(tokens.to(self.device), pos.to(self.device), self.cache, last_only=True)[:, 0]
+        scoring = [c.request in self.prompt_logprobs and c.start < len(c.request.prompt) for c in chunks]
+        every = any(scoring)  # a prompt whose tokens' logprobs are asked for: logits at every position
+        logits = self.model(tokens.to(self.device), pos.to(self.device), self.cache, last_only=not every)
+        if every:  # (B, T, V): score the prompts, then each row's last real token as last_only gives it
+            for i, c in enumerate(chunks):
+                if scoring[i]:
+                    self._score_prompt(c, logits[i, :c.n])  # (n, V)
+            logits = logits[torch.arange(len(chunks)), torch.tensor([c.n - 1 for c in chunks])]  # (B, V)
+        else:
+            logits = logits[:, 0]  # (B, V)
         check_logits(logits, f"at serving step {self.steps + 1}")
         return logits
+
+    def _score_prompt(self, c: Chunk, logits: torch.Tensor) -> None:
+        """logits (n, V) at tokens [start, start + n) of c's request -> the logprobs of the prompt tokens they
+        predict, tokens [start + 1, start + n + 1) (the last of those is generated, not scored, where c ends
+        the prompt)."""
+        r = c.request
+        k = self.sampling[r][2].prompt_logprobs
+        found = self.prompt_logprobs[r]
+        logp = logits.float().log_softmax(-1)  # (n, V)
+        for j in range(c.n):
+            p = c.start + j + 1
+            if p < len(r.prompt):
+                found[p] = rules_.top(logp[j], r.prompt[p], k)
+        if c.start + c.n >= len(r.prompt):
+            self._whole.append(r)
 
     def sample(self, chunks: list[Chunk], logits: torch.Tensor, failed: dict | None = None) -> dict[Request, int]:
         """The next token of each row whose chunk ended its sequence, with that request's own sampling. A row whose
@@ -251,9 +293,15 @@ class Runner:
         out = {}
         for i in rows:
             r = chunks[i].request
-            s, gen = self.sampling[r]
+            s, gen, rules = self.sampling[r]
             try:
-                out[r] = greedy[i] if s.greedy else int(pick(logits[i:i + 1], s, gen)[0])
+                row = rules_.apply(rules, logits[i], r.prompt, r.out)[None] if rules.shapes else logits[i:i + 1]
+                if s.greedy:
+                    out[r] = int(row.argmax()) if rules.shapes else greedy[i]
+                else:
+                    out[r] = int(pick(row, s, gen)[0])
+                if rules.logprobs is not None:  # the model's own distribution at this row (rules_: why)
+                    self.token_logprobs[r] = rules_.top(logits[i].float().log_softmax(-1), out[r], rules.logprobs)
             except Exception as e:
                 if failed is None:
                     raise

@@ -45,6 +45,9 @@ class Request:
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
     finish: str | None = None  # "stop", "length" or "abort" once retired
+    score_prompt: bool = False  # every prompt token is computed (its logprob is asked for): no prefix-cache hit
+    after: Request | None = None  # a sibling of the same prompt (n > 1): admitted once its prompt is computed, so
+    #                               it takes that prompt's sealed blocks from the prefix cache instead of recomputing
 
     @property
     def tokens(self) -> list[int]:
@@ -167,7 +170,10 @@ class Scheduler:
     def _admit(self, step: Step, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch:
             r = self.waiting[0]
-            hit = self.pool.cached_prefix(r.tokens)
+            lead = r.after
+            if lead is not None and lead.finish is None and lead.computed < len(lead.prompt):
+                return  # its sibling's prompt blocks seal at the end of the step that computes them
+            hit = [] if r.score_prompt else self.pool.cached_prefix(r.tokens)
             start = min(len(hit) * self.pool.block_size, r.length - 1)  # all cached: recompute the last token
             n = min(r.length - start, budget)
             need = self.pool.revive_cost(hit) + self._needs_after(len(hit), start, n)

@@ -1,14 +1,20 @@
 """The OpenAI HTTP API over the engine worker (Starlette + uvicorn): a thin layer that parses, submits, streams.
 
-    POST /v1/completions        prompt (text, token ids, or a list of one text), max_tokens (default 16)
-    POST /v1/chat/completions   messages through the model's chat template (a plain "role: text" one without)
-        both: temperature (default 1), top_p, seed, stop (a string or up to 4), stream (server-sent events,
-        stream_options.include_usage), n = 1 only, ignore_eos (vLLM's extension); the answer carries usage
+    POST /v1/completions        prompt (text, token ids, or a list of either: one choice group per prompt),
+                                max_tokens (default 16; 0 with echo scores the prompt), echo, logprobs, best_of
+    POST /v1/chat/completions   messages through the model's chat template (a plain "role: text" one without;
+                                content as text parts, null on an assistant turn), max_completion_tokens,
+                                logprobs + top_logprobs
+        both: temperature (default 1), top_p, top_k, seed, stop (a string or up to 4), n, stream (server-sent
+        events, stream_options.include_usage), frequency/presence/repetition penalties, logit_bias, min_tokens,
+        stop_token_ids, ignore_eos (serve/logits.py: their semantics); the answer carries usage
     GET  /v1/models, /health, /metrics (Prometheus text: requests, KV blocks, preemptions, prefix hits, tok/s)
 
-A bad request gets OpenAI's error object with status 400 (413 for a body past max_body_bytes, 401 on a
-/v1/ route without the --api-key when one is set; /health and /metrics stay open) and never reaches the
-engine. The body is parsed and tokenized off the event loop. A client that disconnects aborts its request:
+A bad request gets OpenAI's error object with status 400 naming the field (`param`), a field this server does
+not serve (tools, response_format beyond text, image parts, suffix ...) included; 404 for an unknown model or
+route, 405 for a wrong method, 413 for a body past max_body_bytes, 401 on a /v1/ route without the --api-key
+when one is set (/health and /metrics stay open); it never reaches the engine. The body is parsed and tokenized
+off the event loop. A client that disconnects aborts its request:
 its blocks are free before the next step. Stop strings are found in the decoded text; the text stops before
 them.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -32,6 +40,7 @@ from starlette.routing import Route
 
 from kvwall.engine.generate import Sampling
 from kvwall.errors import KvwallError
+from kvwall.serve.logits import MAX_LOGPROBS, Rules
 from kvwall.serve.scheduler import Request
 from kvwall.serve.worker import Handle, Worker
 
@@ -50,10 +59,20 @@ class BadRequest(Exception):
         self.param, self.code, self.status = param, code, status
 
 
-def error_response(e: BadRequest) -> JSONResponse:
+def error_response(e: BadRequest, headers: dict | None = None) -> JSONResponse:
     kind = "invalid_request_error" if e.status < 500 else "server_error"
     body = {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}}
-    return JSONResponse(body, status_code=e.status)
+    return JSONResponse(body, status_code=e.status, headers=headers)
+
+
+async def http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (404 no such route, 405 wrong method) in the error shape clients parse."""
+    what = {404: f"no route {request.url.path}; this server serves /v1/completions, /v1/chat/completions, "
+                 "/v1/models, /health and /metrics",
+            405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+    e = BadRequest(what, code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code),
+                   status=exc.status_code)
+    return error_response(e, exc.headers)
 
 
 def max_body_bytes(runner) -> int:
@@ -98,15 +117,37 @@ class IdText:
 
 # -- parsing a request body ------------------------------------------------------------------------------
 
+# The request fields served; any other one is refused with a 400 naming it (a 200 that ignored it would look like
+# an answer to what was asked). A field sent as null counts as not sent.
+SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                   "stream_options", "n", "ignore_eos", "frequency_penalty", "presence_penalty",
+                   "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "logprobs",
+                   "user"}  # user: an end-user id for the provider's abuse monitoring; nothing to do here
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "best_of"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                                 "tool_choice", "parallel_tool_calls"}  # the last four: only as "nothing asked"
+MAX_N = 128  # choices per prompt (n, best_of): each is a running request
+# choices per HTTP request (prompts x n): a 1 MiB body holds 250,000 one-token prompts, and each choice is a request
+# object queued in the engine; lm-evaluation-harness batches 1-64 prompts a request
+MAX_CHOICES = 4096
+
+
 @dataclass
 class Job:
-    prompt: list[int]
-    max_tokens: int
+    prompts: list[list[int]]  # one or more (a list prompt): each gets n choices
+    max_tokens: int  # 0: score the prompt only (echo)
     sampling: Sampling
     stops: list[str]
     stream: bool
     usage_in_stream: bool
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: run to max_tokens (load tests)
+    n: int = 1
+    best_of: int | None = None  # sample this many per prompt, answer the n of the highest total logprob
+    echo: bool = False  # completions: the prompt's text (and its tokens' logprobs) before the choice's
+    logprobs: int | None = None  # top-N alternatives per token (completions: logprobs; chat: top_logprobs)
+    rules: Rules = Rules()  # penalties, logit_bias, min_tokens (stop_ids set by the server: the model's EOS)
+    stop_ids: frozenset[int] = frozenset()  # stop_token_ids
+    texts: list[str | None] | None = None  # the prompts as sent, where text (echo returns them as they came)
 
 
 def _shown(value, most: int = 40) -> str:
@@ -126,6 +167,13 @@ def _number(body: dict, key: str, default, lo: float, hi: float, whole: bool = F
     return value
 
 
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false (got {_shown(value)})", key)
+    return bool(value)
+
+
 def _stops(body: dict) -> list[str]:
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -134,31 +182,101 @@ def _stops(body: dict) -> list[str]:
     return stops
 
 
-def _prompt_ids(prompt, tok) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = tok.encode(prompt) if prompt else []
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = prompt
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in value)
+
+
+def _prompts(prompt, tok) -> tuple[list[list[int]], list[str | None]]:
+    """A prompt as OpenAI takes it (a string, a list of token ids, a list of strings, a list of token-id lists) ->
+    (token ids of each prompt, its text where it came as text)."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        items = prompt
     else:
-        raise BadRequest("prompt must be a string, a list of one string, or a list of token ids", "prompt")
-    if not ids:
+        raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of strings or of token-id "
+                         "lists", "prompt")
+    ids = [(tok.encode(p) if p else []) if isinstance(p, str) else p for p in items]
+    if not all(ids):
         raise BadRequest("the prompt is empty; give at least one token", "prompt")
-    return ids
+    return ids, [p if isinstance(p, str) else None for p in items]
+
+
+def _content(m: dict, i: int) -> str:
+    """A message's content as text: a string, text parts (joined with newlines, as vLLM joins them), or null on
+    an assistant turn; any other part (an image, audio) is refused, naming it."""
+    content = m.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and m.get("role") == "assistant":
+        return ""
+    if not isinstance(content, list):
+        raise BadRequest(f"messages[{i}].content must be a string or a list of text parts (null only on an "
+                         "assistant turn)", f"messages[{i}].content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise BadRequest(f"messages[{i}].content[{j}] is a {_shown(kind)} part; this server reads text parts "
+                             "only ({\"type\": \"text\", \"text\": ...})", f"messages[{i}].content[{j}].type")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _chat_ids(messages, tok) -> list[int]:
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        raise BadRequest("messages must be a non-empty list of {role, content} objects with string content",
-                         "messages")
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    for i, m in enumerate(messages):
+        for key in ("tool_calls", "function_call", "audio"):
+            if m.get(key) is not None:
+                raise BadRequest(f"messages[{i}].{key} is not served (no tool calls or audio here)",
+                                 f"messages[{i}].{key}")
+    messages = [dict(m, content=_content(m, i)) for i, m in enumerate(messages)]
     if hasattr(tok, "encode_chat"):
         return tok.encode_chat(messages)
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     return tok.encode(text)
 
+
+def _refuse_unserved(body: dict, chat: bool) -> None:
+    """A 400 naming the first field this server does not serve (sent as anything but null or "nothing asked")."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for key, value in body.items():
+        if value is None:
+            continue
+        if key not in known:
+            raise BadRequest(f"{key} is not served by kvwall serve; leave it out", key, "unsupported_parameter")
+    if body.get("tools") or body.get("tool_choice") not in (None, "none", "auto"):
+        raise BadRequest("tools are not served by kvwall serve (no tool calls); leave tools and tool_choice out",
+                         "tools" if body.get("tools") else "tool_choice", "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise BadRequest(f"response_format {_shown(fmt)} is not served: only {{\"type\": \"text\"}} (no JSON mode "
+                         "or schema)", "response_format", "unsupported_parameter")
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise BadRequest("logit_bias must be an object of token id -> bias in [-100, 100]", "logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 10) or isinstance(value, bool) or \
+                not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise BadRequest(f"logit_bias must map token ids to numbers in [-100, 100] (got {_shown(key)}: "
+                             f"{_shown(value)})", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def _token_ids(body: dict, key: str) -> frozenset[int]:
+    value = body.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise BadRequest(f"{key} must be a list of token ids", key)
+    return frozenset(value)
 
 def _no_constant(name: str):
     raise BadRequest(f"the request body is not valid JSON: {name} is not a JSON number")
@@ -206,20 +324,47 @@ def _lone_surrogate(value) -> bool:
 
 def parse_job(body: dict, tok, chat: bool) -> Job:
     """The request body -> what the engine runs; BadRequest names the field at fault."""
-    if body.get("n", 1) != 1:
-        raise BadRequest("only n = 1 is served", "n")
-    prompt = _chat_ids(body.get("messages"), tok) if chat else _prompt_ids(body.get("prompt"), tok)
-    limit = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens")
-    max_tokens = _number({"max_tokens": limit}, "max_tokens", CHAT_MAX_TOKENS if chat else 16, 1, 1 << 24, True)
+    _refuse_unserved(body, chat)
+    n = _number(body, "n", 1, 1, MAX_N, whole=True)
+    best_of = None if chat else _number(body, "best_of", None, n, MAX_N, whole=True)
+    echo = False if chat else _flag(body, "echo")
+    if chat:
+        prompts, texts = [_chat_ids(body.get("messages"), tok)], [None]
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _number(body, key, CHAT_MAX_TOKENS, 1, 1 << 24, True)
+        want = _flag(body, "logprobs")
+        top = _number(body, "top_logprobs", None, 0, MAX_LOGPROBS, True)
+        if top is not None and not want:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (top or 0) if want else None
+    else:
+        prompts, texts = _prompts(body.get("prompt"), tok)
+        max_tokens = _number(body, "max_tokens", 16, 0 if echo else 1, 1 << 24, True)
+        logprobs = _number(body, "logprobs", None, 0, MAX_LOGPROBS, True)
+    off = body.get("top_k") in (-1, 0) and not isinstance(body.get("top_k"), bool)  # vLLM's "no top-k" values
     sampling = Sampling(temperature=_number(body, "temperature", 1.0, 0, 2),
+                        top_k=None if off else _number(body, "top_k", None, 1, 1 << 30, True),
                         top_p=_number(body, "top_p", None, 1e-9, 1),
                         seed=_number(body, "seed", None, 0, (1 << 63) - 1, whole=True))
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream must be true or false", "stream")
+    rules = Rules(frequency_penalty=_number(body, "frequency_penalty", 0.0, -2, 2),
+                  presence_penalty=_number(body, "presence_penalty", 0.0, -2, 2),
+                  repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-3, 100),
+                  logit_bias=_logit_bias(body), min_tokens=_number(body, "min_tokens", 0, 0, 1 << 24, True))
+    if rules.min_tokens > max(max_tokens, 1):
+        raise BadRequest(f"min_tokens ({rules.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
+    if len(prompts) * (best_of or n) > MAX_CHOICES:
+        raise BadRequest(f"{len(prompts):,} prompts x {best_of or n} choices is over this server's {MAX_CHOICES:,} "
+                         "choices a request; send fewer prompts per request", "n" if chat else "prompt")
+    stream = _flag(body, "stream")
+    if stream and best_of is not None and best_of > n:
+        raise BadRequest("best_of > n cannot stream (the best are known only at the end)", "best_of")
+    if max_tokens == 0 and stream:
+        raise BadRequest("max_tokens 0 (prompt scoring) does not stream; send stream: false", "max_tokens")
     options = body.get("stream_options") or {}
-    return Job(prompt, max_tokens, sampling, _stops(body), stream,
-               bool(isinstance(options, dict) and options.get("include_usage")), body.get("ignore_eos") is True)
+    return Job(prompts, max_tokens, sampling, _stops(body), stream,
+               bool(isinstance(options, dict) and options.get("include_usage")), _flag(body, "ignore_eos"),
+               n=n, best_of=best_of, echo=echo, logprobs=logprobs, rules=rules,
+               stop_ids=_token_ids(body, "stop_token_ids"), texts=texts)
 
 
 # -- text out --------------------------------------------------------------------------------------------
@@ -273,7 +418,8 @@ class Api:
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.metrics)]
         keyed = [Middleware(KeyCheck, key=self.api_key)] if self.api_key else []
-        return Starlette(routes=routes, middleware=keyed, lifespan=self._lifespan)
+        return Starlette(routes=routes, middleware=keyed, lifespan=self._lifespan,
+                         exception_handlers={HTTPException: http_error})
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -298,14 +444,34 @@ class Api:
             return error_response(e)
         except ClientDisconnect:  # it went away mid-body: nobody reads an answer
             return Response(status_code=499)
-        eos = () if job.ignore_eos else self.worker.runner.model.spec.eos_token_ids
-        r = Request(uuid.uuid4().hex, job.prompt, job.max_tokens, frozenset(eos))
-        h = Handle(r, job.sampling, asyncio.get_running_loop())
-        self.worker.submit(h)
-        reply = Reply(self, h, job, chat)
+        reply = Reply(self, self._submit(job), job, chat)
         if job.stream:
             return StreamingResponse(reply.stream(), media_type="text/event-stream")
         return await reply.whole(request)
+
+    def _submit(self, job: Job) -> list[list[Handle]]:
+        """One engine request per choice: best_of (else n) per prompt. The first choice of a prompt computes it;
+        the others wait for that (Request.after) and take its blocks from the prefix cache, where nothing asks
+        for the prompt's logprobs (each scoring request computes its prompt itself). Choice j samples with
+        seed + j: one seed for all would give n equal choices."""
+        eos = frozenset(() if job.ignore_eos else self.worker.runner.model.spec.eos_token_ids)
+        stop = eos | job.stop_ids
+        ranked = job.best_of is not None and job.best_of > job.n  # best_of ranks by the choices' total logprob
+        rules = dataclasses.replace(job.rules, stop_ids=stop, prompt_logprobs=job.logprobs if job.echo else None,
+                                    logprobs=0 if ranked and job.logprobs is None else job.logprobs)
+        loop, out = asyncio.get_running_loop(), []
+        for prompt in job.prompts:
+            handles = []
+            for j in range(job.best_of or job.n):
+                s = job.sampling
+                sampling = dataclasses.replace(s, seed=(s.seed + j) % (1 << 63)) if s.seed is not None else s
+                r = Request(uuid.uuid4().hex, prompt, max(job.max_tokens, 1), stop)
+                if handles and rules.prompt_logprobs is None:
+                    r.after = handles[0].request
+                handles.append(Handle(r, sampling, loop, rules))
+                self.worker.submit(handles[-1])
+            out.append(handles)
+        return out
 
     async def _read(self, request: HttpRequest) -> bytes:
         """The body's bytes, refused (413) past max_body as soon as its Content-Length or the bytes streamed so far
@@ -331,19 +497,43 @@ class Api:
         body = parse_body(raw)
         if body.get("model") != self.name:
             raise BadRequest(f"model {_shown(body.get('model'))} is not served here; this server serves "
-                             f"{self.name!r}", "model", "model_not_found")
+                             f"{self.name!r}", "model", "model_not_found", status=404)
         field = "messages" if chat else "prompt"
         try:
             job = parse_job(body, self.tok, chat)
         except KvwallError as e:  # the tokenizer's: no chat template, a text that encodes to nothing
             raise BadRequest(str(e), field) from None
-        try:
-            self.worker.runner.check(Request("check", job.prompt, job.max_tokens), job.sampling,
-                                     fix=f"shorten {field} or max_tokens")
-        except KvwallError as e:
-            raise BadRequest(str(e), field, "context_length_exceeded"
-                             if "context" in str(e) or "KV blocks" in str(e) else None) from None
+        limit_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else \
+            "max_tokens"
+        for prompt in job.prompts:
+            self._check_context(len(prompt), job.max_tokens, field, limit_key)
+            try:
+                self.worker.runner.check(Request("check", prompt, max(job.max_tokens, 1)), job.sampling,
+                                         fix=f"shorten {field} or {limit_key}")
+            except KvwallError as e:
+                raise BadRequest(str(e), limit_key if "KV blocks" in str(e) else field,
+                                 "context_length_exceeded" if "context" in str(e) or "KV blocks" in str(e)
+                                 else None) from None
+        vocab = self.worker.runner.model.spec.vocab
+        for key, ids in (("logit_bias", [t for t, _ in job.rules.logit_bias]), ("stop_token_ids", job.stop_ids)):
+            if any(t >= vocab for t in ids):
+                raise BadRequest(f"{key} names a token id outside the vocabulary [0, {vocab})", key)
         return job
+
+    def _check_context(self, prompt: int, max_tokens: int, field: str, key: str) -> None:
+        """Past the model's context: the request field to change, and by how much (a prompt to be scored,
+        max_tokens 0, still runs one position past its last token)."""
+        limit = self.worker.runner.model.spec.context_limit
+        if not limit:
+            return
+        if prompt >= limit:
+            raise BadRequest(f"this model's maximum context length is {limit:,} tokens and the {field} has "
+                             f"{prompt:,}; shorten {field} to under {limit:,} tokens", field,
+                             "context_length_exceeded")
+        if prompt + max_tokens > limit:
+            raise BadRequest(f"this model's maximum context length is {limit:,} tokens: {prompt:,} in the {field} + "
+                             f"{key} {max_tokens:,} = {prompt + max_tokens:,}; give {key} at most "
+                             f"{limit - prompt:,}", key, "context_length_exceeded")
 
     async def models(self, request: HttpRequest):
         return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model",
@@ -357,23 +547,71 @@ class Api:
         return PlainTextResponse(prometheus(self.worker.runner), media_type="text/plain; version=0.0.4")
 
 
+class Choice:
+    """One choice of an answer: its engine request, its text so far, the logprobs of its tokens."""
+
+    def __init__(self, reply: Reply, h: Handle, prompt: int):
+        self.reply, self.h, self.prompt, self.index = reply, h, prompt, 0
+        self.text = TextStream(reply.api.tok, reply.job.stops)
+        self.parts: list[str] = []
+        self.finish: str | None = None
+        self.prompt_logprobs: list | None = None  # (token, logprob entry or None) per prompt token (echo)
+        self.logprobs: list = []  # (token, (logprob, top)) per generated token
+
+    def total(self) -> float:
+        """The choice's total logprob (best_of ranks by it)."""
+        return sum(entry[0] for _, entry in self.logprobs)
+
+    async def events(self, disconnected=None):
+        """(text delta, finish reason or None, new (token, logprob) entries) until the request ends; BadRequest
+        (500) on an engine error. Prompt scoring (max_tokens 0) drops the one token its request generated."""
+        scoring = self.reply.job.max_tokens == 0
+        while True:
+            event = await self.reply.next_event(self.h, disconnected)
+            kind, value = event[0], event[1]
+            if kind == "error":
+                self.h.finished = True
+                raise BadRequest(value, status=400 if "context" in value or "KV" in value else 500)
+            if kind == "prompt":
+                self.prompt_logprobs = list(zip(self.h.request.prompt, value))
+                continue
+            if kind == "done":
+                self.h.finished = True
+                yield self.text.flush(), value, []
+                return
+            if scoring:
+                continue
+            entries = [(value, event[2])] if event[2] is not None else []
+            self.logprobs += entries
+            delta, stopped = self.text.add(value)
+            if stopped:
+                self.reply.api.worker.abort(self.h)
+                yield delta, "stop", entries
+                return
+            if delta or entries:
+                yield delta, None, entries
+
+
 class Reply:
     """One request's answer: the engine's events -> OpenAI objects, whole or as server-sent events."""
 
-    def __init__(self, api: Api, h: Handle, job: Job, chat: bool):
-        self.api, self.h, self.job, self.chat = api, h, job, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + h.request.id
+    def __init__(self, api: Api, handles: list[list[Handle]], job: Job, chat: bool):
+        self.api, self.job, self.chat = api, job, chat
+        self.groups = [[Choice(self, h, i) for h in hs] for i, hs in enumerate(handles)]
+        self.choices = [c for g in self.groups for c in g]
+        for k, c in enumerate(self.choices):
+            c.index = k  # prompt i's choices are i * n .. i * n + n - 1 (best_of: renumbered once ranked)
+        self.id = ("chatcmpl-" if chat else "cmpl-") + handles[0][0].request.id
         self.object = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
-        self.text = TextStream(api.tok, job.stops)
         self.next_check = time.monotonic() + 1.0  # when to ask again whether the client is still there
 
-    async def next_event(self, disconnected=None) -> tuple:
-        """The engine's next event; with `disconnected` (a whole answer: nothing is written until the end), at
+    async def next_event(self, h: Handle, disconnected=None) -> tuple:
+        """h's next engine event; with `disconnected` (a whole answer: nothing is written until the end), at
         most every second whether the client went away (Disconnected). A stream learns it from its writes."""
         while True:
             try:
-                event = await asyncio.wait_for(self.h.events.get(), timeout=1.0)
+                event = await asyncio.wait_for(h.events.get(), timeout=1.0)
             except asyncio.TimeoutError:
                 event = None
             if disconnected is not None and time.monotonic() >= self.next_check:
@@ -383,69 +621,143 @@ class Reply:
             if event is not None:
                 return event
 
-    async def events(self, disconnected=None):
-        """(text delta, finish reason or None) until the request ends; BadRequest(500) on an engine error."""
-        while True:
-            kind, value = await self.next_event(disconnected)
-            if kind == "error":
-                self.h.finished = True
-                raise BadRequest(value, status=400 if "context" in value or "KV" in value else 500)
-            if kind == "done":
-                self.h.finished = True
-                yield self.text.flush(), value
-                return
-            delta, stopped = self.text.add(value)
-            if stopped:
-                self.api.worker.abort(self.h)
-                yield delta, "stop"
-                return
-            if delta:
-                yield delta, None
+    def abort_all(self) -> None:
+        for c in self.choices:
+            if not c.h.finished:
+                self.api.worker.abort(c.h)
 
     def usage(self) -> dict:
-        """OpenAI's usage, with the prompt tokens the prefix cache gave (prompt_tokens_details, as vLLM reports)."""
-        r = self.h.request
-        p, c = len(r.prompt), len(r.out)
+        """OpenAI's usage, with the prompt tokens the prefix cache gave (prompt_tokens_details, as vLLM reports):
+        each prompt counted once, every choice's tokens (best_of's unreturned ones too: they were computed)."""
+        p = sum(len(g[0].h.request.prompt) for g in self.groups)
+        c = 0 if self.job.max_tokens == 0 else sum(len(ch.h.request.out) for ch in self.choices)
+        cached = sum(ch.h.request.cached_tokens for ch in self.choices)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def choice(self, text: str | None, finish: str | None, delta: bool) -> dict:
+    def piece(self, token: int) -> str:
+        return self.api.tok.decode([token])
+
+    def completion_logprobs(self, entries: list, offset: int) -> dict:
+        """OpenAI's completions logprobs: per token its text, logprob, top alternatives (with the token itself,
+        as vLLM lists it) and character offset; null logprob and alternatives for the prompt's first token."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entry in entries:
+            text = self.piece(token)
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            logprob, top = entry
+            alternatives = {self.piece(t): v for t, v in top}
+            alternatives.setdefault(text, logprob)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(alternatives)
+        return out
+
+    def chat_logprobs(self, entries: list) -> dict:
+        def one(token: int, logprob: float) -> dict:
+            text = self.piece(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [dict(one(token, lp), top_logprobs=[one(t, v) for t, v in top])
+                            for token, (lp, top) in entries]}
+
+    def prompt_text(self, c: Choice) -> str:
+        given = self.job.texts[c.prompt] if self.job.texts else None
+        return given if given is not None else self.api.tok.decode(c.h.request.prompt)
+
+    def choice(self, c: Choice, text: str | None, finish: str | None, delta: bool, entries: list,
+               first: bool = False) -> dict:
+        """One choice object; `entries` its (token, logprob) entries in this object; `first`: a stream's first
+        chunk of the choice (echo sends the prompt there)."""
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            logprobs = None
+            if self.job.echo and (first or not delta):
+                text = self.prompt_text(c) + (text or "")
+                if self.job.logprobs is not None:
+                    entries = (c.prompt_logprobs or []) + entries
+            if self.job.logprobs is not None:
+                logprobs = self.completion_logprobs(entries, 0)
+            return {"index": c.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         key = "delta" if delta else "message"
         body = {"role": "assistant", "content": text} if not delta else ({"content": text} if text else {})
-        return {"index": 0, key: body, "logprobs": None, "finish_reason": finish}
+        logprobs = self.chat_logprobs(entries) if self.job.logprobs is not None else None
+        return {"index": c.index, key: body, "logprobs": logprobs, "finish_reason": finish}
 
     def envelope(self, choices: list, streaming: bool) -> dict:
         kind = self.object + (".chunk" if streaming and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.api.name, "choices": choices}
 
+    async def _collect(self, c: Choice, disconnected) -> None:
+        async for delta, finish, _ in c.events(disconnected):
+            c.parts.append(delta)
+            c.finish = finish
+
     async def whole(self, request: HttpRequest):
-        parts, finish = [], None
+        tasks = [asyncio.ensure_future(self._collect(c, request.is_disconnected)) for c in self.choices]
         try:
-            async for delta, finish in self.events(request.is_disconnected):  # noqa: B007  (finish: read after it)
-                parts.append(delta)
+            await asyncio.gather(*tasks)
         except BadRequest as e:
+            self.abort_all()
             return error_response(e)
         except Disconnected:  # the client went away: free its blocks (nobody reads this answer)
-            self.api.worker.abort(self.h)
+            self.abort_all()
             return JSONResponse({}, status_code=499)
-        body = self.envelope([self.choice("".join(parts), finish, False)], False)
+        finally:
+            for t in tasks:
+                t.cancel()
+        shown = []
+        for g in self.groups:
+            if len(g) > self.job.n:  # best_of: the n of the highest total logprob, best first
+                g = sorted(g, key=Choice.total, reverse=True)[:self.job.n]
+            shown += g
+        choices = []
+        for k, c in enumerate(shown):
+            c.index = k
+            choices.append(self.choice(c, "".join(c.parts), c.finish, False, c.logprobs))
+        body = self.envelope(choices, False)
         return JSONResponse(dict(body, usage=self.usage()))
 
     async def stream(self):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: Choice):
+            try:
+                async for item in c.events():
+                    await queue.put((c, *item))
+            except BadRequest as e:
+                await queue.put((c, e, None, None))
+            await queue.put((c, None, "end", None))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
         try:
             if self.chat:
-                yield sse(self.envelope([dict(self.choice(None, None, True), delta={"role": "assistant"})], True))
-            async for delta, finish in self.events():
-                yield sse(self.envelope([self.choice(delta, finish, True)], True))
+                for c in self.choices:
+                    first = dict(self.choice(c, None, None, True, []), delta={"role": "assistant"})
+                    yield sse(self.envelope([first], True))
+            started, ended = set(), 0
+            while ended < len(self.choices):
+                c, delta, finish, entries = await queue.get()
+                if finish == "end":
+                    ended += 1
+                    continue
+                if isinstance(delta, BadRequest):
+                    raise delta
+                first = c.index not in started
+                started.add(c.index)
+                yield sse(self.envelope([self.choice(c, delta, finish, True, entries, first)], True))
             if self.job.usage_in_stream:
                 yield sse(dict(self.envelope([], True), usage=self.usage()))
         except BadRequest as e:
             yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         finally:
-            if not self.h.finished:  # the client went away mid-stream: free its blocks now
-                self.api.worker.abort(self.h)
+            for t in tasks:
+                t.cancel()
+            self.abort_all()  # the client went away mid-stream (or a choice failed): free the blocks now
         yield "data: [DONE]\n\n"
 
 

@@ -1,7 +1,8 @@
 """The engine loop in its own thread: requests and aborts come in on a queue, tokens go out to each request's
 asyncio queue (the HTTP side never touches the runner while it steps).
 
-Events pushed to a Handle: ("token", id), then ("done", "stop" | "length"), or ("error", message).
+Events pushed to a Handle: ("prompt", logprobs) once its prompt is scored (when it asked for that), ("token", id,
+logprobs or None) per new token, then ("done", "stop" | "length"), or ("error", message).
 An abort (a client that went away, a stop string found in the text) frees the request's blocks before
 the next step.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvwall.engine.generate import Sampling
 from kvwall.errors import KvwallError
+from kvwall.serve.logits import NONE, Rules
 from kvwall.serve.runner import Runner
 from kvwall.serve.scheduler import Request
 
@@ -24,6 +26,7 @@ class Handle:
     request: Request
     sampling: Sampling
     loop: asyncio.AbstractEventLoop
+    rules: Rules = NONE  # penalties, biases, min_tokens, and the logprobs it wants back
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False  # done, aborted or failed: nothing more will come
 
@@ -77,13 +80,17 @@ class Worker:
         if item is None:
             return
         kind, h = item
-        if kind == "add" and not h.finished:  # a request aborted before it was added is just dropped
+        if kind == "add" and h.finished:  # a request aborted before it was added is just dropped; marked so that
+            h.request.finish = "abort"    # no sibling waits for its prompt (Request.after)
+        elif kind == "add":
             try:
-                self.runner.add(h.request, h.sampling)
+                self.runner.add(h.request, h.sampling, h.rules)
                 self.handles[h.request] = h
             except KvwallError as e:
+                h.request.finish = "abort"
                 h.push(("error", str(e)))
             except Exception as e:  # a bug must fail this request, not stop the engine thread
+                h.request.finish = "abort"
                 h.push(("error", f"the engine could not take the request: {e}"))
         elif kind == "abort" and self.handles.pop(h.request, None) is not None:
             self.runner.abort(h.request)
@@ -98,10 +105,14 @@ class Worker:
             h = self.handles.pop(r, None)
             if h is not None:
                 h.push(("error", message))
+        for r, logprobs in self.runner.scored.items():
+            h = self.handles.get(r)
+            if h is not None:
+                h.push(("prompt", logprobs))
         for r, token in step.sampled.items():
             h = self.handles.get(r)
             if h is not None:
-                h.push(("token", token))
+                h.push(("token", token, self.runner.token_logprobs.get(r)))
         for r in done:
             h = self.handles.pop(r, None)
             if h is not None:
