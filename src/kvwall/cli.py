@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_cmd,
         calibrate_cmd,
         engine_cmds,
+        explore_cmd,
         loadtest_cmd,
         memory_cmds,
         quality_cmd,
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate_cmd.register(sub)
     quality_cmd.register(sub)
     recall_cmd.register(sub)
+    explore_cmd.register(sub)
     return p
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,7 @@ class Document:
     title: str
     subtitle: str
     sections: list[Section] = field(default_factory=list)
+    intro: list[str] = field(default_factory=list)  # paragraphs under the title; `code` and http:// links marked up
 
     def figures(self) -> list[Figure]:
         return [f for s in self.sections for f in s.figures]
@@ -59,10 +61,17 @@ figcaption,.caption{color:#5a6372;font-size:.9em}
 """
 
 
+def _marked(text: str) -> str:
+    """Escaped text with `code` as <code> and each http:// address as a link (the intro's only markup)."""
+    out = re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text, quote=False))
+    return re.sub(r"(http://[^\s<]+[^\s<.,;)])", r"<a href='\1'>\1</a>", out)
+
+
 def write_html(doc: Document, path: Path) -> Path:
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(doc.title)}</title>"
              f"<style>{_CSS}</style></head><body>",
              f"<h1>{html.escape(doc.title)}</h1><p class='sub'>{html.escape(doc.subtitle)}</p>"]
+    parts += [f"<p class='intro'>{_marked(p)}</p>" for p in doc.intro]
     for s in doc.sections:
         parts.append(f"<h2>{html.escape(s.title)}</h2>")
         if s.provenance:
@@ -88,6 +97,8 @@ def write_html(doc: Document, path: Path) -> Path:
 
 def write_markdown(doc: Document, path: Path) -> Path:
     out = [f"# {doc.title}", "", f"_{doc.subtitle}_", ""]
+    for p in doc.intro:
+        out += [re.sub(r"(http://\S+[^\s.,;)])", r"<\1>", p), ""]
     for s in doc.sections:
         out += [f"## {s.title}", ""]
         if s.provenance:
