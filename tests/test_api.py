@@ -328,8 +328,9 @@ def quick_scoring(monkeypatch):
     summary = {"checked": 2, "skipped": 1, "all": {"n": 2, "median_abs_error": 0.1, "median_error": -0.05,
                                                    "max_abs_error": 0.15, "worst": "row-b"},
                "engines": {}, "devices": {}}
+    loso = {**summary, "all": {**summary["all"], "median_abs_error": 0.3}}  # held out by source: worse
     fake = {"mode": "ideal", "conventions": {}, "fit": scoring.fit_info(), "rows": [{"id": "row-a"}, {"id": "row-b"}],
-            "summary": summary, "summaries": {"ideal": summary, "expected": summary}}
+            "summary": summary, "summaries": {"ideal": summary, "expected": summary, "expected_loso": loso}}
     calls = []
     monkeypatch.setattr(scoring, "validate", lambda rows, engine, device, mode: calls.append((engine, device, mode))
                         or json.loads(json.dumps(fake)))
@@ -342,6 +343,7 @@ def test_validate_wraps_the_scoring(quick_scoring, capsys):
     assert quick_scoring == [("gpt-fast", None, "ideal")]
     assert (r.mode, r.rows, r.checked, r.skipped) == ("ideal", 2, 2, 1)
     assert (r.median_abs_error, r.median_error, r.max_abs_error, r.worst) == (0.1, -0.05, 0.15, "row-b")
+    assert r.loso_median_abs_error == 0.3  # expected mode's leave-one-source-out median, whatever the mode
     assert r.fit_written is None
     assert r.to_dict() == cli_json(capsys, "validate", "--engine", "gpt-fast", "--mode", "ideal")
 

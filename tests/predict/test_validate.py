@@ -115,7 +115,7 @@ def test_json_keys(capsys):
     assert main(["validate", "--engine", "gpt-fast", "--json", "--mode", "ideal"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data) == {"conventions", "rows", "summary", "mode", "summaries", "fit"} and data["mode"] == "ideal"
-    assert set(data["summary"]) == {"checked", "skipped", "all", "engines", "devices"}
+    assert set(data["summary"]) == {"checked", "skipped", "all", "engines", "devices", "sources", "bands"}
     assert list(data["summary"]["engines"]) == ["gpt-fast"]
     row = next(r for r in data["rows"] if r["id"] == GPTFAST)
     assert {"measured", "predicted", "error", "tpot_s", "decode_context", "compute_dtype"} <= set(row)

@@ -9,13 +9,15 @@ import argparse
 from kvwall import api
 from kvwall.commands import common
 from kvwall.predict.expected import MODES
-from kvwall.predict.validate import OUTLIER, TIME_METRICS
+from kvwall.predict.validate import OUTLIER, SCORES, TIME_METRICS
 from kvwall.report.tables import console, table
 
 # How a metric's figure reads in the table (its unit).
 _UNITS = {"decode_tok_s_per_seq": "tok/s/seq", "throughput_tok_s": "tok/s", "tpot_s": "s", "ttft_s": "s"}
 _MODE_WORDS = {"ideal": "ideal roofline (datasheet peaks, no fixed costs)",
-               "expected": "expected (fitted fractions of peak), each row by a fit without it (leave-one-out)"}
+               "expected": "expected (fitted fractions of peak), each row by a fit without it (leave-one-out)",
+               "expected_loso": "expected, each row by a fit without any row of its source document "
+                                "(leave-one-source-out)"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,18 +59,21 @@ def _print(data: dict) -> None:
     rows = [[r["id"] + ("" if r["expected"]["in_fit"] else " (not fitted)"), r["model"],
              f"{r['device']} x{r['n_devices']}", r["engine"], _fig(r["metric"], r["measured"]),
              _fig(r["metric"], r["ideal"]["predicted"]), _pct(r["ideal"]["error"]),
-             _fig(r["metric"], r["expected"]["predicted"]), _pct(r["expected"]["error"])]
+             _fig(r["metric"], r["expected"]["predicted"]), _pct(r["expected"]["error"]),
+             _pct(r["expected"]["loso_error"])]
             for r in data["rows"] if "error" in r]
     conv = data["conventions"]
     c.print(table("predicted against published measurements: ideal roofline and expected (leave-one-out)",
-                  ["id", "model", "device", "engine", "measured", "ideal", "error", "expected (LOO)", "error"], rows,
+                  ["id", "model", "device", "engine", "measured", "ideal", "error", "expected (LOO)", "error",
+                   "error, source held out"], rows,
                   caption=f"error: {conv['error']}; decode at {conv['decode_context']}; throughput = "
                           f"{conv['throughput']}; math in {conv['compute_dtype']}"))
-    for mode in MODES:
-        s = data["summaries"][mode]
-        c.print(table(f"summary, {_MODE_WORDS[mode]}: {s['checked']} rows checked, {s['skipped']} skipped",
+    for score in SCORES:
+        s = data["summaries"][score]
+        c.print(table(f"summary, {_MODE_WORDS[score]}: {s['checked']} rows checked, {s['skipped']} skipped",
                       ["group", "rows", "median |error|", "median error", "max |error|", "worst row"],
                       [_summary_row(name, st) for name, st in _groups(s)]))
+    c.print(_medians(data["summaries"]))
     _print_fit(c, data["fit"])
     for r in data["rows"]:
         if "skipped" in r:
@@ -93,7 +98,20 @@ def _print_fit(c, f: dict) -> None:
 
 def _groups(s: dict) -> list[tuple[str, dict]]:
     return ([("all", s["all"])] + [(f"engine {k}", v) for k, v in s["engines"].items()]
-            + [(f"device {k}", v) for k, v in s["devices"].items()])
+            + [(f"device {k}", v) for k, v in s["devices"].items()]
+            + [(f"context {k}", v) for k, v in s["bands"].items()]
+            + [(f"source {k}", v) for k, v in s["sources"].items()])
+
+
+def _medians(summaries: dict) -> str:
+    """Expected mode's two scores side by side: overall and in the longest context band."""
+    def one(s: dict) -> str:
+        long = s["bands"].get(">= 16k")
+        tail = f" (>= 16k: {_pct(long['median_abs_error']).lstrip('+')})" if long else ""
+        return _pct(s["all"]["median_abs_error"]).lstrip("+") + tail
+
+    return (f"expected mode, median |error|: leave-one-row-out {one(summaries['expected'])}, "
+            f"leave-one-source-out {one(summaries['expected_loso'])}")
 
 
 def _summary_row(name: str, st: dict) -> list:

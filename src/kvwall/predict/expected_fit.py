@@ -9,6 +9,10 @@ fitted.
 
 Leave-one-out: for each fitted row, refit without it (from the same start as the full fit) and predict it, so that the
 error shown for a row is never of a fit that saw the row.
+
+Leave-one-source-out: rows of one document share an engine build, a harness and its conventions, so a fit that saw
+a row's neighbours has half seen the row. For each source (``source_of``: the document, its title), refit without
+all of its rows and predict them: the error of a figure for a document the fit has never read.
 """
 
 from __future__ import annotations
@@ -94,4 +98,22 @@ def leave_one_out(preps: list[Prepared], full: dict, only: list[int] | None = No
         p = preps[i]
         params = fit(preps[:i] + preps[i + 1:]) if in_fit(p) else full
         out.append(math.expm1(log_errors([p], params)[0]))
+    return out
+
+
+def source_of(row: dict) -> str:
+    """The document a measurement row comes from (its source's title): what leave-one-source-out holds out."""
+    return row["source"]["title"]
+
+
+def leave_one_source_out(preps: list[Prepared], only: list[int] | None = None) -> list[float]:
+    """Each row's error under a fit made without every row of its source (same start as the full fit), fitted
+    rows or not; `only`: these indices of `preps`, in that order. One fit per source."""
+    fits: dict[str, dict] = {}
+    out = []
+    for i in range(len(preps)) if only is None else only:
+        src = source_of(preps[i].row)
+        if src not in fits:
+            fits[src] = fit([p for p in preps if source_of(p.row) != src])
+        out.append(math.expm1(log_errors([preps[i]], fits[src])[0]))
     return out

@@ -2,7 +2,10 @@
 
 * ideal: the roofline at the datasheet peaks (efficiency 1.0, no fixed costs);
 * expected: predict/expected.py's fitted figures, scored leave-one-out (each row predicted by a fit that did
-  not see it; predict/expected_fit.py); rows never fitted are scored with the stored fit (catalog.efficiency_file).
+  not see it; predict/expected_fit.py); rows never fitted are scored with the stored fit (catalog.efficiency_file);
+  and scored leave-one-source-out (each row predicted by a fit that saw no row of its document).
+
+Summaries group the errors by engine, device, source and context band (``BANDS``, on the decode context).
 
 Each row is predicted with its weight and KV formats, tensor parallel ``tp`` and the conventions in
 predict/table.py (``CONVENTIONS``, stated in every output).
@@ -21,6 +24,16 @@ from kvwall.predict.roofline import Roof
 from kvwall.predict.table import CONVENTIONS, TIME_METRICS, figures, prepare, skip_reason
 
 OUTLIER = 0.35  # |leave-one-out error| above which a row is called an outlier (the issue's target)
+# Context bands of the summaries, on a row's decode context (prompt + output / 2): (upper bound or None, name).
+# 4k and 16k tokens: where a Llama-3-8B-like cache (128 KiB a token) passes 0.5 and 2.1 GB, against 16 GB of weights.
+BANDS = ((4096, "< 4k"), (16384, "4k-16k"), (None, ">= 16k"))
+# The summaries validate() returns: name -> (the mode a row's figure comes from, its error key there).
+SCORES = {"expected": ("expected", "error"), "expected_loso": ("expected", "loso_error"), "ideal": ("ideal", "error")}
+
+
+def band_of(context: int) -> str:
+    """The BANDS name of a decode context in tokens."""
+    return next(name for top, name in BANDS if top is None or context < top)
 
 
 def select(rows, engine: str | None = None, device: str | None = None) -> list[dict]:
@@ -38,7 +51,7 @@ def select(rows, engine: str | None = None, device: str | None = None) -> list[d
 
 def _base(row: dict) -> dict:
     base = {k: row[k] for k in ("id", "model", "device", "n_devices", "tp", "engine", "metric")}
-    return base | {"measured": row["value"]}
+    return base | {"source": row["source"]["title"], "measured": row["value"]}
 
 
 def predict_row(row: dict, mode: str = "ideal", params: dict | None = None) -> dict:
@@ -50,15 +63,15 @@ def predict_row(row: dict, mode: str = "ideal", params: dict | None = None) -> d
             roof = (Roof(p.device, p.dtype) if mode == "ideal"
                     else expected_roof(p.device, p.dtype, p.fm, p.spec, row["tp"], params, row.get("host_cost")))
             return _base(row) | {"batch": row["batch"], "compute_dtype": p.dtype, "decode_context": p.context,
-                                 "mode": mode} | figures(p, roof)
+                                 "context_band": band_of(p.context), "mode": mode} | figures(p, roof)
         except KvwallError as exc:
             reason = str(exc)
     return _base(row) | {"skipped": reason}
 
 
 def validate(rows, engine: str | None = None, device: str | None = None, mode: str = "expected") -> dict:
-    """Every selected row in both modes (expected: leave-one-out over the whole table), and the summaries;
-    `predicted` / `error` of each row are those of `mode`."""
+    """Every selected row in both modes (expected: leave-one-out and leave-one-source-out over the whole table),
+    and the summaries (SCORES); `predicted` / `error` of each row are those of `mode` (expected: leave-one-out)."""
     if mode not in MODES:
         raise KvwallError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
     chosen = {r["id"] for r in select(rows, engine, device)}
@@ -66,19 +79,21 @@ def validate(rows, engine: str | None = None, device: str | None = None, mode: s
     preps = [prepare(r) for r in usable]
     params = fitted()
     wanted = [i for i, p in enumerate(preps) if p.row["id"] in chosen]
-    from kvwall.predict.expected_fit import leave_one_out  # numpy: imported when a table is scored
+    from kvwall.predict.expected_fit import leave_one_out, leave_one_source_out  # numpy: imported when scored
 
     loo = dict(zip(wanted, leave_one_out(preps, params, only=wanted)))
+    loso = dict(zip(wanted, leave_one_source_out(preps, only=wanted)))
     results = []
     for r in rows:
         if r["id"] not in chosen:
             continue
-        results.append(_both(r, preps, loo, params, mode))
+        results.append(_both(r, preps, loo, loso, params, mode))
     return {"mode": mode, "conventions": CONVENTIONS, "fit": fit_info(), "rows": results,
-            "summary": summarize(results), "summaries": {m: summarize(results, m) for m in MODES}}
+            "summary": summarize(results),
+            "summaries": {name: summarize(results, m, key) for name, (m, key) in SCORES.items()}}
 
 
-def _both(row: dict, preps: list, loo: dict, params: dict, mode: str) -> dict:
+def _both(row: dict, preps: list, loo: dict, loso: dict, params: dict, mode: str) -> dict:
     from kvwall.predict.expected_fit import in_fit
 
     ideal = predict_row(row, "ideal")
@@ -88,7 +103,7 @@ def _both(row: dict, preps: list, loo: dict, params: dict, mode: str) -> dict:
     full = predict_row(row, "expected", params)
     exp = {k: full[k] for k in ("predicted", "tpot_s", "ttft_s") if k in full}
     exp["predicted"] = _from_error(row, loo[i])
-    exp |= {"error": loo[i], "fitted_error": full["error"], "in_fit": in_fit(preps[i])}
+    exp |= {"error": loo[i], "loso_error": loso[i], "fitted_error": full["error"], "in_fit": in_fit(preps[i])}
     pick = ideal if mode == "ideal" else exp
     out = {k: v for k, v in ideal.items() if k not in ("predicted", "error", "tpot_s", "ttft_s", "mode")}
     out |= {"predicted": pick["predicted"], "error": pick["error"],
@@ -116,17 +131,25 @@ def _notes(row: dict, error: float) -> dict:
     return out
 
 
-def summarize(results: list[dict], mode: str | None = None) -> dict:
-    """Counts, and median / max |error| overall, per engine and per device (skipped rows only counted);
-    `mode` picks that mode's error from each row (default: the row's own `error`)."""
-    done = [dict(r, error=r[mode]["error"]) if mode else r for r in results if "error" in r]
+def summarize(results: list[dict], mode: str | None = None, key: str = "error") -> dict:
+    """Counts, and median / max |error| overall, per engine, device, source and context band (skipped rows only
+    counted); `mode` picks that mode's `key` error from each row (default: the row's own `error`). Rows without a
+    source or band (hand-made tables) are grouped only where they have the key."""
+    done = [dict(r, error=r[mode][key]) if mode else r for r in results if "error" in r]
     return {"checked": len(done), "skipped": len(results) - len(done), "all": _stats(done),
-            "engines": _grouped(done, "engine"), "devices": _grouped(done, "device")}
+            "engines": _grouped(done, "engine"), "devices": _grouped(done, "device"),
+            "sources": _grouped(done, "source"), "bands": _banded(done)}
+
+
+def _banded(done: list[dict]) -> dict:
+    """Stats per context band, in BANDS order, the bands with rows only."""
+    rows = [r for r in done if "context_band" in r]
+    return {name: _stats(part) for _, name in BANDS if (part := [r for r in rows if r["context_band"] == name])}
 
 
 def _grouped(done: list[dict], key: str) -> dict:
-    names = sorted({r[key] for r in done}, key=str.lower)
-    return {n: _stats([r for r in done if r[key] == n]) for n in names}
+    names = sorted({r[key] for r in done if key in r}, key=str.lower)
+    return {n: _stats([r for r in done if r.get(key) == n]) for n in names}
 
 
 def _stats(done: list[dict]) -> dict:

@@ -76,7 +76,7 @@ class Format:
     torch_dtype: str | None = None  # the element type an engine stores (None: packed integers)
     fixed: bool = False  # a fixed block layout (nvfp4, GGUF blocks): no :gN / :sym options
     head: Format | None = None  # weights only: the embedding table's and LM head's format (None: keep_16bit)
-    # a checkpoint's own format (quantization_config: native_format); none of these is set by get_format
+    # a checkpoint's own format (quantization_config: native_format); get_format sets only `only` (:experts)
     block: tuple[int, int] | None = None  # one scale_bytes scale per (out x in) block of a matrix (block-wise FP8)
     zero_bits: int = 0  # a packed zero point of this many bits per group (GPTQ/AWQ qzeros), counted per matrix
     index_bytes: int = 0  # per input feature of each matrix (GPTQ's int32 g_idx)
@@ -89,11 +89,13 @@ class Format:
     @property
     def label(self) -> str:
         if self.source is not None:  # a checkpoint's own format names its layout; an override its own label
-            own = self.name if per_tensor(self) else replace(self, source=None, detail="").label
+            own = self.name if per_tensor(self) and self.source != "--weight-format" else (
+                replace(self, source=None, detail="").label)  # a named :experts keeps its name
             inside = ", ".join(x for x in (self.detail, f"from {self.source}") if x)
             return f"{own} ({inside})"
         own = self.name if self.group is None or self.fixed else (
             f"{self.name}:g{self.group}" + ("" if self.zero_bytes else ":sym"))
+        own += ":experts" if self.only == "experts" else ""
         return own if self.head is None else f"{own}/{self.head.label}"
 
     def vector_bytes(self, n: int) -> int:
@@ -161,8 +163,12 @@ FORMAT_NAMES = sorted(_BASE)
 
 def get_format(text: str, head_ok: bool = False) -> Format:
     """'bf16', 'fp8', 'int4', 'int4:g128', 'int8:g64:sym' -> Format; a weight format (head_ok) may add /HEAD:
-    'q4_1/q8_0' -> q4_1 with a q8_0 embedding table and LM head."""
+    'q4_1/q8_0' -> q4_1 with a q8_0 embedding table and LM head, and :experts: 'mxfp4:experts/q8_0' -> the routed
+    experts in mxfp4, every other tensor (attention, router, norms, embedding, LM head) in q8_0."""
     own, slash, head = str(text).strip().lower().partition("/")
+    if "experts" in head.split(":") or ("experts" in own.split(":") and not head_ok):
+        raise KvwallError(f"format {text!r}: only a weight format's own part takes :experts (the routed experts' "
+                          "format; the rest take /HEAD's), e.g. mxfp4:experts/q8_0")
     if slash and not head_ok:
         raise KvwallError(f"format {text!r}: only a weight format takes a /HEAD part (the embedding table's and "
                           "LM head's format); drop it")
@@ -181,6 +187,9 @@ def _one_format(text: str) -> Format:
                           "(integer formats take :gN for group size, e.g. int4:g128)")
     fmt = _BASE[base]
     for opt in parts[1:]:
+        if opt == "experts":  # only the routed experts in this format, every other tensor in /HEAD's (else bf16)
+            fmt = replace(fmt, only="experts")  # e.g. llama.cpp's gpt-oss GGUF: mxfp4:experts/q8_0
+            continue
         if fmt.group is None or fmt.fixed:
             raise KvwallError(f"format {text!r}: {base} has a fixed layout and takes no options")
         if opt == "sym":
@@ -188,7 +197,8 @@ def _one_format(text: str) -> Format:
         elif opt.startswith("g") and ascii_digits(opt[1:]) and len(opt) <= 12 and int(opt[1:]) > 0:
             fmt = replace(fmt, group=int(opt[1:]))
         else:
-            raise KvwallError(f"format {text!r}: option {opt!r} not understood; use :gN (group size) or :sym")
+            raise KvwallError(f"format {text!r}: option {opt!r} not understood; use :gN (group size), :sym or "
+                              ":experts (only the routed experts in it)")
     return fmt
 
 
