@@ -42,7 +42,7 @@ from kvwall.errors import KvwallError
 from kvwall.predict import devices as dev
 from kvwall.predict.memory import Formats, MemoryReport, Parallel
 from kvwall.predict.roofline import PhaseResult, Roof
-from kvwall.spec.model import ModelSpec
+from kvwall.spec.model import ModelSpec, softmax_attention
 from kvwall.units import parse_bytes, parse_int_list, parse_token_list, parse_tokens, real, seconds_arg, whole
 
 __all__ = [
@@ -443,6 +443,8 @@ class ValidateResult(_Result):
         max_abs_error: The largest |error|.
         worst: The id of the row with the largest |error|.
         fit_written: Where ``fit=True`` wrote the refitted table, or None.
+        loso_median_abs_error: Expected mode's median |error| scored leave-one-source-out (each row by a fit that
+            saw no row of its source document), whatever ``mode``.
     """
 
     mode: str
@@ -454,6 +456,7 @@ class ValidateResult(_Result):
     max_abs_error: float | None
     worst: str | None
     fit_written: str | None
+    loso_median_abs_error: float | None = None
 
 
 def _dumps(data: Any) -> str:
@@ -583,8 +586,7 @@ def reshape(spec: ModelSpec, *, kv_heads: int | None = None, window: Tokens | No
     notes = []
     if kv_heads is not None:
         n = _check(kv_heads, whole(1), "kv_heads")
-        heads = {layer.mixer.n_q_heads for layer in spec.layers
-                 if layer.mixer is not None and layer.mixer.kind == "attention"}
+        heads = {a.n_q_heads for a in map(softmax_attention, (layer.mixer for layer in spec.layers)) if a is not None}
         if not heads:
             raise KvwallError(f"--kv-heads: {spec.name} has no (non-latent) attention layers to re-shape")
         if n <= 0 or any(h % n for h in heads):
@@ -593,7 +595,7 @@ def reshape(spec: ModelSpec, *, kv_heads: int | None = None, window: Tokens | No
         notes.append(f"re-shaped: every attention layer has {n} KV heads")
     if window is not None:
         w = _tokens(window, "window")
-        if not spec.has("attention"):
+        if not any(softmax_attention(layer.mixer) for layer in spec.layers):
             raise KvwallError(f"--window: {spec.name} has no (non-latent) attention layers to give a window")
         asked = max(parse_token_list(_list_text(context), "context")) if context else 0
         if w >= max(spec.max_context or 0, asked) > 0:  # contexts past the maximum are what-ifs, where it slides
@@ -914,7 +916,7 @@ def roofline(model: Model, *, batch: int | str | Sequence[int] = 1, context: Tok
                     compute_eff=compute_eff, mem_eff=mem_eff, link_latency=link_latency)
     batches = parse_int_list(_list_text(batch), "batch")
     ctx, prompt = _tokens(context, "context"), _tokens(prompt_tokens, "prompt")
-    if mla is not None and not spec.has("latent"):
+    if mla is not None and not (spec.has("latent") or spec.has("sparse_latent")):  # DSA is MLA too
         raise KvwallError(f"--mla {mla}: {spec.name} has no MLA (latent attention) layers to decode either way")
     absorbed = None if mla is None else mla == "absorbed"
     energy = catalog.energy_table()
@@ -990,7 +992,7 @@ def _fit_note(fits: bool, model: str, device: str) -> list[str]:
 
 
 def _mla_mode(spec, absorbed) -> str | None:
-    if not spec.has("latent"):
+    if not (spec.has("latent") or spec.has("sparse_latent")):
         return None
     return "naive" if absorbed is False else "absorbed"
 
@@ -1366,7 +1368,8 @@ def validate(*, engine: str | None = None, device: str | None = None, mode: str 
     """Predictions against the published measurements in catalog/measurements.json (``kvwall validate``).
 
     Both modes are scored for every row: ideal, and expected leave-one-out (each row predicted by a fit made
-    without it). Scoring the whole table takes a minute or two.
+    without it) and leave-one-source-out (by a fit made without its source document). Scoring the whole table
+    takes a few minutes.
 
     Args:
         engine: Only this engine's rows (gpt-fast, TensorRT-LLM, ...).
@@ -1406,10 +1409,12 @@ def validate(*, engine: str | None = None, device: str | None = None, mode: str 
         data["plot"] = _text(plot, "plot")
     s = (data.get("summaries") or {}).get(mode) or {}
     every = s.get("all") or {}
+    by_source = ((data.get("summaries") or {}).get("expected_loso") or {}).get("all") or {}
     return ValidateResult(_json=_dumps(data), mode=mode, rows=len(data["rows"]), checked=s.get("checked", 0),
                           skipped=s.get("skipped", 0), median_abs_error=every.get("median_abs_error"),
                           median_error=every.get("median_error"), max_abs_error=every.get("max_abs_error"),
-                          worst=every.get("worst"), fit_written=data.get("fit_written"))
+                          worst=every.get("worst"), fit_written=data.get("fit_written"),
+                          loso_median_abs_error=by_source.get("median_abs_error"))
 
 
 def _fit_target(out: str | None) -> Path:

@@ -11,7 +11,18 @@ import pytest
 from kvwall.engine import CACHE_NAMES
 from kvwall.engine.caches.registry import CACHES, CacheChoice, parse_cache, predicted_bytes
 from kvwall.errors import KvwallError
-from kvwall.spec.model import MLP, Attention, LatentAttention, Layer, Mamba, ModelSpec
+from kvwall.spec.model import (
+    MLP,
+    Attention,
+    GatedDeltaNet,
+    LatentAttention,
+    Layer,
+    Mamba,
+    Mamba2,
+    ModelSpec,
+    ParallelHybrid,
+    ShortConv,
+)
 
 
 @pytest.mark.parametrize("text,name,options", [
@@ -95,10 +106,84 @@ def fill(cache, spec, batch: int, tokens: int, chunk: int = 5):
                 cache.update(i, k, v, pos)
 
 
-CASES = [(name, spec, tokens) for name in CACHE_NAMES for spec in (attention_spec, hybrid_spec)
-         for tokens in (5, 41, 100)]
+def gated_deltanet_spec():
+    """Gated DeltaNet (2 key heads x 8, 4 value heads x 12, conv 4), gated attention, Gated DeltaNet (Qwen3-Next)."""
+    gdn = GatedDeltaNet(2, 4, 8, 12, 4)
+    layers = (Layer(gdn, MLP(32)), Layer(Attention(4, 2, 16, 16, output_gate=True), MLP(32)), Layer(gdn, MLP(32)))
+    return ModelSpec("t", "qwen3_next", 32, 50, layers)
+
+
+def chunked_spec():
+    """Llama 4 and gpt-oss alike: a chunked layer (chunk 8), a global one, a sliding one (window 8) with sinks."""
+    layers = (Layer(Attention(4, 2, 16, 16, chunk=8), MLP(32)), Layer(Attention(4, 2, 16, 16), MLP(32)),
+              Layer(Attention(4, 2, 16, 16, 8, sinks=True), MLP(32)))
+    return ModelSpec("t", "llama4_text", 32, 50, layers)
+
+
+CASES = [(name, spec, tokens) for name in CACHE_NAMES
+         for spec in (attention_spec, hybrid_spec, gated_deltanet_spec, chunked_spec) for tokens in (5, 41, 100)]
 CASES += [(name, latent_spec, 41) for name in ("contiguous", "sliding", "paged")]  # quantized: not for MLA
+
+
+def sparse_latent_spec():
+    """Two DSA layers (DeepSeek-V3.2): MLA's latent 24 + rope key 8, and the indexer's key of 16 per token."""
+    from kvwall.spec.model import SparseLatentAttention
+
+    dsa = SparseLatentAttention(LatentAttention(4, 24, 12, 16, 8, 16), 4, 16, 4)
+    return ModelSpec("t", "deepseek_v32", 32, 50, tuple(Layer(dsa, MLP(32)) for _ in range(2)))
+
+
+CASES += [(name, sparse_latent_spec, 41) for name in ("contiguous", "sliding", "fp8", "paged")]  # quantized: refused
+
+
+def kimi_linear_spec():
+    """Kimi Linear: KDA (4 heads x 8, conv 4), NoPE MLA (latent 24, unrotated shared key 8), KDA."""
+    from kvwall.spec.model import KimiDeltaAttention
+
+    kda = KimiDeltaAttention(4, 8, 4)
+    layers = (Layer(kda, MLP(32)), Layer(LatentAttention(4, 24, None, 16, 8, 16), MLP(32)), Layer(kda, MLP(32)))
+    return ModelSpec("t", "kimi_linear", 32, 50, layers)
+
+
+def minimax_spec():
+    """MiniMax: softmax GQA (4 q / 2 kv heads of 16), lightning attention (4 heads x 16), softmax GQA."""
+    from kvwall.spec.model import LightningAttention
+
+    attn = Attention(4, 2, 16, 16)
+    layers = (Layer(attn, MLP(32)), Layer(LightningAttention(4, 16), MLP(32)), Layer(attn, MLP(32)))
+    return ModelSpec("t", "minimax", 32, 50, layers)
+
+
+CASES += [(name, kimi_linear_spec, 41) for name in ("contiguous", "sliding", "paged")]  # quantized: not for MLA
+CASES += [(name, minimax_spec, tokens) for name in CACHE_NAMES for tokens in (5, 100)]
 CASES += [("int4:g8:sym", attention_spec, 100), ("int8:g16", hybrid_spec, 41)]
+
+
+def short_conv_spec():
+    """LFM2: short convolution (32 channels x 3 taps), attention, short convolution."""
+    conv = ShortConv(32, 3)
+    layers = (Layer(conv, MLP(32)), Layer(Attention(4, 2, 16, 16), MLP(32)), Layer(conv, MLP(32)))
+    return ModelSpec("t", "lfm2", 32, 50, layers)
+
+
+def mamba2_hybrid_spec():
+    """Granite 4.0-H: Mamba-2 (4 heads x 8, 2 groups of state 8, conv 4), attention, Mamba-2."""
+    m2 = Mamba2(4, 8, 8, 2, 4)
+    layers = (Layer(m2, MLP(32)), Layer(Attention(4, 2, 16, 16), MLP(32)), Layer(m2, MLP(32)))
+    return ModelSpec("t", "granitemoehybrid", 32, 50, layers)
+
+
+def parallel_hybrid_spec():
+    """Falcon-H1: each of 2 layers attention (4 query, 2 KV heads of 16) || Mamba-2 (4 heads x 8, state 8, conv 4)."""
+    both = ParallelHybrid(Attention(4, 2, 16, 16), Mamba2(4, 8, 8, 1, 4))
+    return ModelSpec("t", "falcon_h1", 32, 50, (Layer(both, MLP(32)),) * 2)
+
+
+# issue #42's mixers: a state beside the K/V (short conv, Mamba-2), and both in one layer (parallel hybrid)
+CASES += [(name, spec, tokens) for name in CACHE_NAMES
+          for spec in (short_conv_spec, mamba2_hybrid_spec, parallel_hybrid_spec) for tokens in (5, 41)]
+CASES += [(name, spec, 41) for name in ("sliding:8", "sliding:8:sink2")  # what-if windows reach a parallel layer
+          for spec in (short_conv_spec, parallel_hybrid_spec)]
 
 
 @pytest.mark.slow

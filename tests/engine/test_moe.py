@@ -129,11 +129,11 @@ def test_a_decode_step_touches_top_k_experts_per_token(checkpoint):
     assert all(2 <= n <= 6 for n in touched_experts(model))
 
 
-def test_ungated_experts_are_plain_mlps_and_a_shared_gate_is_refused():
+def test_ungated_experts_are_plain_mlps_and_a_shared_gate_is_one_weight_row():
     moe = MoE(MoESpec(4, 2, 8, gated=False, activation="relu2"), 16)  # Nemotron-H: down(relu(up x)^2)
     assert set(dict(moe.experts[0].named_parameters())) == {"w1.weight", "w2.weight"}
-    with pytest.raises(KvwallError, match="shared-expert gate"):
-        MoE(MoESpec(4, 2, 8, n_shared=1, shared_gate=True), 16)
+    gated = MoE(MoESpec(4, 2, 8, n_shared=1, shared_gate=True), 16)  # Qwen2-MoE: sigmoid(w . x) * shared(x)
+    assert gated.shared_gate.weight.shape == (1, 16) and moe.shared_gate is None
 
 
 def test_experts_that_do_not_split_into_groups_are_refused():

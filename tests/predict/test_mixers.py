@@ -10,7 +10,9 @@ CHANNEL = ["shard_params", "ops"]
 
 
 @pytest.mark.parametrize("cls", [model.Attention, model.LatentAttention, model.Mamba, model.Mamba2,
-                                 model.GatedDeltaNet])
+                                 model.GatedDeltaNet, model.ShortConv, model.ParallelHybrid,
+                                 model.KimiDeltaAttention, model.LightningAttention,
+                                 model.SparseLatentAttention])
 def test_sequence_mixers_have_a_module(cls):
     rules = mixers._module(cls.kind)
     assert [f for f in SEQUENCE if not callable(getattr(rules, f, None))] == []

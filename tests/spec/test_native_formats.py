@@ -192,3 +192,30 @@ def test_gptq_llama_counts_lm_head_and_embeddings_in_dtype():
                                     "desc_act": False})
     spec = spec_from_config(cfg, "llama-gptq")
     assert memory(spec).weight_bytes == 5_732_835_328
+
+
+def test_qwen3_next_fp8_gated_deltanet_and_gated_attention_layers_by_hand():
+    """Block-FP8 Qwen3-Next (as its -FP8 release ships): each nn.Linear in e4m3 plus one fp32 scale per 128 x 128
+    block; the conv, dt_bias, A_log and the norms stay bf16. hidden 256, key heads 2 x 64 (key_dim 128), value
+    heads 4 x 64 (value_dim 256), conv kernel 4, dense MLP 128 on layer 0 (mlp_only_layers)."""
+    cfg = dict(model_type="qwen3_next", vocab_size=1000, hidden_size=256, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+               intermediate_size=128, mlp_only_layers=[0, 3], num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=128, shared_expert_intermediate_size=128, quantization_config=FP8)
+    spec = spec_from_config(cfg)
+    w = Formats.for_spec(spec).weights
+
+    def fp8(rows, cols):  # e4m3 values + one fp32 scale per started 128 x 128 block
+        return rows * cols + -(-rows // 128) * -(-cols // 128) * 4
+
+    mlp = 2 * fp8(128, 256) + fp8(256, 128)  # gate, up; down
+    norms = 2 * 256 * 2  # input and post-attention RMSNorm, bf16
+    # layer 0, Gated DeltaNet: in_proj_qkvz (2 x 128 + 2 x 256 = 768 rows), in_proj_ba (2 x 4 rows), out_proj;
+    # conv 512 channels x 4 taps, dt_bias and A_log (4 each), the gated norm (64), all bf16
+    gdn = fp8(768, 256) + fp8(8, 256) + fp8(256, 256) + (512 * 4 + 8 + 64) * 2
+    assert layer_weight_bytes(spec.layers[0], spec, w) == gdn + mlp + norms == 367_856
+    # layer 3, gated full attention: q_proj twice as wide (4 x 64 x 2 = 512 rows: queries and the output gate),
+    # k and v 2 x 64 rows each, o_proj; q and k norms (64 each) bf16
+    attn = fp8(512, 256) + 2 * fp8(128, 256) + fp8(256, 256) + 2 * 64 * 2
+    assert layer_weight_bytes(spec.layers[3], spec, w) == attn + mlp + norms

@@ -22,6 +22,11 @@ EFFICIENCY_FILE = HERE / "efficiency.json"  # expected mode's fitted figures (kv
 
 # The source documents' lineup, one model per idea: MHA, GQA, GQA at scale, MLA, local/global, SSM, hybrid.
 LINEUP = ["gpt2-xl", "llama-3-8b", "llama-3-70b", "deepseek-v3", "gemma-3-27b", "mamba-2.8b", "jamba-v0.1"]
+# The 2025-26 lineup, one model per new mechanism: gated DeltaNet, attention sinks + 128-token windows, sparse (top-k)
+# MLA, Kimi Delta Attention, chunked attention, lightning attention, parallel attention + Mamba-2, short
+# convolutions, Mamba-2 + MoE.
+LINEUP_2025 = ["qwen3-next-80b-a3b", "gpt-oss-120b", "deepseek-v3.2", "kimi-linear-48b-a3b", "llama-4-scout-17b-16e",
+               "minimax-text-01", "falcon-h1-34b", "lfm2-1.2b", "granite-4.0-h-small"]
 
 
 def model_names() -> list[str]:

@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "counts and is evaluated at each. Results are cached per model under ~/.cache/kvwall/recall, so "
                     "a re-run only trains what changed.")
     p.add_argument("--archs", metavar="LIST",
-                   help=f"attention, sliding:W, mamba, mamba2, hybrid (default {d['archs']})")
+                   help=f"attention, sliding:W, mamba, mamba2, hybrid, gated_deltanet (default {d['archs']})")
     p.add_argument("--widths", metavar="LIST",
                    help=f"hidden sizes, multiples of 32 (default {d['widths']})")
     p.add_argument("--pairs", metavar="LIST",

@@ -74,6 +74,8 @@ def norm_weight(norm: nn.Module | None, eps: float, offset: float):
 def layer(mod, block: nn.Module, rope: int, eps: float, offset: float):
     """One block as the kernel's Layer, or None when some part of it is not one the stack runs."""
     mixer, ffn = block.mixer, block.ffn
+    if block.alpha_beta is not None:  # MiniMax's post-norm residual: not the stack's x + branch(norm(x))
+        return None
     a = mixer.stack_parts() if mixer is not None else None
     m = ffn.stack_parts() if hasattr(ffn, "stack_parts") else None
     if a is None or m is None:
@@ -107,8 +109,8 @@ class DecodeStack:
     def build(cls, model: nn.Module) -> DecodeStack | None:
         """The stack of `model` (a Transformer), or None when some layer, or the kernel, is not there for it."""
         mod = kernel_module()
-        if mod is None or not isinstance(model.norm, RMSNorm):
-            return None
+        if mod is None or not isinstance(model.norm, RMSNorm) or model.spec.residual_scale != 1.0:
+            return None  # the kernel's residual adds take no scale (Granite's residual_multiplier)
         eps, offset = model.norm.eps, model.norm.offset
         stack, kv = mod.Stack(eps, offset), []
         for i, block in enumerate(model.layers):

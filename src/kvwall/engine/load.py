@@ -31,10 +31,14 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 @dataclass(frozen=True)
 class Source:
-    """Where one engine tensor comes from: HF tensors, concatenated along dim 0, optionally transposed."""
+    """Where one engine tensor comes from: HF tensors, concatenated along dim 0, optionally transposed. Experts
+    stored as one 3-D tensor (gpt-oss, Llama 4: (E, in, out)) give expert `index`'s slice; `interleaved`: the
+    slice's rows alternate gate and up (gpt-oss's gate_up_proj[..., ::2] / [..., 1::2]), made [gate; up]."""
 
     names: tuple[str, ...]
     transpose: bool = False
+    index: int | None = None
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,8 @@ def _llama_layer(spec: ModelSpec, i: int, style: Style) -> dict[str, Source]:
     """One decoder layer: its sequence mixer's tensors, its channel mixer's, the block's norms."""
     hf, me = f"model.layers.{i}.", f"layers.{i}."
     layer = spec.layers[i]
-    out = {**_mixer_names(layer.mixer, hf + "self_attn.", me + "mixer.", style),
+    where = mixer_class(layer.mixer).hf_module  # self_attn. (Qwen3-Next's Gated DeltaNet: linear_attn.)
+    out = {**_mixer_names(layer.mixer, hf + where, me + "mixer.", style),
            **FFN_NAMES[layer.ffn.kind](layer.ffn, hf, me + "ffn.", style)}
     out[me + "mixer_norm.weight"] = Source((hf + "input_layernorm.weight",))
     if spec.sandwich_norms:  # Gemma: post_attention_layernorm is the attention output's norm
@@ -86,9 +91,11 @@ def _moe_names(f, hf: str, me: str, style: Style = Style()) -> dict[str, Source]
         out[f"{me}experts.{e}.w13.weight"] = Source((x + gate + ".weight", x + up + ".weight"))
         out[f"{me}experts.{e}.w2.weight"] = Source((x + down + ".weight",))
     if f.n_shared:
-        x = hf + "shared_experts."
+        x = hf + ("shared_expert." if f.shared_gate else "shared_experts.")  # Qwen's gated one is singular
         out[me + "shared.w13.weight"] = Source((x + "gate_proj.weight", x + "up_proj.weight"))
         out[me + "shared.w2.weight"] = Source((x + "down_proj.weight",))
+    if f.n_shared and f.shared_gate:
+        out[me + "shared_gate.weight"] = Source((hf + "shared_expert_gate.weight",))
     return out
 
 
@@ -190,6 +197,115 @@ def nemotron_h_names(spec: ModelSpec) -> dict[str, Source]:
     return out
 
 
+def _fused_experts(f, hf: str, me: str, interleaved: bool) -> dict[str, Source]:
+    """Experts stored as one tensor each across experts (gpt-oss, Llama 4): experts.gate_up_proj (E, hidden, 2F)
+    and experts.down_proj (E, F, hidden), expert e their slice [e] transposed; gpt-oss: biases
+    (gate_up_proj_bias (E, 2F), down_proj_bias (E, hidden)) and a router bias; Llama 4: a shared_expert."""
+    out = {me + "router.weight": Source((hf + "router.weight",))}
+    if f.bias:
+        out[me + "router.logit_bias"] = Source((hf + "router.bias",))
+    x = hf + "experts."
+    for e in range(f.n_experts):
+        out[f"{me}experts.{e}.w13.weight"] = Source((x + "gate_up_proj",), True, e, interleaved)
+        out[f"{me}experts.{e}.w2.weight"] = Source((x + "down_proj",), True, e)
+        if f.bias:
+            out[f"{me}experts.{e}.w13.bias"] = Source((x + "gate_up_proj_bias",), False, e, interleaved)
+            out[f"{me}experts.{e}.w2.bias"] = Source((x + "down_proj_bias",), False, e)
+    if f.n_shared:
+        out.update(_one_mlp(hf + "shared_expert.", me + "shared.", f.gated, False))
+    return out
+
+
+def fused_expert_names(spec: ModelSpec, where: str, interleaved: bool) -> dict[str, Source]:
+    """gpt-oss (mlp.) and Llama 4 text (feed_forward.): llama names for attention and norms, the channel mixer a
+    dense MLP (gate/up/down_proj) or experts in 3-D tensors (_fused_experts)."""
+    out = _ends(spec, "model.embed_tokens.weight", "model.norm.weight")
+    for i, layer in enumerate(spec.layers):
+        hf, me, f = f"model.layers.{i}.", f"layers.{i}.", layer.ffn
+        out.update(_mixer_names(layer.mixer, hf + "self_attn.", me + "mixer."))
+        out.update(_fused_experts(f, hf + where, me + "ffn.", interleaved) if f.kind == "moe"
+                   else _one_mlp(hf + where, me + "ffn.", f.gated, f.bias))
+        out[me + "mixer_norm.weight"] = Source((hf + "input_layernorm.weight",))
+        out[me + "ffn_norm.weight"] = Source((hf + "post_attention_layernorm.weight",))
+    return out
+
+
+LFM2_ATTENTION = {"o_proj.": "out_proj.", "q_norm.": "q_layernorm.", "k_norm.": "k_layernorm."}  # LFM2's spellings
+
+
+def lfm2_names(spec: ModelSpec) -> dict[str, Source]:
+    """LFM2: model.layers.N.{operator_norm, self_attn.* (out_proj, q/k_layernorm) | conv.*, ffn_norm,
+    feed_forward.{w1 gate, w3 up, w2 down}}; the final norm is model.embedding_norm (applied after the layers)."""
+    out = _ends(spec, "model.embed_tokens.weight", "model.embedding_norm.weight")
+    for i, layer in enumerate(spec.layers):
+        hf, me = f"model.layers.{i}.", f"layers.{i}."
+        where = hf + mixer_class(layer.mixer).hf_module  # self_attn. or conv.
+        for mine, src in _mixer_names(layer.mixer, where, me + "mixer.").items():
+            theirs = src.names
+            for old, new in LFM2_ATTENTION.items():
+                theirs = tuple(n.replace(where + old, where + new) for n in theirs)
+            out[mine] = Source(theirs)
+        ff = hf + "feed_forward."
+        out[me + "ffn.w13.weight"] = Source((ff + "w1.weight", ff + "w3.weight"))
+        out[me + "ffn.w2.weight"] = Source((ff + "w2.weight",))
+        out[me + "mixer_norm.weight"] = Source((hf + "operator_norm.weight",))
+        out[me + "ffn_norm.weight"] = Source((hf + "ffn_norm.weight",))
+    return out
+
+
+def _granite_mlp(hf: str, me: str) -> dict[str, Source]:
+    """A Granite MLP: input_linear = [gate; up] (chunked in halves by GraniteMoeHybridMLP), output_linear down."""
+    return {me + "w13.weight": Source((hf + "input_linear.weight",)),
+            me + "w2.weight": Source((hf + "output_linear.weight",))}
+
+
+def granite_hybrid_names(spec: ModelSpec) -> dict[str, Source]:
+    """granitemoehybrid: model.layers.N.{input_layernorm, mamba.* | self_attn.*, post_attention_layernorm,
+    block_sparse_moe.{router.layer, input_linear (E, 2F, hidden), output_linear (E, hidden, F)}, shared_mlp.*}."""
+    out = _ends(spec, "model.embed_tokens.weight", "model.norm.weight")
+    for i, layer in enumerate(spec.layers):
+        hf, me, f = f"model.layers.{i}.", f"layers.{i}.", layer.ffn
+        where = "self_attn." if layer.mixer.keeps_tokens else "mamba."
+        out.update(_mixer_names(layer.mixer, hf + where, me + "mixer."))
+        if f.kind == "moe":  # routed experts and the shared MLP (engine: the MoE's shared expert)
+            x = hf + "block_sparse_moe."
+            out[me + "ffn.router.weight"] = Source((x + "router.layer.weight",))
+            for e in range(f.n_experts):
+                out[f"{me}ffn.experts.{e}.w13.weight"] = Source((x + "input_linear.weight",), index=e)
+                out[f"{me}ffn.experts.{e}.w2.weight"] = Source((x + "output_linear.weight",), index=e)
+            out.update(_granite_mlp(hf + "shared_mlp.", me + "ffn.shared."))
+        else:  # num_local_experts 0: the shared MLP alone
+            out.update(_granite_mlp(hf + "shared_mlp.", me + "ffn."))
+        out[me + "mixer_norm.weight"] = Source((hf + "input_layernorm.weight",))
+        out[me + "ffn_norm.weight"] = Source((hf + "post_attention_layernorm.weight",))
+    return out
+
+
+def falcon_h1_names(spec: ModelSpec) -> dict[str, Source]:
+    """Falcon-H1: model.layers.N.{input_layernorm, self_attn.*, mamba.*, pre_ff_layernorm,
+    feed_forward.{gate,up,down}_proj}, model.final_layernorm."""
+    out = _ends(spec, "model.embed_tokens.weight", "model.final_layernorm.weight")
+    for i, layer in enumerate(spec.layers):
+        hf, me = f"model.layers.{i}.", f"layers.{i}."
+        out.update(_mixer_names(layer.mixer, hf + mixer_class(layer.mixer).hf_module, me + "mixer."))
+        out.update(_one_mlp(hf + "feed_forward.", me + "ffn.", layer.ffn.gated, layer.ffn.bias))
+        out[me + "mixer_norm.weight"] = Source((hf + "input_layernorm.weight",))
+        out[me + "ffn_norm.weight"] = Source((hf + "pre_ff_layernorm.weight",))
+    return out
+
+
+def kimi_linear_names(spec: ModelSpec) -> dict[str, Source]:
+    """Kimi Linear: llama names with the channel mixer under block_sparse_moe.: a MoE as Mixtral saves its experts
+    (w1 gate, w3 up, w2 down) with a router correction bias and shared_experts, or a dense MLP's gate/up/down_proj."""
+    out = llama_names(spec, Style(experts=("block_sparse_moe.", "w1", "w3", "w2")))
+    for i, layer in enumerate(spec.layers):
+        if layer.ffn.kind == "mlp":  # llama_names put it under mlp.
+            me = f"layers.{i}.ffn."
+            out = {k: v for k, v in out.items() if not k.startswith(me)}
+            out.update(_one_mlp(f"model.layers.{i}.block_sparse_moe.", me, layer.ffn.gated, layer.ffn.bias))
+    return out
+
+
 # A channel mixer's tensors under a layer's prefix, by the spec's kind.
 FFN_NAMES = {"mlp": _mlp_names, "moe": _moe_names}
 
@@ -198,7 +314,11 @@ LAYOUTS: dict[str, Callable[[ModelSpec], dict[str, Source]]] = {
     "llama": llama_names,
     "phi3": lambda spec: llama_names(spec, Style(fused=True)),
     "mixtral": lambda spec: llama_names(spec, Style(experts=("block_sparse_moe.", "w1", "w3", "w2"))),
-    "gpt2": gpt2_names, "mamba": mamba_names, "jamba": jamba_names, "nemotron_h": nemotron_h_names}
+    "gpt2": gpt2_names, "mamba": mamba_names, "jamba": jamba_names, "nemotron_h": nemotron_h_names,
+    "gpt_oss": lambda spec: fused_expert_names(spec, "mlp.", interleaved=True),
+    "llama4": lambda spec: fused_expert_names(spec, "feed_forward.", interleaved=False),
+    "lfm2": lfm2_names, "granitemoehybrid": granite_hybrid_names, "falcon_h1": falcon_h1_names,
+    "kimi_linear": kimi_linear_names}
 
 # Other spellings of the same tensors: bare GPT-2 checkpoints, multimodal Gemma 3 (v5, then v4 names), older Mamba.
 PREFIX_ALTERNATIVES = [("transformer.", ""), ("model.", "model.language_model."), ("model.", "language_model.model."),
@@ -209,8 +329,10 @@ PREFIX_ALTERNATIVES = [("transformer.", ""), ("model.", "model.language_model.")
 IGNORED = [
     (re.compile(r"(^|\.)rotary_emb\.inv_freq$"), "rotary frequencies: the engine rebuilds them from config.json"),
     (re.compile(r"(^|\.)h\.\d+\.attn\.(masked_)?bias$"), "GPT-2's causal-mask buffers, not weights"),
-    (re.compile(r"(^|\.)(vision_tower|multi_modal_projector)\."), "multimodal Gemma 3's vision side: the "
-                                                                     "engine runs the text decoder"),
+    (re.compile(r"(^|\.)(vision_tower|vision_model|multi_modal_projector)\."),
+     "multimodal Gemma 3's and Llama 4's vision side: the engine runs the text decoder"),
+    (re.compile(r"(^|\.)self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$"),
+     "MiniMax's lightning-attention decay buffers: the engine computes them from config.json (layers/lightning.py)"),
 ]
 HEADER_LIMIT = 100_000_000  # bytes; safetensors itself refuses larger headers
 SHOWN = 5  # names listed in one mismatch message
@@ -292,6 +414,23 @@ class Checkpoint:
         else:
             raise KvwallError(f"{path} has no model.safetensors or model.safetensors.index.json; "
                               "save the model with safetensors (save_pretrained does by default)")
+        self.fp4 = self._mxfp4_pairs()
+
+    def _mxfp4_pairs(self) -> dict[str, tuple[str, str]]:
+        """MXFP4 tensors (gpt-oss's experts: NAME_blocks + NAME_scales, kvwall.engine.mxfp4) seen as one tensor NAME
+        of the dequantized, transposed shape, which get() dequantizes: NAME -> (blocks name, scales name)."""
+        from kvwall.engine.mxfp4 import stored_shape
+
+        out = {}
+        for blocks in [k for k in self.shapes if k.endswith("_blocks")]:
+            name = blocks.removesuffix("_blocks")
+            scales = name + "_scales"
+            if scales in self.shapes:
+                where = f"{self.path}: {name}"
+                self.shapes[name] = stored_shape(self.shapes.pop(blocks), self.shapes.pop(scales), where)
+                self.weight_map[name] = self.weight_map[blocks]  # where the blocks are; the scales keep theirs
+                out[name] = (blocks, scales)
+        return out
 
     def _shard_shapes(self, index: Path) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape from the shards' headers; each tensor must be in the shard the index says."""
@@ -333,6 +472,10 @@ class Checkpoint:
         if found is None:
             raise KvwallError(f"{self.path}: tensor {name!r} is missing from the checkpoint; "
                               "is the checkpoint complete and of the config's model_type?")
+        if found in self.fp4:  # MXFP4 blocks + scales: dequantized here, float32
+            from kvwall.engine.mxfp4 import dequantize
+
+            return dequantize(*(self._raw(n) for n in self.fp4[found]))
         file = self.path / self.weight_map[found]
         try:
             with safe_open(file, "pt") as f:
@@ -345,10 +488,24 @@ class Checkpoint:
         return t
 
 
+    def _raw(self, name: str) -> torch.Tensor:
+        """A stored tensor as it is (MXFP4's uint8 blocks and scales)."""
+        from safetensors import safe_open
+
+        file = self.path / self.weight_map[name]
+        try:
+            with safe_open(file, "pt") as f:
+                return f.get_tensor(name)
+        except Exception as e:  # as in get(): any failure here is the file's
+            raise _damaged(file, f"tensor {name!r} cannot be read ({first_line(e)})") from None
+
+
 def _assemble(ckpt: Checkpoint, src: Source) -> torch.Tensor:
     """The engine tensor from its (already shape-checked) parts: transposed, then joined along dim 0."""
     parts = [ckpt.get(n) for n in src.names]
+    parts = [p if src.index is None else p[src.index] for p in parts]  # one expert of a 3-D tensor
     parts = [p.T if src.transpose else p for p in parts]
+    parts = [torch.cat([p[0::2], p[1::2]], 0) if src.interleaved else p for p in parts]  # (2F, ...): [gate; up]
     return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
 
@@ -473,6 +630,7 @@ def check_names(ckpt: Checkpoint, names: dict[str, Source], model: Transformer) 
     (not IGNORED), wrongly shaped tensors (each q/k/v or gate/up part on its own). One error lists them all."""
     missing = [ckpt.shown(n) for src in names.values() for n in src.names if ckpt.find(n) is None]
     used = {ckpt.find(n) for src in names.values() for n in src.names}
+    used |= {part for n in list(used) for part in getattr(ckpt, "fp4", {}).get(n, ())}  # MXFP4 blocks + scales
     unexpected = [ckpt.shown(k) for k in ckpt.weight_map if k not in used and not _ignored(k, model.spec)]
     shapes = [p for me, src in names.items() for p in _shape_problems(ckpt, src, model, me)]
     problems = [f"{_listed(missing)} missing from the checkpoint" if missing else "",
@@ -505,6 +663,11 @@ def _shape_problems(ckpt: Checkpoint, src: Source, model: Transformer, me: str) 
         return []  # reported as missing
     want = _part_shapes(model, me, len(found), src.transpose)
     have = [ckpt.shapes[n] for n in found]
+    if src.index is not None:  # one expert's slice: (E, ...) must hold it
+        if any(not h or h[0] <= src.index for h in have):
+            return [f"{ckpt.shown(n)} has shape {h}, the config implies experts 0..{src.index} at least"
+                    for n, h in zip(found, have) if not h or h[0] <= src.index]
+        have = [h[1:] for h in have]
     found = [ckpt.shown(n) for n in found]
     wrong = [f"{n} has shape {h}, the config implies {w}" for n, h, w in zip(found, have, want) if h != w]
     joined, implied = _joined(have, src.transpose), str(tuple(model.get_parameter(me).shape))

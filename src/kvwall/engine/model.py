@@ -45,7 +45,7 @@ def check_supported(spec: ModelSpec) -> None:
     for i, layer in enumerate(spec.layers):  # a block has a mixer, a channel mixer or both (Nemotron-H: one)
         if not runs(spec, i):
             raise KvwallError(f"layer {i} of {spec.name} is {layer.describe()}; the engine runs "
-                              "attention / latent / mamba / mamba2 + mlp / moe layers")
+                              "attention / latent / mamba / mamba2 / gated_deltanet + mlp / moe layers")
 
 
 def projection_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -91,22 +91,38 @@ class Block(nn.Module):
         self.ffn_norm = norm() if self.ffn is not None else None
         self.post_mixer_norm = norm() if spec.sandwich_norms else None
         self.post_ffn_norm = norm() if spec.sandwich_norms else None
+        self.residual_scale = spec.residual_scale  # Granite: each branch joins the residual times this
+        self.alpha_beta = spec.layers[index].alpha_beta  # MiniMax: x = α·norm(x) + β·branch (Layer.alpha_beta)
 
     def forward(self, x, pos, rope, cache):
+        if self.alpha_beta is not None:
+            return self.post_norm_residual(x, pos, rope, cache)
         if self.mixer is None:  # a Nemotron-H MLP/MoE block: norm + channel mixer only
             return self.channel(x, self.ffn_norm(x))
         h = self.mixer(self.mixer_norm(x), pos, rope, cache)  # (B, T, D)
         if self.post_mixer_norm is not None:
             h = self.post_mixer_norm(h)
+        if self.residual_scale != 1.0:
+            h = h * self.residual_scale  # (B, T, D)
         if self.ffn is None:  # mixer-only block (Mamba; Nemotron-H's Mamba-2 and attention): norm + mixer only
             return x + h
         return self.channel(*add_norm(self.ffn_norm, x, h))  # x + h and its norm in one pass
+
+    def post_norm_residual(self, x, pos, rope, cache):
+        """MiniMax's block: the normed input is the residual, each side scaled (transformers' MiniMaxDecoderLayer)."""
+        a1, b1, a2, b2 = self.alpha_beta
+        n = self.mixer_norm(x)  # (B, T, D)
+        x = n * a1 + self.mixer(n, pos, rope, cache) * b1  # (B, T, D)
+        n = self.ffn_norm(x)  # (B, T, D)
+        return n * a2 + self.ffn(n) * b2  # (B, T, D)
 
     def channel(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """x + [post_norm](ffn(n)), n the normed x."""
         h = self.ffn(n)  # (B, T, D)
         if self.post_ffn_norm is not None:
             h = self.post_ffn_norm(h)
+        if self.residual_scale != 1.0:
+            h = h * self.residual_scale  # (B, T, D)
         return x + h
 
 
@@ -222,6 +238,8 @@ class Transformer(nn.Module):
         head = self.head_copy if self.head_copy is not None else head
         head = getattr(head, "head", head)  # a packed table's tied head (engine/layers/packed.py PackedEmbedding)
         out = x @ head.weight.T if isinstance(head, (nn.Embedding, nn.Linear)) else head(x)  # (B, T, V)
+        if self.spec.logit_scale != 1.0:
+            out = out * self.spec.logit_scale  # (B, T, V): Granite's 1 / logits_scaling, Falcon-H1's lm_head_multiplier
         cap = self.spec.final_softcap
         return cap * torch.tanh(out / cap) if cap else out
 

@@ -71,6 +71,12 @@ ARCHS: dict[str, Arch] = {a.name: a for a in [
                         mamba_expand=2, mamba_d_conv=4, max_position_embeddings=MAX_POS, tie_word_embeddings=False,
                         torch_dtype="float32"),
          "contiguous", "fp32", "Jamba-style: 1 attention (GQA-4) : 3 Mamba layers, dense MLPs"),
+    # Qwen3.5-style: every 4th layer gated full attention (GQA-4, rotary on a quarter of each head), the others
+    # Gated DeltaNet with 6 key heads x 64 serving 12 value heads x 64, conv 4 taps
+    Arch("gated_deltanet", _llama(model_type="qwen3_5_text", num_key_value_heads=4, full_attention_interval=4,
+                                  linear_num_key_heads=6, linear_key_head_dim=64, linear_num_value_heads=12,
+                                  linear_value_head_dim=64, linear_conv_kernel_dim=4),
+         "contiguous", "fp32", "Qwen3.5-style: 3 Gated DeltaNet (12 heads x 64 x 64) : 1 gated attention (GQA-4)"),
 ]}
 
 DEFAULT = list(ARCHS)

@@ -25,6 +25,9 @@ elsewhere), built from a ModelSpec that the spec parsers make from a Hugging Fac
     attention  llama: 2 x (attention + gated MLP)          sliding:W  the same, each layer a window of W tokens
     mamba      2 Mamba blocks (d_state 16, no MLP)         mamba2     2 Mamba-2 blocks (d_state 64, no MLP)
     hybrid     jamba: a Mamba block, then an attention block, each with a gated MLP
+    gated_deltanet  qwen3_5_text: 2 x (Gated DeltaNet + gated MLP), its state shaped as Mamba-2's: one key head of
+               64 (Mamba-2's one group of d_state 64), value heads of 32 as many as Mamba-2's heads, conv 4 taps:
+               the same conv + state bytes as mamba2, so the two differ in the update rule (delta vs decayed sum)
 Kept bytes are kvwall.predict.memory's cache bytes for one sequence of the evaluation length in fp32 (the
 dtype the models run in): K/V of every token for attention, of the last W for sliding, the fixed conv + SSM
 state for Mamba / Mamba-2, the sum for the hybrid.
@@ -79,8 +82,10 @@ class Kind(NamedTuple):
 # 60 / 34 / 17 % in two default runs: its training is not deterministic) may want the rule: not measured.
 # `cost`: the seconds the kind's width-64 model took in the default grid (2026-12-02, one thread, both attempts
 # counted): only the order in which `run` starts models on several processes, longest first, reads it.
+GDN_LR = 1e-2  # Gated DeltaNet: Mamba-2's rate, not swept (see the note in docs/guide/quality-recall.md)
 KINDS = {"attention": Kind(1e-3, True, 700), "sliding": Kind(1e-3, False, 260), "mamba": Kind(1e-2, False, 1210),
-         "mamba2": Kind(1e-2, False, 730), "hybrid": Kind(3e-3, False, 110)}
+         "mamba2": Kind(1e-2, False, 730), "hybrid": Kind(3e-3, False, 110),
+         "gated_deltanet": Kind(GDN_LR, False, 990)}  # cost: 1.35 x Mamba-2's (777 / 577 s side by side, --quick)
 RATE_WIDTH = 64
 VERSION = 3  # bump when training or data change, so cached results of the old code are not reused
 
@@ -136,7 +141,7 @@ def parse_archs(text: str, seq: int) -> list[Arch]:
         kind, _, opt = part.partition(":")
         if kind not in KINDS or (kind == "sliding") != bool(opt):
             raise KvwallError(f"--archs: unknown architecture {part!r}; choose from attention, sliding:W (W a "
-                              "window in tokens), mamba, mamba2, hybrid")
+                              "window in tokens), mamba, mamba2, hybrid, gated_deltanet")
         window = None
         if opt:
             if not ascii_digits(opt) or len(opt.lstrip("0")) > 4 or not 1 <= int(opt) < seq:  # --seq <= 4,096
@@ -170,6 +175,10 @@ def config(arch: Arch, width: int, seq: int) -> dict:
     if arch.kind == "mamba2":
         return dict(base, model_type="mamba2", num_heads=2 * width // HEAD_DIM, head_dim=HEAD_DIM, state_size=64,
                     n_groups=1, expand=2, conv_kernel=4)
+    if arch.kind == "gated_deltanet":  # Mamba-2's state shapes: (2w/32 heads x 32) x 64 and conv 2w + 2·64 wide
+        return dict(base, model_type="qwen3_5_text", layer_types=["linear_attention"] * 2, **attn,
+                    linear_num_key_heads=1, linear_key_head_dim=64, linear_num_value_heads=2 * width // HEAD_DIM,
+                    linear_value_head_dim=HEAD_DIM, linear_conv_kernel_dim=4)
     assert arch.kind == "hybrid", arch
     return dict(base, model_type="jamba", **attn, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=3,
                 expert_layer_offset=2, num_experts=1, num_experts_per_tok=1, mamba_d_state=16, mamba_expand=2,
@@ -248,7 +257,8 @@ def _init(model) -> None:
                 m.A_log.copy_(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).expand(E, N))
                 dt = torch.exp(torch.rand(E) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))  # (E,)
                 m.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
-        elif hasattr(m, "A_log") and hasattr(m, "dt_bias"):  # Mamba-2: A in [1, 16], dt in [1e-3, 0.1]
+        elif hasattr(m, "A_log") and hasattr(m, "dt_bias"):  # Mamba-2 and Gated DeltaNet: A in [1, 16], dt in
+            # [1e-3, 0.1] (Gated DeltaNet's reference init, FLA's GatedDeltaNet, is Mamba-2's)
             H = m.A_log.shape[0]
             with torch.no_grad():
                 m.A_log.copy_(torch.log(torch.rand(H) * 15 + 1))
@@ -640,7 +650,7 @@ def _write(path: Path, rows: list[dict]) -> None:
 # hybrid 0.101 / 0.218 s, Mamba-2 0.253 / 0.479 s; the issue's 256 tokens would leave a few hundred steps per
 # model, and attention's lookup formed only after about 700 steps at 64 tokens. A window of 8 sees the last 3
 # queries and their values: the pairs only from the first few queries.
-DEFAULTS = dict(archs="attention,sliding:8,mamba,mamba2,hybrid", widths="64,128", pairs="4,8,16", seq=64,
+DEFAULTS = dict(archs="attention,sliding:8,mamba,mamba2,hybrid,gated_deltanet", widths="64,128", pairs="4,8,16", seq=64,
                 steps=1000)
 # --quick: the grid's ordering in a few minutes. The first quick mode (16 tokens, 500 steps) left attention and
 # sliding:4 at guessing (26 %) below Mamba while the hybrid reached 99 % (issue #39): 4 pairs leave 4 queries in 16
@@ -650,7 +660,7 @@ DEFAULTS = dict(archs="attention,sliding:8,mamba,mamba2,hybrid", widths="64,128"
 # (2026-12-05, 2 cores under load 3-4): attention 98.8 %, sliding:4 40.1 %, Mamba 9.0 %, Mamba-2 96.3 %, hybrid
 # 99.7 %; 223 s wall and 123 s CPU on one process (--jobs 1), against 92 s and 79 s for the first quick mode run
 # just after it; 145 s wall on the default 2 processes. Mamba (two attempts) and Mamba-2 take 2/3 of it.
-QUICK = dict(archs="attention,sliding:4,mamba,mamba2,hybrid", widths="64", pairs="4", seq=32, steps=600)
+QUICK = dict(archs="attention,sliding:4,mamba,mamba2,hybrid,gated_deltanet", widths="64", pairs="4", seq=32, steps=600)
 
 
 def request(c: dict, seed: int = 0):

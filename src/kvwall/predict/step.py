@@ -83,6 +83,20 @@ class Step:
         ctx = self.past + self.new
         return min(ctx, window) if window else ctx
 
+    def chunk_pairs(self, chunk: int) -> int:
+        """Query-key pairs per sequence under chunked attention: the query at position q (1-based) sees the
+        ((q - 1) mod chunk) + 1 tokens of its own chunk up to itself."""
+        def upto(n: int) -> int:  # pairs of positions 1..n: whole chunks of chunk(chunk+1)/2, then the rest
+            full, rest = divmod(n, chunk)
+            return full * chunk * (chunk + 1) // 2 + rest * (rest + 1) // 2
+        return upto(self.past + self.new) - upto(self.past)
+
+    def chunk_held(self, chunk: int) -> int:
+        """Tokens a chunked layer reads this step: from the start of the first new query's chunk to the last new
+        token (a decode step at position q: ((q - 1) mod chunk) + 1, from 1 up to chunk)."""
+        start = self.past // chunk * chunk  # tokens before the first new query's chunk
+        return self.past + self.new - start
+
 
 def matmul(name: str, layer: int | None, tokens: int, n_in: int, n_out: float, wfmt: Format) -> Op:
     return Op(name, layer, flops=2 * tokens * n_in * n_out, weight_bytes=n_in * n_out * wfmt.bytes_per_element(),

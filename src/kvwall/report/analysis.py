@@ -51,7 +51,8 @@ def memory_section(out: Path) -> Section:
                       "cache/token: while every layer keeps the token; past windows: once sliding layers are full")],
         figures=[Figure(fig1, "Average cache bytes per token at 128k context (log scale)", "cache-per-token"),
                  Figure(fig2, "Cache memory vs context, log-log, against one 80 GB GPU", "cache-vs-context")],
-        assumptions=["KV cache and SSM state in each model's 16-bit type; weights in 16-bit",
+        assumptions=["KV cache and SSM state in each model's 16-bit type; weights in each checkpoint's own format "
+                     "(its quantization_config: DeepSeek-V3 in block-wise FP8, the others 16-bit)",
                      "10 % of each GPU's memory kept in reserve for activations and runtime",
                      "contexts past a model's trained maximum are what-ifs of its architecture"],
         provenance=PREDICTED,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvwall import __version__
 from kvwall.errors import KvwallError
+from kvwall.explore import DEFAULT_PORT
 from kvwall.files import PROBE_PREFIX, check_folder, write_text
 from kvwall.report.document import Document, Section, write_html, write_markdown
 from kvwall.units import fmt_tokens
@@ -43,9 +44,9 @@ def claim_folder(path: str, option: str = "--out") -> Path:
 
 
 def _sections() -> list[tuple[str, Callable[[Path], Section]]]:
-    from kvwall.report import analysis, recall, serving
+    from kvwall.report import analysis, lineup, recall, serving
 
-    return [("memory", analysis.memory_section), ("speed", analysis.speed_section),
+    return [("memory", analysis.memory_section), ("speed", analysis.speed_section), ("lineup", lineup.section),
             ("hardware", analysis.balance_section), ("serving", serving.section), ("recall", recall.section)]
 
 
@@ -89,13 +90,18 @@ def _costs_step(full: bool, say: Callable[[str], None] | None) -> Callable[[Path
     return lambda out: costs.section(out, full)
 
 
+EXPLORE = ("For another model, device, format or workload, `kvwall explore` opens the same predictor as an "
+           "interactive page (bytes, fit, speed, the roofline and serving, updating as you type): run it and open "
+           f"http://127.0.0.1:{DEFAULT_PORT}/ (its default address; `pip install 'kvwall[explore]'`).")
+
+
 def _document(started: datetime.datetime) -> Document:
     now = started.strftime("%Y-%m-%d %H:%M %Z")
     return Document("kvwall: the memory wall of LLM decoding",
                     f"kvwall {__version__}, generated {now} on {platform.node()} ({platform.machine()}, "
                     f"{platform.python_implementation()} {platform.python_version()}); each section says where its "
                     "numbers come from: computed or measured in this run, or read from a cache or an earlier "
-                    "calibration, with its date")
+                    "calibration, with its date", intro=[EXPLORE])
 
 
 def recall_provenance() -> str:

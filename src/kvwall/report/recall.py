@@ -20,8 +20,8 @@ def section(out: Path, cache: Path | None = None) -> Section:
     if data is None:
         return Section(TITLE, paragraphs=[
             "No complete, undamaged cached results of the default recall grid on this machine (a damaged one is "
-            "named in a warning, never shown): run `kvwall recall` (trains small "
-            "attention, sliding-window, Mamba, Mamba-2 and hybrid models on MQAR; see the README for its time) and "
+            "named in a warning, never shown): run `kvwall recall` (trains small attention, sliding-window, "
+            "Mamba, Mamba-2, hybrid and Gated DeltaNet models on MQAR; see the README for its time) and "
             "the next report shows accuracy against kept bytes here."])
     fig = plots.recall(data, out / "recall.png")
     t = data["task"]

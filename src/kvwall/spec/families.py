@@ -34,7 +34,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("mixtral", hf.parse_mixtral, "mixtral"),
     Family("qwen2", hf.parse_qwen2, "llama"),
     Family("qwen3", hf.parse_qwen3, "llama"),
-    Family("qwen2_moe", hf.parse_qwen_moe, None, "its sigmoid-gated shared expert is not built"),
+    Family("qwen2_moe", hf.parse_qwen_moe, "llama"),
     Family("qwen3_moe", hf.parse_qwen_moe, "llama"),
     Family("phi3", hf.parse_phi3, "phi3"),
     Family("gemma2", hf.parse_gemma2, "llama"),
@@ -47,9 +47,23 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("mamba2", hf.parse_mamba2, "mamba"),
     Family("jamba", hf.parse_jamba, "jamba"),
     Family("nemotron_h", hf.parse_nemotron_h, "nemotron_h"),
-    Family("qwen3_next", hf.parse_qwen3_next, None, "the engine does not run Gated DeltaNet yet"),
-    Family("qwen3_5_text", hf.parse_qwen3_next, None, "the engine does not run Gated DeltaNet yet"),
-    Family("qwen3_5_moe_text", hf.parse_qwen3_next, None, "the engine does not run Gated DeltaNet yet"),
+    Family("qwen3_next", hf.parse_qwen3_next, "llama"),  # Gated DeltaNet layers under linear_attn.
+    Family("qwen3_5_text", hf.parse_qwen3_next, "llama"),
+    Family("qwen3_5_moe_text", hf.parse_qwen3_next, "llama"),
+    # The multimodal Qwen3.5 releases: the language model alone would run as qwen3_5_text / qwen3_5_moe_text once the
+    # loader maps model.language_model.* to the text layout and skips model.visual.* (and the decoder takes mrope's
+    # text positions, which equal plain RoPE without images); not built.
+    Family("qwen3_5", hf.parse_qwen3_5, None, "the engine does not run the Qwen3.5 vision tower yet"),
+    Family("qwen3_5_moe", hf.parse_qwen3_5, None, "the engine does not run the Qwen3.5 vision tower yet"),
+    Family("falcon_h1", hf.parse_falcon_h1, "falcon_h1"),  # parallel attention + Mamba-2: layers/parallel_hybrid.py
+    Family("lfm2", hf.parse_lfm2, "lfm2"),  # short convolutions: engine/layers/short_conv.py
+    Family("gpt_oss", hf.parse_gpt_oss, "gpt_oss"),  # attention sinks, experts in 3-D tensors
+    Family("llama4_text", hf.parse_llama4_text, "llama4"),  # chunked / NoPE layers, experts in 3-D tensors
+    Family("llama4", hf.parse_llama4, "llama4"),  # its text decoder (language_model.*); the vision tower unused
+    Family("deepseek_v32", hf.parse_deepseek_v32, "llama"),  # DeepSeek Sparse Attention: layers/sparse_latent.py
+    Family("granitemoehybrid", hf.parse_granitemoehybrid, "granitemoehybrid"),  # Mamba-2 + attention, muP
+    Family("kimi_linear", hf.parse_kimi_linear, "kimi_linear"),  # Kimi Delta Attention: layers/kda.py, NoPE MLA
+    Family("minimax", hf.parse_minimax, "mixtral"),  # lightning attention: layers/lightning.py; alpha/beta residual
     # state-spaces' own checkpoints: no model_type; spec_from_config recognises d_model + n_layer
     Family("mamba_ssm", hf.parse_mamba_ssm, None, "the state-spaces checkpoint layout is not mapped"),
 ]}

@@ -60,10 +60,18 @@ class Attention:
     o_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
     output_gate: bool = False  # q_proj is twice as wide: a sigmoid gate per query channel on the output (Qwen3-Next)
+    # chunked local attention (Llama 4): positions 0..chunk-1, chunk..2chunk-1, ... form chunks and a query sees only
+    # the earlier tokens of its own chunk. Not a sliding window: the span restarts at every chunk boundary.
+    chunk: int | None = None
+    sinks: bool = False  # gpt-oss: one learned logit per query head joins the softmax (n_q_heads parameters, no cache)
     # engine-only details (do not change bytes or parameter counts)
     rope: Rope | None = None  # full rotary description; None: learned or no rotary positions
     scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     softcap: float | None = None  # attention logit soft-capping (Gemma 2): cap * tanh(s / cap)
+    l2_qk_norm: bool = False  # Llama 4: q and k RMS-normalised without weights (no parameters, unlike qk_norm)
+    # Llama 4's NoPE layers (attn_temperature_tuning): (floor_scale, attn_scale); q at position p is multiplied by
+    # 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)). None: no tuning
+    temperature: tuple[float, float] | None = None
 
     kind = "attention"
     keeps_tokens = True  # the cache grows with the context (up to the window)
@@ -85,7 +93,8 @@ class Attention:
         if self.o_bias:
             bias += hidden
         norms = 2 * self.head_dim if self.qk_norm else 0
-        return q + k + v + o + bias + norms
+        sinks = self.n_q_heads if self.sinks else 0
+        return q + k + v + o + bias + norms + sinks
 
     def cache_elems_per_token(self) -> int:
         return self.n_kv_heads * (self.head_dim + self.v_head_dim)
@@ -94,13 +103,17 @@ class Attention:
         """Fields that must be whole numbers from 1 up, by their config names (spec/validate.py checks them)."""
         out = {"num_attention_heads": self.n_q_heads, "num_key_value_heads": self.n_kv_heads,
                "head_dim": self.head_dim, "value head dim": self.v_head_dim}
-        return out | ({"sliding_window": self.window} if self.window is not None else {})
+        out |= {"sliding_window": self.window} if self.window is not None else {}
+        return out | ({"attention_chunk_size": self.chunk} if self.chunk is not None else {})
 
     def problems(self) -> list[str]:
         """Rules between fields that do not hold, in words."""
         if self.n_q_heads % self.n_kv_heads:
             return [f"num_attention_heads {self.n_q_heads} is not a multiple of num_key_value_heads "
                     f"{self.n_kv_heads}; fix one of them"]
+        if self.window is not None and self.chunk is not None:
+            return [f"a layer has both a sliding window ({self.window}) and an attention chunk ({self.chunk}); "
+                    "keep one of them"]
         return []
 
     def describe(self) -> str:
@@ -110,6 +123,10 @@ class Attention:
             s += f" (v {self.v_head_dim})"
         if self.window:
             s += f", window {self.window}"
+        if self.chunk:
+            s += f", chunk {self.chunk}"
+        if self.sinks:
+            s += ", sinks"
         if self.output_gate:
             s += ", output gate"
         return s
@@ -164,6 +181,62 @@ class LatentAttention:
 
     def describe(self) -> str:
         return f"MLA {self.n_heads} heads, latent {self.kv_lora_rank} + rope {self.qk_rope_head_dim}"
+
+
+# DSA's indexer keys as DeepSeek's inference code stores them (DeepSeek-V3.2-Exp inference/model.py, Indexer:
+# k_cache float8_e4m3fn [.., index_head_dim] + k_scale_cache float32 [.., index_head_dim // 128]): one byte per value
+# and one fp32 scale per 128 values, 132 B for a 128-value key. transformers 5.25 keeps them in the model's dtype.
+DSA_INDEXER_KEYS = Format("fp8_e4m3 + fp32 scale per 128", 8, 128, 4, 0, torch_dtype="float8_e4m3fn", fixed=True)
+
+
+@dataclass(frozen=True)
+class SparseLatentAttention:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2): MLA (``mla``) whose queries attend only to the ``index_topk``
+    cached latents a lightning indexer picks. The indexer scores every cached token with its own single-head key
+    (``index_head_dim``, kept per token in ``index_keys``) against ``index_n_heads`` query heads projected from MLA's
+    query latent (so q_lora_rank must be set): wq_b (q_lora_rank -> heads x dim), wk (hidden -> dim), a LayerNorm
+    on the key (weight and bias) and weights_proj (hidden -> heads), no biases.
+
+    Its own kind (not "latent"), so that nothing runs it as dense MLA by mistake.
+    """
+
+    mla: LatentAttention
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    index_keys: Format = DSA_INDEXER_KEYS  # how a deployment stores the indexer's key per token
+
+    kind = "sparse_latent"
+    keeps_tokens = True
+    has_state = False
+
+    def indexer_params(self, hidden: int) -> int:
+        h, d = self.index_n_heads, self.index_head_dim
+        return (self.mla.q_lora_rank or 0) * h * d + hidden * d + 2 * d + hidden * h  # wq_b, wk, k_norm, weights
+
+    def params(self, hidden: int) -> int:
+        return self.mla.params(hidden) + self.indexer_params(hidden)
+
+    def cache_elems_per_token(self) -> int:
+        return self.mla.cache_elems_per_token() + self.index_head_dim
+
+    def sizes(self) -> dict[str, int]:
+        return self.mla.sizes() | {"index_n_heads": self.index_n_heads, "index_head_dim": self.index_head_dim,
+                                   "index_topk": self.index_topk}
+
+    def problems(self) -> list[str]:
+        out = list(self.mla.problems())
+        if not self.mla.q_lora_rank:
+            out.append("DeepSeek Sparse Attention needs q_lora_rank (the indexer's queries come from the query "
+                       "latent); set it in the config")
+        if self.index_head_dim < self.mla.qk_rope_head_dim:
+            out.append(f"index_head_dim {self.index_head_dim} is smaller than qk_rope_head_dim "
+                       f"{self.mla.qk_rope_head_dim} (the indexer rotates that many of its dims); fix one of them")
+        return out
+
+    def describe(self) -> str:
+        return (f"DSA: {self.mla.describe()}, indexer {self.index_n_heads} x {self.index_head_dim}, "
+                f"top-{self.index_topk}")
 
 
 @dataclass(frozen=True)
@@ -222,8 +295,12 @@ class Mamba2:
     d_conv: int
     conv_bias: bool = True
     proj_bias: bool = False
+    out_bias: bool | None = None  # out_proj's bias where it differs from in_proj's (Falcon-H1 projectors_bias)
+    gated_norm: bool = True  # the gated RMSNorm before out_proj (Falcon-H1: only with mamba_rms_norm)
     # engine-only details (do not change bytes or parameter counts)
     dt_limit: tuple[float, float] = (0.0, math.inf)  # the step size Δ is clamped to this range
+    norm_before_gate: bool = False  # Falcon-H1 (mamba_norm_before_gate): rmsnorm(y) * silu(z), not rmsnorm(y * silu(z))
+    in_scales: tuple[float, ...] | None = None  # Falcon-H1's ssm_multipliers on in_proj's z, x, B, C, Δ parts
 
     kind = "mamba2"
     keeps_tokens = False
@@ -242,8 +319,9 @@ class Mamba2:
         in_proj = hidden * proj_out + (proj_out if self.proj_bias else 0)
         conv = self.conv_dim * self.d_conv + (self.conv_dim if self.conv_bias else 0)
         heads = 3 * self.n_heads  # dt_bias, A_log, D
-        norm = self.d_inner
-        out = self.d_inner * hidden + (hidden if self.proj_bias else 0)
+        norm = self.d_inner if self.gated_norm else 0
+        out_bias = self.proj_bias if self.out_bias is None else self.out_bias
+        out = self.d_inner * hidden + (hidden if out_bias else 0)
         return in_proj + conv + heads + norm + out
 
     def state_elems(self) -> int:
@@ -277,6 +355,9 @@ class GatedDeltaNet:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
+    # engine-only details (do not change bytes or parameter counts)
+    interleaved: bool = False  # Qwen3-Next's in_proj_qkvz / in_proj_ba: rows grouped per key head, not q|k|v|z
+    activation: str = "silu"  # the short convolution's activation (hidden_act)
 
     kind = "gated_deltanet"
     keeps_tokens = False
@@ -324,6 +405,183 @@ class GatedDeltaNet:
 
 
 @dataclass(frozen=True)
+class KimiDeltaAttention:
+    """Kimi Delta Attention (Kimi Linear's KDA layers): Gated DeltaNet with a per-channel forget gate.
+
+    q, k, v (n_heads x head_dim each, no bias) through one short causal depthwise conv of conv_kernel taps, then
+    the delta rule on a per-head state of head_dim x head_dim whose decay is a vector over the key channels (GDN:
+    one scalar per head). The forget gate and the output gate are low-rank: hidden -> head_dim -> n_heads x
+    head_dim (f_a/f_b, g_a/g_b); beta from b_proj (one per head); a gated RMSNorm of head_dim before o_proj.
+    """
+
+    n_heads: int
+    head_dim: int
+    conv_kernel: int
+
+    kind = "kda"
+    keeps_tokens = False
+    has_state = True
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: q, k and v."""
+        return 3 * self.qkv_dim
+
+    def params(self, hidden: int) -> int:
+        d, w = self.head_dim, self.qkv_dim
+        qkv = 3 * hidden * w
+        conv = self.conv_dim * self.conv_kernel
+        forget = hidden * d + d * w + w + self.n_heads  # f_a, f_b, dt_bias (per channel), A_log (per head)
+        beta = hidden * self.n_heads  # b_proj
+        gate = hidden * d + d * w  # g_a, g_b: the output gate
+        norm = d  # gated RMSNorm, shared by the heads
+        return qkv + conv + forget + beta + gate + norm + w * hidden  # + o_proj
+
+    def state_elems(self) -> int:
+        """conv state (conv_dim x conv_kernel) + recurrent state (n_heads x head_dim x head_dim), per sequence."""
+        return self.conv_dim * self.conv_kernel + self.n_heads * self.head_dim * self.head_dim
+
+    def sizes(self) -> dict[str, int]:
+        return {"linear_attn_config num_heads": self.n_heads, "linear_attn_config head_dim": self.head_dim,
+                "linear_attn_config short_conv_kernel_size": self.conv_kernel}
+
+    def problems(self) -> list[str]:
+        return []
+
+    def describe(self) -> str:
+        return f"KDA {self.n_heads} heads x {self.head_dim}, conv {self.conv_kernel}"
+
+
+@dataclass(frozen=True)
+class LightningAttention:
+    """Lightning attention (MiniMax-01's linear_attention layers): linear attention with a fixed exponential decay
+    per head, S_t = exp(-slope_h) S_{t-1} + k_t^T v_t, o_t = q_t S_t, on a state of head_dim x head_dim per head.
+
+    q, k, v from one qkv_proj (silu), an RMSNorm over all heads' output, a sigmoid output gate (hidden -> n_heads x
+    head_dim), out_proj; no bias, no conv. The decay slopes are fixed buffers, not parameters.
+    """
+
+    n_heads: int
+    head_dim: int
+
+    kind = "lightning"
+    keeps_tokens = False
+    has_state = True
+
+    @property
+    def width(self) -> int:
+        return self.n_heads * self.head_dim
+
+    def params(self, hidden: int) -> int:
+        w = self.width
+        return 3 * hidden * w + hidden * w + w + w * hidden  # qkv_proj, output_gate, norm, out_proj
+
+    def state_elems(self) -> int:
+        """The K^T V state, n_heads x head_dim x head_dim, per sequence."""
+        return self.n_heads * self.head_dim * self.head_dim
+
+    def sizes(self) -> dict[str, int]:
+        return {"num_attention_heads": self.n_heads, "head_dim": self.head_dim}
+
+    def problems(self) -> list[str]:
+        return []
+
+    def describe(self) -> str:
+        return f"lightning attention {self.n_heads} heads x {self.head_dim}"
+
+
+@dataclass(frozen=True)
+class ShortConv:
+    """LFM2's short convolution: in_proj to 3 x width (B, C, x), y = C * conv(B * x) with a depthwise causal conv
+    of l_cache taps per channel, then out_proj. No recurrence: its state is the last l_cache inputs per channel
+    (transformers' cache keeps l_cache of them, not l_cache - 1). bias: in_proj, conv and out_proj (conv_bias)."""
+
+    width: int  # conv channels (LFM2: hidden_size)
+    l_cache: int  # conv taps (conv_L_cache)
+    bias: bool = False
+
+    kind = "short_conv"
+    keeps_tokens = False
+    has_state = True
+
+    def params(self, hidden: int) -> int:
+        w = self.width
+        in_proj = hidden * 3 * w + (3 * w if self.bias else 0)
+        conv = w * self.l_cache + (w if self.bias else 0)
+        out = w * hidden + (hidden if self.bias else 0)
+        return in_proj + conv + out
+
+    def state_elems(self) -> int:
+        """The conv state: width x l_cache, per sequence."""
+        return self.width * self.l_cache
+
+    def sizes(self) -> dict[str, int]:
+        return {"the short convolution's width (hidden_size)": self.width, "conv_L_cache": self.l_cache}
+
+    def problems(self) -> list[str]:
+        return []
+
+    def describe(self) -> str:
+        return f"short conv {self.width} x {self.l_cache} taps"
+
+
+@dataclass(frozen=True)
+class ParallelHybrid:
+    """Softmax attention and Mamba-2 side by side in one layer (Falcon-H1): both read the same normed input and
+    their outputs are summed, so the layer keeps a K/V cache that grows with the context and a fixed SSM state."""
+
+    attention: Attention
+    mamba: Mamba2
+    # engine-only (changes no bytes): Falcon-H1's muP multipliers on each part's input and output
+    attention_in: float = 1.0
+    attention_out: float = 1.0
+    ssm_in: float = 1.0
+    ssm_out: float = 1.0
+
+    kind = "parallel_hybrid"
+    keeps_tokens = True
+    has_state = True
+
+    @property
+    def rope(self) -> Rope | None:
+        return self.attention.rope
+
+    def params(self, hidden: int) -> int:
+        return self.attention.params(hidden) + self.mamba.params(hidden)
+
+    def sizes(self) -> dict[str, int]:
+        return self.attention.sizes() | {f"Mamba-2 {k}": v for k, v in self.mamba.sizes().items()}
+
+    def problems(self) -> list[str]:
+        return self.attention.problems() + self.mamba.problems()
+
+    def describe(self) -> str:
+        return f"{self.attention.describe()} || {self.mamba.describe()}"
+
+
+def softmax_attention(m) -> Attention | None:
+    """The (non-latent) softmax attention of a sequence mixer: itself, a parallel hybrid's attention part, or None.
+    The what-ifs (--kv-heads, --window) re-shape what this returns."""
+    if m is None:
+        return None
+    if m.kind == "attention":
+        return m
+    return m.attention if m.kind == "parallel_hybrid" else None
+
+
+def with_attention(m, **changes):
+    """`m` with its softmax attention re-shaped by `changes` (a mixer without one is returned as it is)."""
+    a = softmax_attention(m)
+    if a is None:
+        return m
+    return replace(a, **changes) if a is m else replace(m, attention=replace(a, **changes))
+
+
+@dataclass(frozen=True)
 class MLP:
     """Dense feed-forward: gated (SwiGLU/GeGLU: gate, up, down) or plain (up, down)."""
 
@@ -331,6 +589,8 @@ class MLP:
     gated: bool = True
     bias: bool = False
     activation: str = "silu"  # silu, gelu (exact), gelu_tanh, relu; on the gate when gated
+    # engine-only (changes no bytes): Falcon-H1's mlp_multipliers, down(up x * act(gate x * m_gate)) * m_down
+    multipliers: tuple[float, float] = (1.0, 1.0)
 
     kind = "mlp"
 
@@ -371,6 +631,7 @@ class Routing:
     group_score: str = "max"
     normalize: bool = True
     scale: float = 1.0
+    on_input: bool = False  # Llama 4: each chosen expert's weight scales the expert's input, not its output
 
 
 @dataclass(frozen=True)
@@ -386,18 +647,21 @@ class MoE:
     shared_gate: bool = False  # Qwen2-MoE style sigmoid gate on the shared expert
     routing: Routing = Routing()  # engine-only: how experts are chosen and weighed
     activation: str = "silu"  # engine-only: the experts' activation (Nemotron-H: relu2, non-gated)
+    bias: bool = False  # gpt-oss: the router and every routed expert's projections carry biases
+    # engine-only: gpt-oss's clamped SwiGLU (activation "clamped_swiglu"), (alpha, limit): swiglu_alpha, swiglu_limit
+    swiglu: tuple[float, float] = (1.702, 7.0)
 
     kind = "moe"
 
     def expert_params(self, hidden: int) -> int:
-        return MLP(self.d_expert, self.gated).params(hidden)
+        return MLP(self.d_expert, self.gated, self.bias).params(hidden)
 
     def shared_params(self, hidden: int) -> int:
         width = self.d_shared or self.d_expert
         return self.n_shared * MLP(width, self.gated).params(hidden) + (hidden if self.shared_gate else 0)
 
     def params(self, hidden: int) -> int:
-        router = hidden * self.n_experts
+        router = hidden * self.n_experts + (self.n_experts if self.bias else 0)
         return router + self.n_experts * self.expert_params(hidden) + self.shared_params(hidden)
 
     def active_params(self, hidden: int) -> int:
@@ -428,7 +692,8 @@ class MoE:
         return s
 
 
-SequenceMixer = Attention | LatentAttention | Mamba | Mamba2 | GatedDeltaNet
+SequenceMixer = (Attention | LatentAttention | SparseLatentAttention | Mamba | Mamba2 | GatedDeltaNet
+                 | ShortConv | ParallelHybrid | KimiDeltaAttention | LightningAttention)
 ChannelMixer = MLP | MoE
 
 
@@ -437,6 +702,9 @@ class Layer:
     mixer: SequenceMixer | None
     ffn: ChannelMixer | None
     norm_params: int = 0  # parameters of the block's own norms (not the mixers' inner norms)
+    # engine-only: MiniMax's post-norm residual (mixer α, β, channel α, β): x = α·norm(x) + β·branch(norm(x)),
+    # the normed input as the residual (transformers' MiniMaxDecoderLayer); None: x + branch(norm(x))
+    alpha_beta: tuple[float, float, float, float] | None = None
 
     def params(self, hidden: int) -> int:
         p = self.norm_params
@@ -476,6 +744,8 @@ class ModelSpec:
     sandwich_norms: bool = False  # Gemma 2/3: extra norms on the attention and MLP outputs
     embed_scale: float = 1.0  # Gemma: embeddings multiplied by sqrt(hidden)
     final_softcap: float | None = None  # final logit soft-capping: cap * tanh(logits / cap)
+    residual_scale: float = 1.0  # Granite's residual_multiplier: x + scale * mixer(...) and x + scale * ffn(...)
+    logit_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling; Falcon-H1: lm_head_multiplier)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -529,16 +799,16 @@ class ModelSpec:
         mixers = [layer.mixer for layer in self.layers if layer.mixer is not None]
         kinds = {m.kind for m in mixers}
         ssm = {m.kind for m in mixers if m.has_state}  # a fixed state instead of a growing cache
-        if ssm and kinds - ssm:
+        if ssm and (kinds - ssm or any(m.keeps_tokens for m in mixers)):  # Falcon-H1: both in one layer
             return "hybrid"
         if ssm:
             return "ssm"
-        if kinds == {"latent"}:
+        if kinds <= {"latent", "sparse_latent"}:  # DSA keeps the MLA latent too
             return "mla"
-        windows = {m.window for m in mixers if m.kind == "attention"}
-        if None not in windows:
-            return "sliding"
-        if len(windows) > 1:
+        spans = {m.window or m.chunk for m in mixers if m.kind == "attention"}  # a local layer's span, else None
+        if None not in spans:
+            return "chunked" if any(m.chunk for m in mixers if m.kind == "attention") else "sliding"
+        if len(spans) > 1:
             return "local/global"
         return "attention"
 
@@ -552,36 +822,27 @@ class ModelSpec:
     # -- what-if reshaping -------------------------------------------------
     def with_kv_heads(self, n_kv: int) -> ModelSpec:
         """Every attention layer re-shaped to n_kv key/value heads (n_q stays)."""
-        layers = []
-        for layer in self.layers:
-            m = layer.mixer
-            if m is not None and m.kind == "attention":
-                m = replace(m, n_kv_heads=n_kv)
-            layers.append(replace(layer, mixer=m))
-        return replace(self, layers=tuple(layers))
+        return replace(self, layers=tuple(replace(layer, mixer=with_attention(layer.mixer, n_kv_heads=n_kv))
+                                          for layer in self.layers))
 
     def with_window(self, window: int | None) -> ModelSpec:
-        """Every attention layer given the same sliding window (None: full attention everywhere)."""
-        layers = []
-        for layer in self.layers:
-            m = layer.mixer
-            if m is not None and m.kind == "attention":
-                m = replace(m, window=window)
-            layers.append(replace(layer, mixer=m))
-        return replace(self, layers=tuple(layers))
+        """Every attention layer given the same sliding window (None: full attention everywhere); a chunked layer's
+        chunk goes too (it then keeps the window, or every token, like the others)."""
+        return replace(self, layers=tuple(replace(layer, mixer=with_attention(layer.mixer, window=window, chunk=None))
+                                          for layer in self.layers))
 
     def with_local_window(self, window: int) -> ModelSpec:
-        """A what-if window that replaces the model's own: the attention layers that have a window get `window`
-        (Gemma 3's local layers; its global ones stay global); a model without any window gets it everywhere."""
-        attention = [layer.mixer for layer in self.layers
-                     if layer.mixer is not None and layer.mixer.kind == "attention"]
-        if not any(m.window for m in attention):
+        """A what-if window that replaces the model's own: the attention layers that have a window, or a chunk (Llama
+        4's local layers), get `window` (Gemma 3's local layers; its global ones stay global); a model without any
+        local layer gets it everywhere."""
+        attention = [a for a in map(softmax_attention, (layer.mixer for layer in self.layers)) if a is not None]
+        if not any(m.window or m.chunk for m in attention):
             return self.with_window(window)
         layers = []
         for layer in self.layers:
-            m = layer.mixer
-            if m is not None and m.kind == "attention" and m.window:
-                m = replace(m, window=window)
+            a = softmax_attention(layer.mixer)
+            local = a is not None and (a.window or a.chunk)
+            m = with_attention(layer.mixer, window=window, chunk=None) if local else layer.mixer
             layers.append(replace(layer, mixer=m))
         return replace(self, layers=tuple(layers))
 

@@ -33,25 +33,33 @@ _MIN_ONE = (
     "moe_layer_freq", "sliding_window", "sliding_window_pattern", "kv_lora_rank", "q_lora_rank",
     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "n_positions",
     "original_max_position_embeddings", "pad_vocab_size_multiple", "patch_size", "image_size", "num_channels",
+    "mamba_d_ssm", "mamba_n_heads", "mamba_n_groups", "conv_L_cache", "block_ff_dim", "block_multiple_of",
+    "short_conv_kernel_size", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "num_expert_group",
+    "num_experts_per_token", "model_max_length", "block_size",
+    "intermediate_size_mlp", "interleave_moe_layer_step", "attention_chunk_size", "no_rope_layer_interval",
+    "vision_output_dim", "projector_input_dim", "projector_output_dim",
 )
 _MIN_ZERO = (
     "attn_layer_offset", "expert_layer_offset", "first_k_dense_replace", "n_shared_experts", "max_window_layers",
     "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "d_intermediate",
-    "num_nextn_predict_layers",
+    "num_nextn_predict_layers", "num_shared_experts", "shared_intermediate_size",
 )
 _TOKEN_IDS = ("bos_token_id", "pad_token_id")  # -1 is some configs' spelling of "none"
-_AUTO_OR_MIN_ONE = ("time_step_rank", "mamba_dt_rank", "dt_rank")  # "auto" or a whole number
+_AUTO_OR_MIN_ONE = ("time_step_rank", "mamba_dt_rank", "dt_rank", "mamba_d_head")  # "auto" or a whole number
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer")
 # Real-valued fields: finite, and > 0 or >= 0.
 _POSITIVE_REAL = ("rope_theta", "rope_local_base_freq", "factor", "routed_scaling_factor", "partial_rotary_factor",
-                  "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "query_pre_attn_scalar")
+                  "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "query_pre_attn_scalar",
+                  "block_ffn_dim_multiplier")
 _NON_NEGATIVE_REAL = ("rms_norm_eps", "layer_norm_epsilon", "mixer_rms_eps", "attn_logit_softcapping",
                       "final_logit_softcapping", "mscale", "mscale_all_dim", "time_step_min")
 _STRINGS = ("model_type", "hidden_act", "hidden_activation", "activation_function", "mlp_hidden_act",
             "hybrid_override_pattern", "rope_type", "type", "topk_method", "torch_dtype", "dtype")
-_INT_LISTS = ("mlp_only_layers", "attn_layer_idx")
-_STRING_LISTS = ("layer_types", "layers_block_type")
-_NESTED = ("text_config", "vision_config", "ssm_cfg", "attn_cfg", "rope_scaling", "rope_parameters")
+_INT_LISTS = ("mlp_only_layers", "attn_layer_idx", "full_attn_idxs", "kda_layers", "full_attn_layers",
+              "attn_type_list", "moe_layers", "no_rope_layers")
+_STRING_LISTS = ("layer_types", "layers_block_type", "mlp_layer_types")
+_NESTED = ("text_config", "vision_config", "ssm_cfg", "attn_cfg", "rope_scaling", "rope_parameters",
+           "linear_attn_config")
 
 
 def checked(data: Any, where: str, parse: Callable[[], ModelSpec]) -> ModelSpec:
@@ -71,6 +79,11 @@ def check_raw(data: dict, where: str, depth: int = 0) -> None:
     for key, value in data.items():
         if value is None:
             continue  # an absent field: the parser's default or its "missing field" error applies
+        if key == "sliding_window" and value == 0 and data.get("use_sliding_window") is False:
+            continue  # transformers 5.25's Qwen2-MoE saves 0 for "no window" (configuration_qwen2_moe.py)
+        if key in ("num_local_experts", "num_experts_per_tok") and value == 0 and \
+                data.get("model_type") == "granitemoehybrid":
+            continue  # Granite-4.0-H-1B's config.json: 0 experts = the shared MLP alone (a dense model)
         problem = _field_problem(key, value)
         if problem:
             raise KvwallError(f"{where}: {key!r} is {_show(value)}; {problem}; fix the config")

@@ -29,9 +29,15 @@ def make_cache(name: str | CacheChoice, spec, batch: int, max_len: int, dtype=No
     choice, dtype = parse_cache(name), dtype or torch.float32
     if has_state(spec):  # the named cache for the attention layers, a fixed state for the SSM ones
         attn = without_state(spec)
-        kv = make_cache(choice, attn, batch, max_len, dtype, device, block_size, residual) \
+        kv = _strategy(choice, attn, batch, max_len, dtype, device, block_size, residual) \
             if attn.attention_layers() else NoCache()
         return ModelCache(kv, StateCache(spec, batch, dtype, device))
+    return _strategy(choice, spec, batch, max_len, dtype, device, block_size, residual)
+
+
+def _strategy(choice, spec, batch, max_len, dtype, device, block_size, residual):
+    """The named strategy's cache for the K/V of `spec` (a layer that also keeps a state, Falcon-H1's parallel
+    one, is still in it: make_cache must not look for state again)."""
     knobs = choice.entry.take(block_size=block_size, residual=residual)
     return choice.entry.load().create(choice, spec, batch, max_len, dtype, device, **knobs)
 

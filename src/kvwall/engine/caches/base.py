@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from kvwall.engine.layers.attention import attend, attend_causal, prefix_start, visible
+from kvwall.engine.layers.attention import attend, attend_causal, attend_sinks, prefix_start, visible
 from kvwall.engine.mixers import kv_layout
 from kvwall.errors import KvwallError
 from kvwall.spec.model import Attention, ModelSpec
@@ -65,6 +65,20 @@ class KVCache:
             T = pos.shape[1]
             return attend_causal(q, k_all[:, :, s0:s0 + T], v_all[:, :, s0:s0 + T], scale, window, sink)
         return attend(q, k_all, v_all, self.mask(pos, k_pos, window, sink), scale, softcap)  # (B, Hq, T, Dv)
+
+    def attend_masked(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                      scale: float, window: int | None, chunk: int | None, sinks: torch.Tensor | None,
+                      sink: int = 0) -> torch.Tensor:
+        """update(), then attention under a rule the in-place kernels do not have: a chunked layer (Llama 4: a query
+        sees only the earlier keys of its own chunk of `chunk` positions), through SDPA with its mask; attention
+        sinks (gpt-oss: sinks (Hq,), one logit per head that joins the softmax), through attend_sinks
+        -> (B, Hq, T, Dv). `sink`: the sliding cache's :sinkS positions, as in attend()."""
+        k_all, v_all, k_pos = self.update(layer, k, v, pos)  # (B, Hkv, S, D) x2, (B|1, S)
+        k_all, v_all = as_dtype(k_all, q.dtype), as_dtype(v_all, q.dtype)
+        mask = visible(pos, k_pos, window, sink, chunk)  # (B, 1, T, S)
+        if sinks is None:
+            return attend(q, k_all, v_all, mask, scale, None)  # (B, Hq, T, Dv)
+        return attend_sinks(q, k_all, v_all, mask, scale, sinks)  # (B, Hq, T, Dv)
 
     def mask(self, pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sink: int = 0) -> torch.Tensor | None:
         """visible(pos, k_pos, window, sink), or None where every slot is visible to every query (SDPA then skips

@@ -151,7 +151,7 @@ class QuantizedCache(KVCache):
                  dtype=torch.float32, device="cpu"):
         if fmt.is_float() or fmt.group is None or fmt.bits not in (2, 4, 8):
             raise KvwallError(f"the quantized cache takes int8, int4 or int2 formats, not {fmt.label}")
-        if spec.has("latent"):
+        if spec.has("latent") or spec.has("sparse_latent"):  # DSA: MLA's latent + the indexer key (sparse_latent.py)
             raise KvwallError(f"the {fmt.label} cache quantizes softmax-attention K/V; {spec.name} uses MLA's latent "
                               "cache (use contiguous or paged)")
         assert residual >= 0 and max_len > 0, (residual, max_len)

@@ -83,22 +83,40 @@ def _formats(element):
     return Formats(element, element, element)
 
 
+def as_stored(spec, kv):
+    """The spec as the engine's caches hold it: a DSA layer's indexer key sits beside MLA's rope key in the K/V
+    storage (engine/layers/sparse_latent.py kv_layout), so in the cache's K/V format `kv`, not in the format the
+    predictor counts by default (SparseLatentAttention.index_keys: DeepSeek's fp8 + a scale per 128)."""
+    from dataclasses import replace
+
+    def stored(layer):
+        m = layer.mixer
+        return replace(layer, mixer=replace(m, index_keys=kv)) if m is not None and m.kind == "sparse_latent" \
+            else layer
+
+    return replace(spec, layers=tuple(stored(layer) for layer in spec.layers))
+
+
 def whole_bytes(spec, batch, tokens, choice, element) -> int:
     """Every layer preallocated for every token, windows ignored."""
     from kvwall.predict.memory import memory
 
+    spec = as_stored(spec, element)
     return memory(spec.with_window(None), batch=batch, context=tokens, formats=_formats(element)).cache_bytes
 
 
 def sliding_spec(spec, choice: CacheChoice):
     """The model as a sliding cache runs it: its :W replaces the model's own window (spec.with_local_window:
     the windowed layers, or every attention layer of a model without one). -> (spec, sink)."""
+    from kvwall.spec.model import softmax_attention  # a parallel hybrid's attention part counts (Falcon-H1)
+
+    attention = [a for a in (softmax_attention(layer.mixer) for layer in spec.layers) if a is not None]
     if choice.window is not None:
-        if not spec.has("attention"):
+        if not attention:
             raise KvwallError(f"cache {choice.text!r}: {spec.name} has no softmax attention layers to give a window")
         spec = spec.with_local_window(choice.window)
-    if choice.sink and not any(layer.mixer is not None and layer.mixer.kind == "attention" and layer.mixer.window
-                               for layer in spec.layers):
+        attention = [a for a in (softmax_attention(layer.mixer) for layer in spec.layers) if a is not None]
+    if choice.sink and not any(a.window for a in attention):
         raise KvwallError(f"cache {choice.text!r}: {spec.name} has no sliding window for sinks to go with; give one, "
                           f"e.g. sliding:1024:sink{choice.sink}")
     return spec, choice.sink
@@ -109,7 +127,7 @@ def windowed_bytes(spec, batch, tokens, choice, element) -> int:
     beside a ring of W slots hold what a window of W + S holds: min(tokens, W + S) tokens per windowed layer."""
     from kvwall.predict.memory import memory
 
-    spec, sink = sliding_spec(spec, choice)
+    spec, sink = sliding_spec(as_stored(spec, element), choice)
     return memory(_widened(spec, sink), batch=batch, context=tokens, formats=_formats(element)).cache_bytes
 
 
@@ -117,10 +135,12 @@ def _widened(spec, extra: int):
     """The spec with `extra` more tokens in every attention window (a ring of W slots plus S sinks)."""
     from dataclasses import replace
 
+    from kvwall.spec.model import softmax_attention, with_attention  # a parallel hybrid's attention part too
+
     def wider(layer):
-        m = layer.mixer
-        if extra and m is not None and m.kind == "attention" and m.window:
-            return replace(layer, mixer=replace(m, window=m.window + extra))
+        a = softmax_attention(layer.mixer)
+        if extra and a is not None and a.window:
+            return replace(layer, mixer=with_attention(layer.mixer, window=a.window + extra))
         return layer
 
     return replace(spec, layers=tuple(wider(layer) for layer in spec.layers))
@@ -132,15 +152,15 @@ def fp8_bytes(spec, batch, tokens, choice, element) -> int:
     from kvwall.spec.formats import get_format
 
     fm = Formats(element, get_format("fp8"), element)
-    return memory(spec.with_window(None), batch=batch, context=tokens, formats=fm).cache_bytes
+    return memory(as_stored(spec, fm.kv).with_window(None), batch=batch, context=tokens, formats=fm).cache_bytes
 
 
 def paged_bytes(spec, batch, tokens, choice, element, block_size: int = BLOCK_SIZE) -> int:
     """Whole blocks per row, every layer keeps every token."""
     from kvwall.predict.memory import memory
 
-    return memory(spec.with_window(None), batch=batch, context=tokens, formats=_formats(element),
-                  block_size=block_size).cache_bytes
+    return memory(as_stored(spec, element).with_window(None), batch=batch, context=tokens,
+                  formats=_formats(element), block_size=block_size).cache_bytes
 
 
 def kivi_bytes(spec, batch, tokens, choice, element, residual: int = RESIDUAL) -> int:

@@ -15,6 +15,9 @@ What-if windows and attention sinks (registry: sliding:W, sliding:W:sinkS):
   sees j <= p when p - j < W or j < S (attention.visible). Keys keep the positions they were written at
   (rotary applied before caching); StreamingLLM's re-numbering inside the cache is not done.
 
+A chunked layer (Llama 4, chunk C) is a ring of C slots: a query at p sees only p // C * C .. p, all among the last
+C positions, so the ring holds min(max_len, C) tokens, what the predictor counts for it (the worst case in a chunk).
+
 nbytes() = predict.memory(spec with window W + S on its windowed layers, batch, context=max_len).cache_bytes.
 """
 
@@ -84,11 +87,19 @@ class SlidingCache(ContiguousCache):
         self.sink = sink
         super().__init__(spec, batch, max_len, dtype, device)
         self.windows = [a.window if a else None for a in attention_specs(spec)]  # what attention uses, per layer
+        self.chunks = [a.chunk if a else None for a in attention_specs(spec)]  # None where sliding:W replaced it
 
     def _layer(self, a: Attention, batch: int, max_len: int, dtype, device):
         if a.window and a.window + self.sink < max_len:
             return RingLayer(a, batch, a.window, dtype, device, self.sink)
+        if a.chunk and a.chunk < max_len:  # a query at p sees p // C * C .. p: at most C positions, the last C
+            return RingLayer(a, batch, a.chunk, dtype, device)
         return ContiguousLayer(a, batch, max_len, dtype, device)
+
+    def attend_masked(self, layer, q, k, v, pos, scale, window, chunk, sinks):
+        """With this cache's window, chunk and sinks for the layer (sliding:W replaces a chunk with its window)."""
+        w = self.windows[layer]
+        return super().attend_masked(layer, q, k, v, pos, scale, w, self.chunks[layer], sinks, self.sink if w else 0)
 
     def attend(self, layer, q, k, v, pos, scale, window, softcap, sink=0):
         """With this cache's window for the layer (sliding:W replaces the layer's own) and its sinks. A ring's decode

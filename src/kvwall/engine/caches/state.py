@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvwall.engine.caches.base import KVCache
-from kvwall.engine.mixers import state_shapes
+from kvwall.engine.mixers import kv_layout, state_shapes
 from kvwall.errors import KvwallError
 from kvwall.spec.model import ModelSpec
 
@@ -28,8 +28,10 @@ def has_state(spec: ModelSpec) -> bool:
 
 
 def without_state(spec: ModelSpec) -> ModelSpec:
-    """The spec as the KV caches see it: SSM layers have no mixer to hold K/V for."""
-    layers = tuple(replace(layer, mixer=None) if state_shapes(layer.mixer) is not None else layer
+    """The spec as the KV caches see it: SSM layers have no mixer to hold K/V for (a layer with both, Falcon-H1's
+    parallel attention + Mamba-2, keeps its mixer: its K/V go to the KV cache, its state to the StateCache)."""
+    layers = tuple(replace(layer, mixer=None)
+                   if state_shapes(layer.mixer) is not None and kv_layout(layer.mixer) is None else layer
                    for layer in spec.layers)
     return replace(spec, layers=layers)
 
@@ -108,6 +110,9 @@ class ModelCache(KVCache):
 
     def attend(self, layer, q, k, v, pos, scale, window, softcap):
         return self.kv.attend(layer, q, k, v, pos, scale, window, softcap)
+
+    def attend_masked(self, layer, *args, **kw):
+        return self.kv.attend_masked(layer, *args, **kw)  # the KV cache's own windows (sliding:W) and sinks
 
     def ssm(self, layer: int) -> LayerState:
         return self.state.ssm(layer)

@@ -19,23 +19,29 @@ from torch import nn
 
 from kvwall.engine.layers.mixer import SequenceMixer
 from kvwall.engine.layers.norm import RMSNorm
-from kvwall.engine.layers.rope import RopeTables, apply_rope, rotate
+from kvwall.engine.layers.rope import RopeTables, apply_rope, apply_rope_interleaved, rotate
 from kvwall.spec.model import Attention as AttentionSpec
 
 
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sink: int = 0) -> torch.Tensor:
-    """(B, T) query positions x (B|1, S) key positions -> (B, 1, T, S) bool mask."""
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sink: int = 0,
+            chunk: int | None = None) -> torch.Tensor:
+    """(B, T) query positions x (B|1, S) key positions -> (B, 1, T, S) bool mask. A chunked layer (Llama 4) also
+    needs the key in the query's own chunk of `chunk` positions: j // chunk == p // chunk."""
     qp = q_pos[:, :, None]  # (B, T, 1)
     kp = k_pos[:, None, :]  # (B|1, 1, S)
     mask = (kp >= 0) & (kp <= qp)  # (B, T, S)
     if window:
         mask &= ((qp - kp) < window) | (kp < sink)
+    if chunk:
+        mask &= (kp // chunk) == (qp // chunk)
     mask |= qp < 0  # padding queries see every slot: finite (unused) output instead of NaN
     return mask[:, None]
 
 
-def attend_reference(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
-    """Plain softmax(q k^T * scale) v, in fp32: the slow, obviously-correct path."""
+def attend_reference(q, k, v, mask, scale: float, softcap: float | None, sinks=None) -> torch.Tensor:
+    """Plain softmax(q k^T * scale) v, in fp32: the slow, obviously-correct path. sinks (Hq,): gpt-oss's learned
+    logit per head joins each softmax as one more column, whose probability is then dropped (transformers'
+    GptOss eager_attention_forward), so a query may give less than all of its attention to the keys."""
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1)  # (B, Hq, S, D)
     v = v.repeat_interleave(rep, dim=1)  # (B, Hq, S, Dv)
@@ -44,7 +50,28 @@ def attend_reference(q, k, v, mask, scale: float, softcap: float | None) -> torc
         scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:  # None: every key visible to every query
         scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (B, Hq, T, 1)
+        probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]  # (B, Hq, T, S): the sink's share dropped
+        return (probs @ v.float()).to(q.dtype)  # (B, Hq, T, Dv)
     return (scores.softmax(-1) @ v.float()).to(q.dtype)  # (B, Hq, T, Dv)
+
+
+def attend_sinks(q, k, v, mask, scale: float, sinks) -> torch.Tensor:
+    """attend_reference with sinks, without repeating K/V per query head (gpt-oss: 8 query heads a KV head, so the
+    reference copies the whole cache 8 times a layer a step): the rep query heads of a KV head become rep x T rows
+    against its one K/V. Same scores, same sink column, in q's dtype -> (B, Hq, T, Dv)."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    rep = Hq // Hkv
+    qg = q.reshape(B, Hkv, rep * T, D)  # (B, Hkv, rep T, D): heads h = g rep + r, as repeat_interleave pairs them
+    scores = (qg @ k.transpose(-1, -2) * scale).view(B, Hkv, rep, T, -1)  # (B, Hkv, rep, T, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask (B, 1, T, S) -> (B, 1, 1, T, S)
+    sink = sinks.to(scores.dtype).view(1, Hkv, rep, 1, 1).expand(B, Hkv, rep, T, 1)  # (B, Hkv, rep, T, 1)
+    probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]  # (B, Hkv, rep, T, S): the sink's share dropped
+    y = probs.view(B, Hkv, rep * T, -1) @ v  # (B, Hkv, rep T, Dv)
+    return y.view(B, Hq, T, v.shape[-1])  # (B, Hq, T, Dv)
 
 
 def sdpa(q, k, v, **kw) -> torch.Tensor:
@@ -126,6 +153,8 @@ class Attention(SequenceMixer):
             out[me + "wo.bias"] = (hf + "o_proj.bias",)
         if m.qk_norm:
             out[me + "q_norm.weight"], out[me + "k_norm.weight"] = (hf + "q_norm.weight",), (hf + "k_norm.weight",)
+        if m.sinks:
+            out[me + "sinks"] = (hf + "sinks",)
         return out
 
     @staticmethod
@@ -143,11 +172,18 @@ class Attention(SequenceMixer):
         self.window = spec.window
         self.softcap = spec.softcap
         self.scale = spec.scale if spec.scale is not None else spec.head_dim ** -0.5
-        self.sizes = [self.n_q * self.d, self.n_kv * self.d, self.n_kv * self.dv]
+        self.gated = spec.output_gate  # Qwen3-Next: q_proj also gives a sigmoid gate per query channel
+        self.split = [self.n_q * self.d, self.n_kv * self.d, self.n_kv * self.dv]  # q, k, v after any gate
+        self.sizes = [spec.q_width, *self.split[1:]]  # the checkpoint's parts of wqkv (load.py checks them)
         self.wqkv = nn.Linear(hidden, sum(self.sizes), bias=spec.qkv_bias)
         self.wo = nn.Linear(self.n_q * self.dv, hidden, bias=spec.o_bias)
         self.q_norm = self.k_norm = None
         self.eager = False  # True: the reference ops only (Transformer.set_eager)
+        self.chunk = spec.chunk  # Llama 4's chunked layers: a query sees only its own chunk's earlier keys
+        self.sinks = nn.Parameter(torch.empty(self.n_q)) if spec.sinks else None  # gpt-oss: a logit per head
+        self.l2_eps = norm_eps if spec.l2_qk_norm else None  # Llama 4: weightless RMS norm of q, k after rotary
+        self.temperature = spec.temperature  # Llama 4's NoPE layers: (floor_scale, attn_scale)
+        self.interleaved = spec.rope is not None and spec.rope.interleaved  # Llama 4: rotary on pairs (x0, x1)
         if spec.qk_norm:
             offset = 1.0 if gemma_norm else 0.0
             self.q_norm = RMSNorm(self.d, norm_eps, offset)
@@ -156,21 +192,38 @@ class Attention(SequenceMixer):
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope: RopeTables | None, cache) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.wqkv(x)  # (B, T, (Hq + 2 Hkv) D)
-        if self.eager or self.q_norm is not None or rope is None:
+        gate = None
+        if self.gated:  # q_proj's rows are [q; gate] per head: (B, T, Hq, 2D)
+            qg = qkv[..., :self.sizes[0]].unflatten(-1, (self.n_q, 2 * self.d))  # (B, T, Hq, 2D)
+            gate = qg[..., self.d:].reshape(B, T, self.n_q * self.d)  # (B, T, Hq D)
+            qkv = torch.cat([qg[..., :self.d].flatten(-2), qkv[..., self.sizes[0]:]], -1)  # (B, T, (Hq + 2 Hkv) D)
+        if self.eager or self.q_norm is not None or rope is None or self.l2_eps is not None or self.interleaved:
             q, k = self.query_key(qkv, rope)
         else:  # q and k side by side in qkv: one rotation for both heads' groups
-            nq, nk = self.sizes[:2]
+            nq, nk = self.split[:2]
             qk = rotate(qkv[..., :nq + nk].unflatten(-1, (self.n_q + self.n_kv, self.d)), rope)  # (B, T, Hq+Hkv, D)
             q, k = qk[:, :, :self.n_q], qk[:, :, self.n_q:]  # (B, T, Hq, D), (B, T, Hkv, D)
-        v = qkv[..., sum(self.sizes[:2]):].unflatten(-1, (self.n_kv, self.dv))  # (B, T, Hkv, Dv)
+        v = qkv[..., sum(self.split[:2]):].unflatten(-1, (self.n_kv, self.dv))  # (B, T, Hkv, Dv)
+        if self.temperature is not None:  # 1 + attn_scale log(1 + floor((p + 1) / floor_scale)); padding (-1): 1
+            floor_scale, attn_scale = self.temperature
+            tune = torch.log1p(torch.floor((pos.float() + 1.0) / floor_scale)) * attn_scale + 1.0  # (B, T)
+            q = (q * tune[:, :, None, None]).to(q.dtype)  # (B, T, Hq, D)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        y = cache.attend(self.index, q, k, v, pos, self.scale, self.window, self.softcap)  # (B, Hq, T, Dv)
-        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_q * self.dv))  # (B, T, hidden)
+        if self.chunk or self.sinks is not None:  # a mask or a softmax the fast paths do not have
+            y = cache.attend_masked(self.index, q, k, v, pos, self.scale, self.window, self.chunk, self.sinks)
+        else:
+            y = cache.attend(self.index, q, k, v, pos, self.scale, self.window, self.softcap)  # (B, Hq, T, Dv)
+        y = y.transpose(1, 2).reshape(B, T, self.n_q * self.dv)  # (B, T, Hq Dv)
+        if gate is not None:
+            y = y * torch.sigmoid(gate)  # (B, T, Hq Dv)
+        return self.wo(y)  # (B, T, hidden)
 
     def stack_parts(self) -> dict | None:
         """This layer's part of the fused decode step (engine/decode_stack.py): every op of forward() but a
-        softcap, which the step does not have."""
-        if self.softcap:
+        softcap or an output gate, which the step does not have (nor chunks, sinks, interleaved rotary, Llama 4's
+        weightless q/k norm or temperature)."""
+        llama4 = self.l2_eps is not None or self.interleaved or self.temperature is not None
+        if self.softcap or self.gated or self.chunk or self.sinks is not None or llama4:
             return None
         return dict(qkv=self.wqkv, o=self.wo, q_norm=self.q_norm, k_norm=self.k_norm, nq=self.n_q, nkv=self.n_kv,
                     d=self.d, dv=self.dv, window=self.window or 0, scale=self.scale)
@@ -178,15 +231,25 @@ class Attention(SequenceMixer):
     def query_key(self, qkv: torch.Tensor, rope: RopeTables | None) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k each on its own: q/k norms first (Qwen3, Gemma 3), then the reference rotation."""
         B, T, _ = qkv.shape
-        q, k, _ = qkv.split(self.sizes, dim=-1)
+        q, k, _ = qkv.split(self.split, dim=-1)
         q = q.view(B, T, self.n_q, self.d)  # (B, T, Hq, D)
         k = k.view(B, T, self.n_kv, self.d)  # (B, T, Hkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
+        if rope is not None and self.interleaved:  # pairs out as [x0'.., x1'..]: q.k unchanged (same order in both)
+            q, k = apply_rope_interleaved(q, rope.cos, rope.sin), apply_rope_interleaved(k, rope.cos, rope.sin)
+        elif rope is not None:
             turn = (lambda x: apply_rope(x, rope.cos, rope.sin)) if self.eager else (lambda x: rotate(x, rope))
             q, k = turn(q), turn(k)
+        if self.l2_eps is not None:  # Llama 4: after the rotation, as transformers does it
+            q, k = weightless_rms(q, self.l2_eps), weightless_rms(k, self.l2_eps)
         return q, k
+
+
+def weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the head dim, in fp32 (Llama 4's Llama4TextWeightlessRMSNorm)."""
+    xf = x.float()  # (B, T, H, D)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 MIXER = Attention  # kvwall.engine.mixers finds it by the spec's kind

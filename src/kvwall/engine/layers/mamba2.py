@@ -18,6 +18,8 @@ so ``ssd_chunked`` does matmuls within chunks and passes the state from chunk to
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,17 +78,26 @@ def ssd_chunked(x, dt, A, Bm, Cm, h, chunk: int = 64):
 
 
 class GatedRMSNorm(nn.Module):
-    """y * silu(z), RMS-normalised over groups of `group` channels (one per B/C group), times weight."""
+    """y * silu(z), RMS-normalised over groups of `group` channels (one per B/C group), times weight.
+    before_gate (Falcon-H1's mamba_norm_before_gate): rmsnorm(y) * weight * silu(z) instead, in fp32 throughout."""
 
-    def __init__(self, dim: int, group: int, eps: float):
+    def __init__(self, dim: int, group: int, eps: float, before_gate: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.group, self.eps = group, eps
+        self.group, self.eps, self.before_gate = group, eps, before_gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        g = (y.float() * F.silu(z.float())).unflatten(-1, (-1, self.group))  # (B, T, G, E/G)
+        g = y.float() if self.before_gate else y.float() * F.silu(z.float())  # (B, T, E)
+        g = g.unflatten(-1, (-1, self.group))  # (B, T, G, E/G)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.before_gate:  # FalconH1RMSNormGated: weight and gate applied in fp32, then cast
+            return (self.weight.float() * g.flatten(-2) * F.silu(z.float())).to(y.dtype)  # (B, T, E)
         return self.weight * g.flatten(-2).to(y.dtype)  # (B, T, E)
+
+
+def out_bias(m: Mamba2Spec) -> bool:
+    """Whether out_proj has a bias: in_proj's (proj_bias) unless the spec says otherwise (Falcon-H1 projectors_bias)."""
+    return m.proj_bias if m.out_bias is None else m.out_bias
 
 
 class Mamba2(SequenceMixer):
@@ -98,7 +109,11 @@ class Mamba2(SequenceMixer):
 
     @staticmethod
     def checkpoint_names(m: Mamba2Spec, hf: str, me: str, fused: bool = False) -> dict[str, tuple[str, ...]]:
-        return ssm_names(m, ["dt_bias", "norm.weight"], hf, me)
+        out = ssm_names(replace(m, proj_bias=False), ["dt_bias"] + (["norm.weight"] if m.gated_norm else []), hf, me)
+        for name, has in (("in_proj.bias", m.proj_bias), ("out_proj.bias", out_bias(m))):
+            if has:
+                out[me + name] = (hf + name,)
+        return out
 
     @staticmethod
     def state_shapes(m: Mamba2Spec) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -116,8 +131,14 @@ class Mamba2(SequenceMixer):
         self.dt_bias = nn.Parameter(torch.zeros(self.H))
         self.A_log = nn.Parameter(torch.zeros(self.H))
         self.D = nn.Parameter(torch.ones(self.H))
-        self.norm = GatedRMSNorm(E, E // self.G, norm_eps)
-        self.out_proj = nn.Linear(E, hidden, bias=spec.proj_bias)
+        # Falcon-H1 without mamba_rms_norm: y * silu(z) only
+        self.norm = GatedRMSNorm(E, E // self.G, norm_eps, spec.norm_before_gate) if spec.gated_norm else None
+        self.out_proj = nn.Linear(E, hidden, bias=out_bias(spec))
+        scales = spec.in_scales  # Falcon-H1's ssm_multipliers: one per in_proj part z, x, B, C, Δ
+        parts = [E, E, self.G * self.N, self.G * self.N, self.H]
+        self.register_buffer("in_scale", None if scales is None else torch.cat(
+            [torch.full((n,), float(v), device="cpu") for n, v in zip(parts, scales)]),  # built on the CPU, not meta
+            persistent=False)  # (2E + 2GN + H,)
 
     def split(self, xbc: torch.Tensor):
         """(B, T, E + 2GN) -> x (B, T, H, P), B and C (B, T, H, N) with each group repeated for its heads."""
@@ -130,7 +151,10 @@ class Mamba2(SequenceMixer):
     def forward(self, x: torch.Tensor, pos: torch.Tensor, rope, cache) -> torch.Tensor:
         state = cache.ssm(self.index)  # conv (B, E + 2GN, K), ssm (B, H, P, N)
         valid = pos >= 0  # (B, T)
-        z, xbc, delta = self.in_proj(x).split(self.sizes, dim=-1)  # (B, T, E), (B, T, E + 2GN), (B, T, H)
+        zxbcdt = self.in_proj(x)  # (B, T, 2E + 2GN + H)
+        if self.in_scale is not None:
+            zxbcdt = zxbcdt * self.in_scale.to(zxbcdt.dtype)  # (B, T, 2E + 2GN + H)
+        z, xbc, delta = zxbcdt.split(self.sizes, dim=-1)  # (B, T, E), (B, T, E + 2GN), (B, T, H)
         xbc = F.silu(causal_conv(xbc, state.conv, self.conv1d, valid.sum(1)))  # (B, T, E + 2GN)
         u, Bm, Cm = self.split(xbc)
         dt = F.softplus(delta.float() + self.dt_bias.float()).clamp(*self.dt_limit) * valid[..., None]  # (B, T, H)
@@ -143,7 +167,8 @@ class Mamba2(SequenceMixer):
             y, h = ssd_chunked(u, dt, A, Bm, Cm, h0)  # (B, T, H, P)
         state.ssm.copy_(h)
         y = y + u * self.D.float()[:, None]  # (B, T, H, P)
-        return self.out_proj(self.norm(y.flatten(-2).to(x.dtype), z))  # (B, T, hidden)
+        y = y.flatten(-2).to(x.dtype)  # (B, T, E)
+        return self.out_proj(self.norm(y, z) if self.norm is not None else y * F.silu(z))  # (B, T, hidden)
 
 
 MIXER = Mamba2  # kvwall.engine.mixers finds it by the spec's kind

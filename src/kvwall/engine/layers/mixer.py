@@ -7,6 +7,7 @@ The caches never look at mixer types: they ask the layer's class (through kvwall
 and build(m, spec, index) makes the torch module for layer `index` of the model spec, and
     checkpoint_names(m, hf, me, fused)  engine parameter name -> the Hugging Face tensors it is made of
                      (concatenated along dim 0), for a layer whose tensors sit under `hf` (the engine's under `me`)
+    hf_module        where a llama-layout checkpoint keeps the mixer under its layer ("self_attn.")
 A module may also offer its weights to the fused decode step (engine/decode_stack.py):
     stack_parts()    its part of one C++ layer, or None (the default: the layer runs module by module)
 Each mixer module ends with ``MIXER = <its class>``: kvwall.engine.mixers finds it by the spec's kind.
@@ -27,6 +28,8 @@ def ssm_names(m, extra: list[str], hf: str, me: str) -> dict[str, tuple[str, ...
 
 class SequenceMixer(nn.Module):
     """Defaults: no K/V, no fixed state, no rotary positions (each mixer overrides what it has)."""
+
+    hf_module = "self_attn."  # where a llama-layout checkpoint keeps the mixer under its layer (load.py)
 
     @classmethod
     def build(cls, m, spec, index: int) -> SequenceMixer:

@@ -36,29 +36,45 @@ def silu_mul_kernel():
     return compiled("fused_ops", "silu_mul", "torch's silu and mul")
 
 
-class GatedMLP(nn.Module):
-    """w13 holds [gate; up] fused (one matmul); w2 is down."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation (transformers' GptOssExperts._apply_gate): gate clamped above at limit, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate) (alpha 1.702, limit 7.0 in gpt-oss)."""
+    gate = gate.clamp(max=limit)  # (..., F)
+    up = up.clamp(min=-limit, max=limit)  # (..., F)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))  # (..., F)
 
-    def __init__(self, spec: MLP, hidden: int):
+
+class GatedMLP(nn.Module):
+    """w13 holds [gate; up] fused (one matmul); w2 is down. swiglu (alpha, limit): gpt-oss's clamped SwiGLU, for
+    activation "clamped_swiglu"."""
+
+    def __init__(self, spec: MLP, hidden: int, swiglu: tuple[float, float] | None = None):
         super().__init__()
         self.d_ff = spec.d_ff
-        self.act = activation(spec.activation)
+        self.swiglu = swiglu if spec.activation == "clamped_swiglu" else None
+        self.act = activation(spec.activation) if self.swiglu is None else None
         self.activation = spec.activation
+        self.multipliers = spec.multipliers  # Falcon-H1: (on the gate before the activation, on the output)
         self.w13 = nn.Linear(hidden, 2 * spec.d_ff, bias=spec.bias)
         self.w2 = nn.Linear(spec.d_ff, hidden, bias=spec.bias)
         self.eager = False  # True: the reference ops only (Transformer.set_eager)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.w13(x)  # (B, T, 2F): [gate, up]
+        if self.multipliers != (1.0, 1.0):  # FalconH1MLP: down(up * act(gate * m_gate)) * m_down
+            gate, up = gu.split(self.d_ff, dim=-1)  # (B, T, F) each
+            return self.w2(up * self.act(gate * self.multipliers[0])) * self.multipliers[1]  # (B, T, D)
         kernel = self.kernel(gu)
         if kernel is not None:
             return self.w2(kernel(gu))  # (B, T, D)
         gate, up = gu.split(self.d_ff, dim=-1)  # (B, T, F) each
+        if self.swiglu is not None:
+            return self.w2(clamped_swiglu(gate, up, *self.swiglu))  # (B, T, D)
         return self.w2(self.act(gate) * up)  # (B, T, D)
 
     def stack_parts(self) -> dict | None:
         """This layer's part of the fused decode step (engine/decode_stack.py): SwiGLU or GeGLU (tanh)."""
-        if self.activation not in ("silu", "gelu_tanh"):
+        if self.activation not in ("silu", "gelu_tanh") or self.multipliers != (1.0, 1.0):
             return None
         return dict(up=self.w13, down=self.w2, gelu=self.activation == "gelu_tanh")
 
@@ -80,8 +96,8 @@ class PlainMLP(nn.Module):
         return self.w2(self.act(self.w1(x)))  # (B, T, D)
 
 
-def make_mlp(spec: MLP, hidden: int) -> nn.Module:
-    return GatedMLP(spec, hidden) if spec.gated else PlainMLP(spec, hidden)
+def make_mlp(spec: MLP, hidden: int, swiglu: tuple[float, float] | None = None) -> nn.Module:
+    return GatedMLP(spec, hidden, swiglu) if spec.gated else PlainMLP(spec, hidden)
 
 
 MIXER = make_mlp  # kvwall.engine.mixers finds it by the spec's kind

@@ -5,6 +5,7 @@
                                            group-limited: only the topk_group best of n_group groups compete
     g = s[chosen] (/ sum) * scale          renormalise (Mixtral; norm_topk_prob), routed_scaling_factor
     y = sum_k g_k E_k(x) + shared(x)       E_k, shared: gated MLPs down(silu(gate x) * up x)
+                                           (Qwen2-MoE, Qwen3-Next: shared(x) * sigmoid(w_s · x), a gate per token)
                                            (Nemotron-H: plain MLPs down(relu(up x)^2))
 
 Each forward records `touched`: how many distinct experts its tokens used (the experts whose
@@ -36,9 +37,11 @@ class Router(nn.Module):
         self.routing, self.k, self.E = r, spec.top_k, spec.n_experts
         self.weight = nn.Parameter(torch.empty(spec.n_experts, hidden))
         self.bias = nn.Parameter(torch.zeros(spec.n_experts)) if r.bias else None  # V3 e_score_correction_bias
+        self.logit_bias = nn.Parameter(torch.zeros(spec.n_experts)) if spec.bias else None  # gpt-oss: on the logits
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())  # (N, E)
+        b = None if self.logit_bias is None else self.logit_bias.float()
+        logits = F.linear(x.float(), self.weight.float(), b)  # (N, E)
         scores = logits.softmax(-1) if self.routing.score == "softmax" else logits.sigmoid()  # (N, E)
         choice = scores if self.bias is None else scores + self.bias.float()  # (N, E)
         if self.routing.n_group > 1:
@@ -65,15 +68,14 @@ class Router(nn.Module):
 class MoE(nn.Module):
     def __init__(self, spec: MoESpec, hidden: int):
         super().__init__()
-        if spec.shared_gate:
-            raise KvwallError("the engine runs experts without a shared-expert gate (Mixtral, Qwen3-MoE, "
-                              "DeepSeek, Jamba, Nemotron-H)")
         self.router = Router(spec, hidden)
-        expert = MLP(spec.d_expert, spec.gated, activation=spec.activation)
-        self.experts = nn.ModuleList(make_mlp(expert, hidden) for _ in range(spec.n_experts))
+        expert = MLP(spec.d_expert, spec.gated, spec.bias, activation=spec.activation)  # gpt-oss: biases
+        self.experts = nn.ModuleList(make_mlp(expert, hidden, spec.swiglu) for _ in range(spec.n_experts))
+        self.on_input = spec.routing.on_input  # Llama 4: expert(w x), not w expert(x)
         width = spec.n_shared * (spec.d_shared or spec.d_expert)
         shared = MLP(width, spec.gated, activation=spec.activation)
         self.shared = make_mlp(shared, hidden) if spec.n_shared else None  # n_shared experts side by side
+        self.shared_gate = nn.Linear(hidden, 1, bias=False) if spec.shared_gate and spec.n_shared else None
         self.touched = 0  # distinct experts used by the last forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,11 +86,13 @@ class MoE(nn.Module):
         used = experts.unique().tolist()
         for e in used:
             token, slot = (experts == e).nonzero(as_tuple=True)  # (n,), (n,): tokens routed to e
-            out = self.experts[e](x[token]) * weights[token, slot, None].to(x.dtype)  # (n, D)
+            w = weights[token, slot, None].to(x.dtype)  # (n, 1)
+            out = self.experts[e](x[token] * w) if self.on_input else self.experts[e](x[token]) * w  # (n, D)
             y.index_add_(0, token, out)
         self.touched = len(used)
         if self.shared is not None:
-            y = y + self.shared(x)
+            s = self.shared(x)  # (N, D)
+            y = y + (s if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * s)  # (N, D)
         return y.view(shape)  # (B, T, D)
 
 

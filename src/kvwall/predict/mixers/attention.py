@@ -1,15 +1,23 @@
-"""Softmax attention (MHA / GQA / MQA, optional sliding window): K and V for every token it keeps.
+"""Softmax attention (MHA / GQA / MQA, optional sliding window or chunk): K and V for every token it keeps.
 
 Per token and sequence: ``n_kv_heads x (head_dim + v_head_dim)`` elements; a sliding layer keeps at
 most ``window`` tokens. Tensor parallel splits the query heads and the K/V heads; when tp exceeds
 the K/V heads each GPU holds one (replicated) K/V head, and its K/V projection is replicated too.
+
+A chunked layer (Llama 4, ``chunk`` = attention_chunk_size C) attends within its own chunk of C positions. What it
+needs at a decode step at position q is the ((q - 1) mod C) + 1 tokens of the current chunk, which is what a step
+reads here (``Step.chunk_held``). What a deployment must reserve is the worst case within a chunk, C tokens (the
+last position of a chunk sees the whole chunk), and that is what ``tokens_held`` counts for memory and fit.
+transformers' cache for such a layer is its sliding-window cache of C: after a prefill of P tokens it holds the last
+min(P, C - 1) of them and a decode step appends the new one before attending (C at most), the same figure.
+Attention sinks (gpt-oss) are one logit per query head in the softmax: parameters, no cache.
 """
 
 from __future__ import annotations
 
 from kvwall.errors import KvwallError
 from kvwall.predict.step import ACT_BYTES, CACHE, PREFILL_ATTENTION, Op, Step, matmul
-from kvwall.spec.formats import Format
+from kvwall.spec.formats import Format, tensor_format
 from kvwall.spec.model import Attention
 
 
@@ -31,7 +39,8 @@ def token_bytes(m: Attention, kv: Format, tp: int = 1) -> int:
 
 
 def tokens_held(m: Attention, context: int) -> int:
-    return min(context, m.window) if m.window else context
+    span = m.window or m.chunk  # a chunked layer: the worst case within a chunk (the module docstring)
+    return min(context, span) if span else context
 
 
 def fixed_bytes(m: Attention, state: Format, tp: int = 1) -> int:
@@ -45,7 +54,7 @@ def shard_params(m: Attention, hidden: int, tp: int) -> float:
 
 
 def label(m: Attention) -> str:
-    return "sliding" if m.window else "attention"
+    return "sliding" if m.window else ("chunked" if m.chunk else "attention")
 
 
 def attention_kernel(st: Step, kv: Format) -> str:
@@ -63,13 +72,16 @@ def ops(i: int, m: Attention, spec, st: Step, fm, tp: int, absorbed: bool) -> li
     kvh = kv_heads_per_gpu(m, tp)
     tb = token_bytes(m, fm.kv, tp)
     qkv_out = m.q_width // tp + kvh * (m.head_dim + m.v_head_dim)  # q_width: with the output gate, if any
-    core = Op("attention", i, flops=2 * st.batch * q_heads * (m.head_dim + m.v_head_dim) * st.pairs(m.window),
-              cache_read=st.batch * st.held(m.window) * tb,
-              cache_write=st.batch * min(st.new, m.window or st.new) * tb,
+    pairs = st.chunk_pairs(m.chunk) if m.chunk else st.pairs(m.window)
+    held = st.chunk_held(m.chunk) if m.chunk else st.held(m.window)  # a chunked layer reads its current chunk
+    core = Op("attention", i, flops=2 * st.batch * q_heads * (m.head_dim + m.v_head_dim) * pairs,
+              cache_read=st.batch * held * tb,
+              cache_write=st.batch * min(st.new, m.window or m.chunk or st.new) * tb,
               act_bytes=T * q_heads * (m.head_dim + m.v_head_dim) * ACT_BYTES,
               kernel=attention_kernel(st, fm.kv), kind=CACHE, rows=st.new if st.new > 1 else 0)
-    return [matmul("qkv_proj", i, T, h, qkv_out, fm.weights), core,
-            matmul("o_proj", i, T, q_heads * m.v_head_dim, h, fm.weights)]
+    # a checkpoint's own format may leave attention in its dtype (gpt-oss: MXFP4 experts only): tensor_format says
+    qkv_w, o_w = (tensor_format(fm.weights, "linear", f"self_attn.{p}") for p in ("q_proj", "o_proj"))
+    return [matmul("qkv_proj", i, T, h, qkv_out, qkv_w), core, matmul("o_proj", i, T, q_heads * m.v_head_dim, h, o_w)]
 
 
 def kivi_quantized_tokens(held: int, group: int, residual: int) -> int:

@@ -49,19 +49,27 @@ def label(m: GatedDeltaNet) -> str:
     return "gated_deltanet"
 
 
+def delta_rule(name: str, i: int, st: Step, heads: int, k_dim: int, v_dim: int, conv_dim: int, conv_kernel: int,
+               state: int, weight_elems: int, fm) -> Op:
+    """The recurrent step of a gated delta rule (Gated DeltaNet, KDA) on one GPU: `heads` states of k_dim x v_dim
+    (`state` bytes per sequence, read and written), after a depthwise conv of conv_dim channels x conv_kernel
+    taps; `weight_elems` small weights (the conv, per-head and per-channel gate parameters, the norm)."""
+    value_dim = heads * v_dim
+    # per head and (k, v) state element, recurrent form: decay S*g (1, a scalar per head in GDN, a vector over k in
+    # KDA: the same count), S^T k (2), S += k (x) delta (2), S^T q (2): 7 FLOPs; plus the depthwise conv (2 per
+    # channel and tap) and the norms and gates (~4 per value)
+    return Op(name, i, flops=st.tokens * (7 * heads * k_dim * v_dim + 2 * conv_dim * conv_kernel + 4 * value_dim),
+              state_bytes=st.batch * state * (2 if st.past else 1),
+              act_bytes=st.tokens * (conv_dim + 2 * value_dim) * ACT_BYTES,
+              weight_bytes=weight_elems * fm.weights.bytes_per_element(), kind=SCAN)
+
+
 def ops(i: int, m: GatedDeltaNet, spec, st: Step, fm, tp: int, absorbed: bool) -> list[Op]:
     h, T = spec.hidden, st.tokens
     k_heads, v_heads, conv_dim = shard(m, tp)
     value_dim = v_heads * m.v_head_dim
-    state = fixed_bytes(m, fm.state, tp)
-    # per value head and (k, v) state element, recurrent form: decay S*g (1), S^T k (2), S += k (x) delta (2),
-    # S^T q (2): 7 FLOPs; plus the depthwise conv (2 per channel and tap) and the norms and gates (~4 per value)
-    rule = Op("gated delta rule", i,
-              flops=T * (7 * v_heads * m.k_head_dim * m.v_head_dim + 2 * conv_dim * m.conv_kernel + 4 * value_dim),
-              state_bytes=st.batch * state * (2 if st.past else 1),
-              act_bytes=T * (conv_dim + 2 * value_dim) * ACT_BYTES,
-              weight_bytes=(conv_dim * m.conv_kernel + 2 * v_heads + m.v_head_dim) * fm.weights.bytes_per_element(),
-              kind=SCAN)
+    rule = delta_rule("gated delta rule", i, st, v_heads, m.k_head_dim, m.v_head_dim, conv_dim, m.conv_kernel,
+                      fixed_bytes(m, fm.state, tp), conv_dim * m.conv_kernel + 2 * v_heads + m.v_head_dim, fm)
     in_out = 2 * k_heads * m.k_head_dim + 2 * value_dim + 2 * v_heads  # q, k, v, z and the b, a gates
     return [matmul("in_proj", i, T, h, in_out, fm.weights), rule,
             matmul("out_proj", i, T, value_dim, h, fm.weights)]

@@ -48,6 +48,7 @@ def ops(i: int, m: Mamba2, spec, st: Step, fm, tp: int, absorbed: bool) -> list[
     # per (head, head_dim, state) element: dt*x*B, decay*h + that (2), y += C*h (2): 5 FLOPs (recurrent form)
     ssd = Op("ssd scan", i, flops=T * (5 * d * m.d_state + 2 * conv_dim * m.d_conv + 4 * d),
              state_bytes=st.batch * state * (2 if st.past else 1), act_bytes=T * (conv_dim + 2 * d) * ACT_BYTES,
-             weight_bytes=(conv_dim * (m.d_conv + 1) + 3 * H + d) * fm.weights.bytes_per_element(), kind=SCAN)
+             weight_bytes=(conv_dim * (m.d_conv + 1) + 3 * H + (d if m.gated_norm else 0))
+             * fm.weights.bytes_per_element(), kind=SCAN)  # conv + bias, dt_bias/A_log/D, the gated norm
     return [matmul("in_proj", i, T, h, 2 * d + 2 * groups * m.d_state + H, fm.weights), ssd,
             matmul("out_proj", i, T, d, h, fm.weights)]

@@ -4,6 +4,7 @@ leaves a dense MLP whole on every GPU (each runs it on its own tokens)."""
 from __future__ import annotations
 
 from kvwall.predict.step import ACT_BYTES, Op, Step, matmul
+from kvwall.spec.formats import tensor_format
 from kvwall.spec.model import MLP
 
 
@@ -11,9 +12,12 @@ def shard_params(f: MLP, hidden: int, tp: int, ep: int = 1) -> float:
     return f.params(hidden) / tp
 
 
-def ops(i: int, f: MLP, spec, st: Step, fm, tp: int, ep: int = 1, name: str = "mlp") -> list[Op]:
+def ops(i: int, f: MLP, spec, st: Step, fm, tp: int, ep: int = 1, name: str = "mlp", kind: str = "linear",
+        module: str = "mlp") -> list[Op]:
+    """`kind` and `module` pick the matrices' format under a checkpoint's own (tensor_format): a routed expert's
+    ("expert", "mlp.experts") may be MXFP4 where a dense MLP's stays bf16 (gpt-oss)."""
     mats = 3 if f.gated else 2
-    op = matmul(name, i, st.tokens, spec.hidden, f.d_ff / tp, fm.weights)
+    op = matmul(name, i, st.tokens, spec.hidden, f.d_ff / tp, tensor_format(fm.weights, kind, module))
     op.flops *= mats
     op.weight_bytes *= mats
     op.act_bytes = st.tokens * (2 * spec.hidden + (mats - 1) * f.d_ff / tp) * ACT_BYTES

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from kvwall.predict.mixers import mlp
 from kvwall.predict.step import ACT_BYTES, LINK, Op, Step, matmul, split
+from kvwall.spec.formats import tensor_format
 from kvwall.spec.model import MLP, MoE
 
 
@@ -30,8 +31,8 @@ def shard_params(f: MoE, hidden: int, tp: int, ep: int = 1) -> float:
 
 def ops(i: int, f: MoE, spec, st: Step, fm, tp: int, ep: int = 1) -> list[Op]:
     T, h = st.tokens, spec.hidden  # this GPU's tokens
-    router = matmul("router", i, T, h, f.n_experts, fm.weights)
-    one = mlp.ops(i, MLP(f.d_expert, f.gated), spec, Step(1, 0, 1), fm, tp)[0]
+    router = matmul("router", i, T, h, f.n_experts, tensor_format(fm.weights, "router"))
+    one = mlp.ops(i, MLP(f.d_expert, f.gated), spec, Step(1, 0, 1), fm, tp, kind="expert", module="mlp.experts")[0]
     mine = split(f.n_experts, ep, "routed experts", "ep")  # this GPU's experts
     touched = expected_experts(f.n_experts, f.top_k, T * ep) / ep  # of this GPU's experts, by every GPU's tokens
     pairs = T * f.top_k  # token-expert pairs this GPU computes: its own count, routing being uniform
@@ -45,5 +46,5 @@ def ops(i: int, f: MoE, spec, st: Step, fm, tp: int, ep: int = 1) -> list[Op]:
                Op("all-to-all combine", i, link_bytes=sent, kind=LINK)]
     if f.n_shared:
         shared = MLP((f.d_shared or f.d_expert) * f.n_shared, f.gated)
-        out += mlp.ops(i, shared, spec, st, fm, tp, name="shared experts")
+        out += mlp.ops(i, shared, spec, st, fm, tp, name="shared experts", module="mlp.shared_experts")
     return out
