@@ -51,7 +51,11 @@ class LlamaCppEngine:
         self.tokens = [torch.tensor([[self._next()]])]
 
     def _next(self) -> int:
-        return int(self.np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        # the last evaluated token's logits, as llama.cpp returns them (llama_get_logits: only the last token of a
+        # batch has logits unless logits_all). Llama.scores holds them only with logits_all=True (llama-cpp-python
+        # 0.3.x no longer copies them otherwise), which would also make a prefill compute the LM head at every token
+        logits = self.np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))  # (V,)
+        return int(self.np.argmax(logits))
 
     def step(self) -> None:
         self.llm.eval([int(self.tokens[-1])])
