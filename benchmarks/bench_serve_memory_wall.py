@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_serve_memory_wall.py [--model smollm2-135m] [--requests 32]
         [--prompt 128] [--output 64] [--blocks 12,24,48,96,192,384] [--formats fp32,int8,int4] [--max-batch 32]
-        [--weights W] [--out FILE.json] [--predict] [--table] [--plot docs/img/serve_memory_wall.png]
+        [--weights W] [--repeats 3] [--out FILE.json] [--predict] [--table] [--plot docs/img/serve_memory_wall.png]
 
 Offline (no HTTP): the engine `kvwall serve` runs (kvwall.serve.runner: the same scheduler, pool and
 forward), with every request arriving at once; the runner steps until all finished, and a step's wall
@@ -12,6 +12,11 @@ decoding requests saw), the largest number of requests running at once, and the 
 
 The pool is given in fp32 blocks (--blocks); a smaller format gets the same bytes, so more blocks:
 int8 (with its fp16 scale per 32 values) holds about 3.6 times the tokens of fp32, int4 about 6.4 times.
+A decode step reads every pool in place (fp32 in the fused decode step; bf16, fp16, fp8 and the integer pools
+through kernels/paged_decode.cpp); a format written FMT/gather (``int8/gather``) runs that pool with in-place
+reading off (the gather-and-dequantize path the integer pools had before), to measure what the kernel is worth.
+--repeats N runs every (pool, format) N times, rounds interleaved (each round runs every pair once, in order), and
+keeps the median run's row (by tokens/s) with every run's tokens/s in ``tok_s_runs``.
 
 Each row records the share of the CPUs other processes took while it ran (measure.machine.OthersWatch).
 --out FILE.json keeps the measured rows and skips the (blocks, format) pairs it already holds, except rows
@@ -50,8 +55,10 @@ def run(model, kv_memory: int, fmt: str, args) -> dict:
     from kvwall.serve.runner import Runner
     from kvwall.serve.scheduler import Request
 
+    kv, _, path = fmt.partition("/")
     runner = Runner(model, kv_memory=kv_memory, block_size=16, chunk=args.chunk, max_batch=args.max_batch,
-                    kv_dtype=fmt)
+                    kv_dtype=kv)
+    runner.cache.in_place = path != "gather"
     runner.warm_up()
     watch = machine.OthersWatch()
     g = torch.Generator().manual_seed(0)
@@ -181,12 +188,16 @@ def parse() -> argparse.Namespace:
     p.add_argument("--formats", default="fp32,int8,int4", help="pool formats (serve --cache names)")
     p.add_argument("--weights", help="engine weights (serve --weights), e.g. native; default fp32")
     p.add_argument("--threads", type=int)
+    p.add_argument("--repeats", type=int, default=1, help="runs of each (pool, format), interleaved; the median kept")
     p.add_argument("--out", type=Path, help="JSON file of rows: read, skipped if present, added to")
     p.add_argument("--plot", type=Path, help="draw the rows of --out to this PNG (no measuring)")
     p.add_argument("--predict", action="store_true",
                    help="add the predictor's figure to every row of --out (kvwall simulate --device local; "
                         "run kvwall calibrate first) and draw it in --plot (no measuring)")
     p.add_argument("--table", action="store_true", help="print the rows of --out as a markdown table (no measuring)")
+    p.add_argument("--decode-steps", type=Path, metavar="FILE.json",
+                   help="time decode steps alone instead of serving: at context --prompt, each pool's largest batch "
+                        "(up to --max-batch) over random K/V, --repeats interleaved; rows to FILE.json")
     p.add_argument("--redo-busy", type=float, default=0.10, metavar="SHARE",
                    help="measure again the rows of --out during which other processes took more than this share "
                         "of the CPUs (or that did not record it); default 0.10")
@@ -212,9 +223,9 @@ def main() -> None:
         save_rows(args.out, rows, dict(setup, predicted=f"kvwall simulate --device local, {time.strftime('%F')}"))
         return
     if args.plot:
-        run = json.loads(args.out.read_text())["setup"] if args.out and args.out.exists() else vars(args)
-        plot(rows, args.plot, f"{run['model']}: {run['requests']} requests of {run['prompt']}+{run['output']} tokens, "
-                              f"all at once, max batch {run['max_batch']}")
+        made = json.loads(args.out.read_text())["setup"] if args.out and args.out.exists() else vars(args)
+        plot(rows, args.plot, f"{made['model']}: {made['requests']} requests of {made['prompt']}+{made['output']} "
+                              f"tokens, all at once, max batch {made['max_batch']}")
         return
     import torch
 
@@ -225,6 +236,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model = load_model(model_path(args.model), weights=args.weights)
     fp32_block = block_bytes(model.spec, 16, torch.float32)
+    if args.decode_steps:
+        decode_steps(model, fp32_block, args)
+        return
     need = -(-(args.prompt + args.output) // 16)
     print(f"{args.model}: {fp32_block} B per fp32 block of 16 tokens; one request needs {need} blocks, "
           f"all {args.requests} need {need * args.requests}; torch threads {torch.get_num_threads()}, "
@@ -232,15 +246,91 @@ def main() -> None:
     print(HEADER)
     rows = [r for r in rows if r.get("others_share", 1.0) <= args.redo_busy]
     done = {(r["fp32_blocks"], r["format"]) for r in rows}
-    for n in [int(x) for x in args.blocks.split(",")]:
-        for fmt in args.formats.split(","):
-            if n < need or (n, fmt) in done:
-                continue  # one request would not fit (the server refuses it), or measured already
+    todo = [(n, fmt) for n in [int(x) for x in args.blocks.split(",")] for fmt in args.formats.split(",")
+            if n >= need and (n, fmt) not in done]  # one request must fit (the server refuses it otherwise)
+    runs: dict[tuple[int, str], list[dict]] = {pair: [] for pair in todo}
+    for _ in range(args.repeats):  # rounds: every pair once a round, so a slow spell of the machine hits them all
+        for n, fmt in todo:
             r = {"fp32_blocks": n, **run(model, n * fp32_block, fmt, args)}
             print_row(r)
-            rows.append(r)
-            if args.out:
-                save_rows(args.out, rows, {k: v for k, v in vars(args).items() if k not in ("out", "plot")})
+            runs[(n, fmt)].append(r)
+        if args.out:  # after every round: the medians so far (a sweep cut short keeps its finished rounds)
+            save_rows(args.out, rows + medians(runs), {k: v for k, v in vars(args).items() if k not in ("out", "plot")})
+    if args.repeats > 1:
+        print(f"median of {args.repeats}")
+        for r in medians(runs):
+            print_row(r)
+
+
+def decode_steps(model, fp32_block: int, args) -> None:
+    """The decode step alone, where the wall is: every row holds --prompt tokens (random K/V; the kernels' time does
+    not depend on the values) and adds one; each pool runs the largest batch its budget holds (up to --max-batch).
+    Output tokens/s = batch / step time: what serving reaches once prefill is done. Median of --repeats rounds,
+    each round every (budget, format) once, after one untimed step each."""
+    import torch
+
+    from kvwall.serve.runner import QuantizedPages, Runner
+
+    need = -(-(args.prompt + 1) // 16)
+    setups = []
+    for n in [int(x) for x in args.blocks.split(",")]:
+        for fmt in args.formats.split(","):
+            kv, _, path = fmt.partition("/")
+            runner = Runner(model, kv_memory=n * fp32_block, block_size=16, max_batch=args.max_batch, kv_dtype=kv)
+            runner.cache.in_place = path != "gather"
+            batch = min(args.max_batch, runner.sched.pool.n_blocks // need)
+            if batch == 0:
+                continue
+            g = torch.Generator().manual_seed(0)
+            packed = isinstance(runner.cache, QuantizedPages)  # pools of (group, [codes, scales, zeros]) pairs
+            for pair in filter(None, runner.cache.pools):
+                for part in (p for _, parts in pair for p in parts) if packed else pair:
+                    if part.dtype == torch.uint8:  # codes
+                        part.copy_(torch.randint(0, 256, part.shape, generator=g, dtype=torch.uint8))
+                    elif part.dtype == torch.float16 and packed:  # scales, zero points
+                        part.copy_(torch.rand(part.shape, generator=g).half() * 0.02)
+                    else:
+                        part.copy_(torch.randn(part.shape, generator=g).to(part.dtype))
+            setups.append((n, fmt, runner, batch, []))
+    print(f"{'fp32 blocks':>11} {'format':>12} {'context':>7} {'batch':>5} {'step ms':>8} {'tok/s':>7} {'others':>6}")
+
+    @torch.inference_mode()
+    def step(runner, batch) -> float:
+        runner.cache.plan([list(range(b * need, (b + 1) * need)) for b in range(batch)], [args.prompt + 1] * batch)
+        tokens, pos = torch.zeros(batch, 1, dtype=torch.long), torch.full((batch, 1), args.prompt)
+        t0 = time.perf_counter()
+        runner.model(tokens, pos, runner.cache, last_only=True)
+        return time.perf_counter() - t0
+
+    for _, _, runner, batch, _ in setups:
+        step(runner, batch)  # untimed: first-use kernel builds, allocations
+    rows = []
+    for _ in range(args.repeats):
+        for _n, _fmt, runner, batch, times in setups:
+            watch = machine.OthersWatch()
+            times.append((step(runner, batch), watch.share(machine.cpu_count())))
+    for n, fmt, runner, batch, times in setups:
+        s, share = sorted(times)[(len(times) - 1) // 2]
+        rows.append({"fp32_blocks": n, "kv_bytes": n * fp32_block, "format": fmt, "blocks": runner.sched.pool.n_blocks,
+                     "context": args.prompt, "batch": batch, "step_ms": s * 1e3, "tok_s": batch / s,
+                     "step_ms_runs": [t * 1e3 for t, _ in times], "others_share": max(o for _, o in times)})
+        r = rows[-1]
+        print(f"{n:>11} {fmt:>12} {args.prompt:>7} {batch:>5} {r['step_ms']:>8.1f} {r['tok_s']:>7.1f} "
+              f"{r['others_share']:>6.0%}", flush=True)
+    old = json.loads(args.decode_steps.read_text())["rows"] if args.decode_steps.exists() else []
+    setup = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    save_rows(args.decode_steps, old + rows, dict(setup, mode="decode steps", date=time.strftime("%F %H:%M UTC",
+                                                                                                  time.gmtime())))
+
+
+def medians(runs: dict[tuple[int, str], list[dict]]) -> list[dict]:
+    """Per (pool, format): its median run by tokens/s (the lower middle of an even count), with every run's tokens/s
+    and the largest share of the CPUs others took in any of them."""
+    out = []
+    for mine in filter(None, runs.values()):
+        mid = sorted(mine, key=lambda r: r["tok_s"])[(len(mine) - 1) // 2]
+        out.append(dict(mid, tok_s_runs=[m["tok_s"] for m in mine], others_share=max(m["others_share"] for m in mine)))
+    return out
 
 
 if __name__ == "__main__":

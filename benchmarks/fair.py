@@ -14,6 +14,8 @@ How each engine is given N threads (and what it reports back):
     machine left the model ONE thread while kvwall had two (2026-12-02's serve_peers.json). It logs "OpenMP thread
     binding info:" with a "local_rank=0, core ids=[0, 1]" line per worker: that count is what it used.
   * llama.cpp (llama-cpp-python): n_threads and n_threads_batch (its server: --n_threads, --n_threads_batch).
+
+Under load, every engine gets the same competing job (Neighbour: one thread of fixed matmuls in another process).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from __future__ import annotations
 import os
 import re
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 THREADS = 2  # this machine's cores: the default of every script's --threads
@@ -70,6 +75,31 @@ def median(values: list[float | None]) -> float | None:
     """The median of the values that are there (None where none is)."""
     have = [v for v in values if v is not None]
     return statistics.median(have) if have else None
+
+
+# -- the same competing job for every engine (issue 43: "robust under a neighbour") ------------------------------
+
+NEIGHBOUR = "one other process: a single-thread 512x512 fp32 matmul loop (torch, OMP_NUM_THREADS=1)"
+NEIGHBOUR_CODE = """
+import torch
+torch.set_num_threads(1)
+a = torch.randn(512, 512)
+while True:
+    a = torch.tanh(a @ a)  # tanh keeps the values bounded; the work per iteration is fixed
+"""
+
+
+class Neighbour:
+    """The competing job (NEIGHBOUR): started before the runs it crowds, stopped after them; every engine of a
+    comparison is measured under the same one."""
+
+    def __init__(self, python: str = sys.executable):
+        self.proc = subprocess.Popen([python, "-c", NEIGHBOUR_CODE], env={**os.environ, **torch_env(1)})
+        time.sleep(2)  # its torch import done: it is computing when the first run starts
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
 
 
 # -- the threads a process tree actually kept busy ------------------------------------------------------------

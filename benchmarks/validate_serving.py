@@ -1,7 +1,8 @@
 """kvwall simulate held against kvwall serve on this machine: the same request stream, measured and simulated.
 
     .venv/bin/python benchmarks/validate_serving.py [--model smollm2-135m] [--rates 0.5,2,8]
-        [--kv-memory 16MiB,256MiB] [--requests 48] [--prompt-tokens 128] [--output-tokens 32] [--json out.json]
+        [--kv-memory 16MiB,256MiB] [--requests 48] [--prompt-tokens 128 | 2048,4096,8192] [--output-tokens 32]
+        [--threads 2] [--json out.json]
         [--shared-prefix WORDS] [--save DIR]
         (then, after a new `kvwall calibrate`: --replay DIR, which simulates the saved runs again)
         [--plot out.png]    (from earlier --json files, no server: --rows A.json,B.json --plot out.png)
@@ -31,6 +32,12 @@ OpenAI server on the same fp32 weights (bench_serve_peers.py exports them once),
 --kv-cache-memory-bytes, and the simulator set to vLLM's CPU defaults (VLLM_SCHEDULER below): one forward
 per step for decode rows and prefill chunks together, its token budget and its block size.
 
+Long prompts (issue #43): `--prompt-tokens 2048,4096,8192` runs every rate at each prompt length in turn on the
+same server (loadtest's words, about one token each), each row recording its `prompt_tokens`, the probe timing the
+plain decode step at that length's context; the budgets must then hold one whole request each (an 8k request of
+SmolLM2 in fp32 is ~0.4 GiB: e.g. --kv-memory 1GiB,4GiB), which is checked before a server starts. vLLM's
+--max-model-len is the longest request and a margin; kvwall serve and vLLM get the same --threads.
+
 Run `kvwall calibrate` first (the `local` profile is what the simulator times steps with), on a quiet
 machine: both sides time the same machine, and other processes distort the measured side only.
 """
@@ -57,6 +64,7 @@ KVWALL = [sys.executable, "-m", "kvwall"]
 METRICS = [("req/s", "request_throughput", None), ("tok/s", "output_token_throughput", None),
            ("TTFT p50", "ttft_s", "p50"), ("TTFT p99", "ttft_s", "p99"),
            ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99")]
+DEFAULT_PROMPT = 128  # --prompt-tokens' default, and the prompt of rows saved before rows recorded theirs
 
 
 def start_server(args, kv: str) -> tuple[subprocess.Popen, str]:
@@ -100,7 +108,7 @@ def start_vllm(args, kv: str) -> tuple[subprocess.Popen, str]:
     log.parent.mkdir(parents=True, exist_ok=True)
     argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
             "--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-            "--max-model-len", str(args.prompt_tokens + args.output_tokens + 64), "--max-num-seqs", str(args.max_batch),
+            "--max-model-len", str(max_len(args)), "--max-num-seqs", str(args.max_batch),
             "--kv-cache-memory-bytes", str(parse_bytes(kv)), "--max-num-batched-tokens", str(VLLM_SCHEDULER["chunk"]),
             "--block-size", str(VLLM_SCHEDULER["block_size"])]
     # VLLM_CPU_KVCACHE_SPACE (GiB) replaces --kv-cache-memory-bytes on the CPU build: with it set to 1, the 16 MiB
@@ -112,6 +120,35 @@ def start_vllm(args, kv: str) -> tuple[subprocess.Popen, str]:
     held = re.search(r"KV cache size: ([\d,]+) tokens", log.read_text())
     print(f"vLLM's pool for {kv}: {held.group(1) if held else '?'} tokens (its log)", flush=True)
     return proc, url
+
+
+def prompt_lengths(args) -> list[int]:
+    return [int(p) for p in str(args.prompt_tokens).split(",") if p]
+
+
+def max_len(args) -> int:
+    """The longest request (prompt words ~ tokens, + output) with a margin for words of two tokens: 64 tokens
+    (what the 128-word runs used), or bench_serve_peers.PROMPT_MARGIN of it at long prompts."""
+    from bench_serve_peers import PROMPT_MARGIN
+
+    longest = max(prompt_lengths(args)) + args.output_tokens
+    return longest + max(64, int(longest * PROMPT_MARGIN))
+
+
+def check_pools(args) -> None:
+    """Refuse a --kv-memory that cannot hold one whole request of the longest prompt in fp32 (the server's pool
+    dtype): it would never admit it."""
+    from kvwall.engine.caches.registry import predicted_bytes
+    from kvwall.spec.resolve import load_spec
+    from kvwall.units import fmt_bytes, parse_bytes
+
+    spec = load_spec(args.model)
+    need = predicted_bytes("paged", spec, 1, max(prompt_lengths(args)) + args.output_tokens, "fp32")
+    small = [kv for kv in args.kv_memory.split(",") if parse_bytes(kv) < need]
+    if small:
+        raise SystemExit(f"--kv-memory {','.join(small)} cannot hold one request of {max(prompt_lengths(args))} + "
+                         f"{args.output_tokens} tokens of {args.model} in fp32 ({fmt_bytes(need)}); give budgets of "
+                         f"at least that, e.g. --kv-memory 1GiB,4GiB")
 
 
 def scheduler_flags(args) -> list[str]:
@@ -130,14 +167,15 @@ def kvwall_json(argv: list[str]) -> dict:
 
 
 def measured_and_simulated(args, url: str, kv: str, rate: float, seed: int, trace: Path,
-                           probe_s: float | None = None) -> tuple[dict, dict]:
+                           probe_s: float | None = None, prompt: int = DEFAULT_PROMPT) -> tuple[dict, dict]:
     m = kvwall_json(["loadtest", url, "--model", args.model, "--rate", str(rate), "--requests", str(args.requests),
-                     "--prompt-tokens", str(args.prompt_tokens), "--output-tokens", str(args.output_tokens),
+                     "--prompt-tokens", str(prompt), "--output-tokens", str(args.output_tokens),
                      "--seed", str(seed), "--shared-prefix", str(args.shared_prefix)])
     if args.save:  # the measured side kept, so --replay can simulate it again with a later profile
         Path(args.save).mkdir(parents=True, exist_ok=True)
-        (Path(args.save) / f"{kv}-{rate:g}.json").write_text(json.dumps({"kv": kv, "rate": rate, "measured": m,
-                                                                         "probe_s": probe_s}))
+        name = f"{kv}-{rate:g}.json" if prompt == DEFAULT_PROMPT else f"{kv}-p{prompt}-{rate:g}.json"
+        (Path(args.save) / name).write_text(json.dumps({"kv": kv, "rate": rate, "measured": m, "probe_s": probe_s,
+                                                        "prompt_tokens": prompt}))
     return m, simulated(args, m, kv, rate, trace)
 
 
@@ -156,8 +194,13 @@ def simulated(args, m: dict, kv: str, rate: float, trace: Path) -> dict:
                        *scheduler_flags(args), "--rate", str(rate)])["points"][0]
 
 
-PROBE_CONTEXT, PROBE_STEPS = 160, 24  # the probe's cache (a request's middle: 128 + 32) and timed decode steps
-PROBE_MIDDLE = PROBE_CONTEXT + PROBE_STEPS // 2  # the cache the op model times the probe's step at
+PROBE_CONTEXT, PROBE_STEPS = 160, 24  # the probe's cache at the default prompt (128 + 32) and timed decode steps
+
+
+def probe_context(prompt: int, output: int = 32) -> int:
+    """The probe's cache for requests of `prompt` words: PROBE_CONTEXT at the default 128 (its rows' probe), else
+    a whole request (prompt + output)."""
+    return PROBE_CONTEXT if prompt == DEFAULT_PROMPT else prompt + output
 
 
 class Probe:
@@ -167,31 +210,41 @@ class Probe:
     probe's error is how far the machine had drifted from it when the row was measured (on this 2-core virtual
     machine the same step moved 39 -> 55 ms within two hours with no other process visible)."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, context: int = PROBE_CONTEXT):
         import torch
 
         from kvwall.engine.caches import make_cache
         from kvwall.engine.load import load_model
         from kvwall.spec.gguf_meta import gguf_file
 
-        self.torch, self.model = torch, load_model(gguf_file(model) or model)
-        self.cache = make_cache("contiguous", self.model.spec, 1, PROBE_CONTEXT + PROBE_STEPS + 8)
+        self.torch, self.model, self.context = torch, load_model(gguf_file(model) or model), context
+        self.cache = make_cache("contiguous", self.model.spec, 1, context + PROBE_STEPS + 8)
+
+    def at(self, context: int) -> Probe:
+        """The same model probing at another context (a cache of its own)."""
+        from kvwall.engine.caches import make_cache
+
+        other = object.__new__(Probe)
+        other.torch, other.model, other.context = self.torch, self.model, context
+        other.cache = make_cache("contiguous", self.model.spec, 1, context + PROBE_STEPS + 8)
+        return other
 
     def measure(self) -> float:
         import statistics
 
-        torch, times = self.torch, []
+        torch, times, n = self.torch, [], self.context
         with torch.inference_mode():
-            self.model(torch.ones(1, PROBE_CONTEXT, dtype=torch.long), torch.arange(PROBE_CONTEXT)[None], self.cache)
+            self.model(torch.ones(1, n, dtype=torch.long), torch.arange(n)[None], self.cache)
             for i in range(PROBE_STEPS + 4):
                 t0 = time.perf_counter()
-                self.model(torch.ones(1, 1, dtype=torch.long), torch.tensor([[PROBE_CONTEXT + i]]), self.cache)
+                self.model(torch.ones(1, 1, dtype=torch.long), torch.tensor([[n + i]]), self.cache)
                 times.append(time.perf_counter() - t0)
         return statistics.median(times[4:])
 
 
-def probe_predicted(model: str) -> float:
-    """The op model's time on the current `local` profile for the step Probe.measure times."""
+def probe_predicted(model: str, context: int = PROBE_CONTEXT) -> float:
+    """The op model's time on the current `local` profile for the step Probe.measure times (at the middle of its
+    timed steps)."""
     from kvwall.predict.devices import get_device
     from kvwall.predict.memory import Formats
     from kvwall.predict.roofline import Roof, decode
@@ -199,7 +252,7 @@ def probe_predicted(model: str) -> float:
 
     spec = load_spec(model)
     fm = Formats.for_spec(spec, "fp32", "fp32")
-    return decode(spec, PROBE_MIDDLE, 1, fm, Roof(get_device("local"), "fp32")).time_s
+    return decode(spec, context + PROBE_STEPS // 2, 1, fm, Roof(get_device("local"), "fp32")).time_s
 
 
 def probe_row(measured_s: float | None, predicted_s: float) -> dict | None:
@@ -284,7 +337,8 @@ def main() -> None:
     p.add_argument("--rates", default="0.5,2,8", help="offered loads, requests/s (light, near, over saturation)")
     p.add_argument("--kv-memory", default="16MiB,256MiB", help="KV budgets (a tight one preempts)")
     p.add_argument("--requests", type=int, default=48)
-    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", default=str(DEFAULT_PROMPT), metavar="WORDS[,WORDS]",
+                   help="prompt length(s), words of about one token each, e.g. 2048,4096,8192 (default 128)")
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--max-batch", type=int, default=64)
@@ -312,14 +366,16 @@ def main() -> None:
         if args.plot:
             plot(rows, Path(args.plot))
         return
-    predicted_s = probe_predicted(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         if args.replay:
             runs = [json.loads(f.read_text()) for f in Path(args.replay).glob("*.json")]
-            for saved in sorted(runs, key=lambda r: (r["kv"], r["rate"])):
+            for saved in sorted(runs, key=lambda r: (r["kv"], r.get("prompt_tokens", DEFAULT_PROMPT), r["rate"])):
                 kv, rate, m = saved["kv"], saved["rate"], saved["measured"]
+                prompt = saved.get("prompt_tokens", DEFAULT_PROMPT)
+                predicted_s = probe_predicted(args.model, probe_context(prompt, args.output_tokens))
                 rows.append(row(kv, rate, m, simulated(args, m, kv, rate, Path(tmp) / "trace.jsonl"),
                                 probe_row(saved.get("probe_s"), predicted_s)))
+                rows[-1]["prompt_tokens"] = prompt
                 print_row(rows[-1])
             print_score(rows)
             if args.json:
@@ -327,17 +383,26 @@ def main() -> None:
             if args.plot:
                 plot(rows, Path(args.plot))
             return
-        probe = Probe(args.model)
+        check_pools(args)
+        first = Probe(args.model, probe_context(prompt_lengths(args)[0], args.output_tokens))
+        probes = {p: first if p == prompt_lengths(args)[0] else first.at(probe_context(p, args.output_tokens))
+                  for p in prompt_lengths(args)}
         for kv in args.kv_memory.split(","):
             proc, url = (start_vllm if args.vllm_python else start_server)(args, kv)
             try:
-                for rate in (float(r) for r in args.rates.split(",")):
-                    seed += 1  # fresh prompts each run: no prefix-cache hits carried over
-                    probe_s = probe.measure()
-                    m, s = measured_and_simulated(args, url, kv, rate, seed, Path(tmp) / "trace.jsonl", probe_s)
+                for prompt, rate in ((p, float(r)) for p in prompt_lengths(args) for r in args.rates.split(",")):
+                    # fresh prompts each run: no prefix-cache hits carried over (seeded words make a longer
+                    # prompt begin with a shorter one's words, so each length gets seeds of its own too)
+                    seed += 1
+                    run_seed = seed if prompt == DEFAULT_PROMPT else seed + 10_000 * prompt
+                    probe_s = probes[prompt].measure()
+                    predicted_s = probe_predicted(args.model, probes[prompt].context)
+                    m, s = measured_and_simulated(args, url, kv, rate, run_seed, Path(tmp) / "trace.jsonl", probe_s,
+                                                  prompt)
                     rows.append(row(kv, rate, m, s, probe_row(probe_s, predicted_s)))
                     rows[-1]["server"] = "vllm" if args.vllm_python else "kvwall"
                     rows[-1]["threads"] = args.threads
+                    rows[-1]["prompt_tokens"] = prompt
                     print_row(rows[-1])
             finally:
                 proc.terminate()
@@ -361,9 +426,12 @@ def plot(rows: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.2))
-    group = lambda r: (r.get("server", "kvwall"), r["kv_memory"])  # noqa: E731  (rows of a --replay: no server)
-    for (server, kv), color in zip(dict.fromkeys(map(group, rows)), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
-        mine = sorted((r for r in rows if group(r) == (server, kv)), key=lambda r: r["rate"])
+    # rows of a --replay: no server; rows from before prompts were recorded: the default prompt
+    group = lambda r: (r.get("server", "kvwall"), r["kv_memory"], r.get("prompt_tokens", DEFAULT_PROMPT))  # noqa: E731
+    for (server, kv, prompt), color in zip(dict.fromkeys(map(group, rows)),
+                                           plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        mine = sorted((r for r in rows if group(r) == (server, kv, prompt)), key=lambda r: r["rate"])
+        kv = kv if prompt == DEFAULT_PROMPT else f"{kv}, {prompt}-token prompts"
         rates = [r["rate"] for r in mine]
         for ax, (name, _, _) in zip(axes, PANELS):
             scale = 1e3 if name.startswith("TPOT") else 1.0
@@ -408,7 +476,8 @@ def print_row(r: dict) -> None:
     if r.get("probe"):
         pr = r["probe"]
         cells.append(f"probe step {pr['measured_s'] * 1e3:.1f}/{pr['predicted_s'] * 1e3:.1f} ms ({pr['error']:+.0%})")
-    print(f"kv {r['kv_memory']:>7} rate {r['rate']:>5g}/s: " + "; ".join(cells), flush=True)
+    prompt = f" prompt {r['prompt_tokens']}" if r.get("prompt_tokens", DEFAULT_PROMPT) != DEFAULT_PROMPT else ""
+    print(f"kv {r['kv_memory']:>7}{prompt} rate {r['rate']:>5g}/s: " + "; ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -1117,7 +1117,7 @@ def _speed_row(name, batch: int, contexts: list[int], prompt: int, sizes: tuple,
                    "context of cache, 10 % reserve); their times are what-ifs")
     return {"model": spec.name, "family": spec.family(), "formats": fm.as_dict(), "ttft_s": ttft,
             "ttft_fits": first["fits"], **{f"ttft_{k}": first[k] for k in GROUP}, "decode": per_ctx,
-            "weights_fit": fits, "fit_warning": warning, "notes": notes}, roof
+            "weights_fit": fits, "fit_warning": warning, "notes": list(spec.notes) + notes}, roof  # as memory's
 
 
 # -- simulate ----------------------------------------------------------------------------------------------------

@@ -8,10 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from native_kernels import built  # noqa: E402
 
 from kvwall.engine import decode_stack  # noqa: E402
 from kvwall.engine.caches import make_cache  # noqa: E402
+from kvwall.engine.caches.base import KVView  # noqa: E402
 from kvwall.engine.caches.paged import PagedCache  # noqa: E402
 from kvwall.engine.layers.packed import pack_model  # noqa: E402
 from kvwall.engine.model import Transformer  # noqa: E402
@@ -26,33 +26,7 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    return built(decode_stack.kernel_module, "decode_stack")
-
-
-@pytest.fixture(autouse=True)
-def two_threads():
-    """2 threads, as CI has: the stack wants a (row, KV head) attention job per thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def stacked(monkeypatch):
-    """Counts the steps the stack took (returned x rather than None)."""
-    calls = []
-    inner = decode_stack.DecodeStack.__call__
-
-    def counting(self, x, tables, cache):
-        out = inner(self, x, tables, cache)
-        calls.append(out is not None)
-        return out
-    monkeypatch.setattr(decode_stack.DecodeStack, "__call__", counting)
-    return calls
-
+pytestmark = pytest.mark.usefixtures("two_threads")  # conftest.py: 2 threads, as CI has
 
 def model(model_type: str, layers: int = 7, seed: int = 0, **extra) -> Transformer:
     cfg = {"model_type": model_type, "hidden_size": 48, "num_hidden_layers": layers, "num_attention_heads": 4,
@@ -185,8 +159,8 @@ def test_rows_of_different_lengths_in_a_paged_cache(kernel, stacked):
 
 
 def test_steps_the_stack_leaves_to_the_layers(kernel, stacked):
-    """Autograd, a cache it cannot write (int8 KV), too few attention jobs for the threads, and a model with a layer
-    it does not run (Gemma 2's attention softcap) all run layer by layer."""
+    """Autograd, a row it must not write (padding, at -1), too few attention jobs for the threads, and a model with a
+    layer it does not run (Gemma 2's attention softcap) all run layer by layer."""
     m = model("llama", layers=2)
     prompt = torch.randint(0, 40, (1, 4), generator=torch.Generator().manual_seed(5))
     c = make_cache("contiguous", m.spec, 1, 8)
@@ -196,8 +170,11 @@ def test_steps_the_stack_leaves_to_the_layers(kernel, stacked):
         out = m(torch.tensor([[7]]), torch.tensor([[4]]), c)
     assert out.requires_grad and stacked == [False]
     stacked.clear()
-    decode(m, prompt, 3, "int8")
-    assert stacked and not any(stacked)
+    c = make_cache("contiguous", m.spec, 2, 8)
+    with torch.inference_mode():
+        m(prompt.expand(2, -1), None, c)
+        m(torch.tensor([[7], [0]]), torch.tensor([[4], [-1]]), c)
+    assert stacked == [False]
     stacked.clear()
     torch.set_num_threads(4)  # 1 row x 2 KV heads < 4 threads
     decode(m, prompt, 3)
@@ -217,17 +194,20 @@ def test_the_stack_checks_its_arguments_before_writing(kernel):
     with torch.inference_mode():
         m(torch.tensor([[1, 2, 3]]), None, c)
         c.step(torch.tensor([[3]]))
-        ks, vs, table, lengths = c.decode_blocks(1)
+        blocks = c.decode_blocks(1)
+        ks, table, lengths, none = [v.k for v in blocks.views], blocks.table, blocks.lengths, decode_stack.NO_COUNTS
         before = [k.clone() for k in ks]
         tables = [rot(torch.tensor([[3]]), torch.float32) for rot in m.rotary]
         cos = [t.cos.reshape(1, -1) for t in tables]
         sin = [t.sin_swapped.reshape(1, -1) for t in tables]
         x = torch.randn(1, 48)
-        stack = decode_stack.DecodeStack.build(m).stack
+        built = decode_stack.DecodeStack.build(m)
+        stack, views = built.stack, [decode_stack.native_view(built.mod, v) for v in blocks.views]
+        narrow = [decode_stack.native_view(built.mod, KVView("fp32", v.k[:, :1], v.v)) for v in blocks.views]
         with pytest.raises(RuntimeError, match="outside the pool"):
-            stack.step(x.clone(), cos, sin, ks, vs, torch.tensor([[5]]), lengths)
+            stack.step(x.clone(), cos, sin, views, torch.tensor([[5]]), lengths, none)
         with pytest.raises(RuntimeError, match="do not match"):
-            stack.step(x.clone(), cos, sin, [k[:, :1] for k in ks], vs, table, lengths)
+            stack.step(x.clone(), cos, sin, narrow, table, lengths, none)
         with pytest.raises(RuntimeError, match="outside its block table"):
-            stack.step(x.clone(), cos, sin, ks, vs, table, torch.tensor([9]))
+            stack.step(x.clone(), cos, sin, views, table, torch.tensor([9]), none)
         assert all(torch.equal(a, b) for a, b in zip(ks, before))

@@ -6,7 +6,6 @@ lightning indexer's choice decides the logits (test_selection_matters shows by h
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
@@ -14,7 +13,16 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tiny_checkpoints import MLA, VOCAB, YARN, ids, randomize, transformers_greedy  # noqa: E402
+from engine_equivalence import (  # noqa: E402
+    FP32,
+    decode_logits,
+    greedy_batch_alone_transformers,
+    greedy_pair,
+    made as made_checkpoint,
+    save,
+    verify_and_generate,
+)
+from tiny_checkpoints import MLA, YARN, ids  # noqa: E402
 
 from kvwall.engine.caches import make_cache  # noqa: E402
 from kvwall.engine.caches.registry import as_stored, predicted_bytes  # noqa: E402
@@ -23,28 +31,19 @@ from kvwall.engine.layers.latent import set_path  # noqa: E402
 from kvwall.engine.layers.sparse_latent import SparseLatentAttention, top_slots  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
 from kvwall.errors import KvwallError  # noqa: E402
-from kvwall.predict.memory import Formats, memory  # noqa: E402
-from kvwall.spec.formats import get_format  # noqa: E402
+from kvwall.predict.memory import memory  # noqa: E402
 
 TOPK = 4
 # MLA as deepseek_v3's tiny checkpoint (latent 32, rope key 8, q LoRA 24, YaRN; dense layer 0, MoE after) plus
 # the indexer: 32 index heads of 16 dims (8 of them rotated), top-4; 32 heads make a tie (every head's ReLU 0 for
 # two keys, which top_slots breaks toward the later one, transformers by torch.topk's order) improbable
 DSA = dict(MLA, q_lora_rank=24, rope_parameters=YARN, index_topk=TOPK, index_n_heads=32, index_head_dim=16)
-FP32 = Formats(get_format("fp32"), get_format("fp32"), get_format("fp32"))
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """(path, transformers model, engine model) of one random deepseek_v32 checkpoint, built once."""
-    path = tmp_path_factory.mktemp("deepseek_v32")
-    cfg = transformers.DeepseekV32Config(**DSA)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    randomize(ref)
-    ref.save_pretrained(path)
-    return path, ref, load_model(path)
+    return made_checkpoint(tmp_path_factory, "deepseek_v32", transformers.DeepseekV32Config(**DSA))
 
 
 def set_ref_topk(ref, k: int) -> None:
@@ -137,33 +136,26 @@ def test_decode_step_by_step_equals_transformers_full_forward(made, cache, path)
     model = load_model(ckpt)
     set_path(model, path)
     x = ids(length=40)
-    B, T = x.shape
     with torch.no_grad():
         expected = ref(x).logits
-        c = make_cache(cache, model.spec, B, T, block_size=4)
-        steps = [model(x[:, :5], None, c), model(x[:, 5:12], torch.arange(5, 12).expand(B, 7), c)]
-        steps += [model(x[:, t:t + 1], torch.full((B, 1), t), c) for t in range(12, T)]
-    assert (torch.cat(steps, 1) - expected).abs().max().item() < 1e-4
+    assert (decode_logits(model, x, cache) - expected).abs().max().item() < 1e-4
 
 
 @pytest.mark.slow
 def test_greedy_20_tokens_equal_transformers_generate(made):
     _, ref, model = made
-    prompt = ids(batch=1, length=12, seed=1)
-    expected = transformers_greedy(ref, prompt, new_tokens=20)
+    got, expected = greedy_pair(model, ref)
     assert len(set(expected)) > 1, "a degenerate reference would prove little"
-    assert generate(model, [prompt[0].tolist()], max_new_tokens=20).tokens[0] == expected
+    assert got == expected
 
 
 @pytest.mark.slow
 def test_batch_of_3_different_lengths_equals_one_by_one_and_transformers(made):
     """Right-padded rows (the engine's batches) pick and attend exactly as each prompt alone, and as transformers."""
     _, ref, model = made
-    prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 21, 9)]
-    batch = generate(model, prompts, max_new_tokens=20).tokens
-    alone = [generate(model, [p], max_new_tokens=20).tokens[0] for p in prompts]
+    batch, alone, expected = greedy_batch_alone_transformers(model, ref)
     assert batch == alone
-    assert alone == [transformers_greedy(ref, torch.tensor([p]), new_tokens=20) for p in prompts]
+    assert alone == expected
 
 
 @pytest.mark.slow
@@ -171,12 +163,7 @@ def test_a_padded_batch_picks_as_its_rows_alone_when_scores_tie(tmp_path):
     """With 8 index heads exact-zero scores are common (every head's ReLU 0: 2 of 9 keys for one query of this
     checkpoint); torch.topk alone broke such a tie one way at S = 9 (the row alone) and the other at S = 24 (in the
     batch), and row 0's 7th token differed. top_slots gives the later slot either way."""
-    cfg = transformers.DeepseekV32Config(**dict(DSA, index_n_heads=8))
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    randomize(ref)
-    ref.save_pretrained(tmp_path)
+    save(transformers.DeepseekV32Config(**dict(DSA, index_n_heads=8)), tmp_path)
     model = load_model(tmp_path)
     prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 21, 9)]
     batch = generate(model, prompts, max_new_tokens=20).tokens
@@ -233,13 +220,6 @@ def test_the_spec_is_dsa_on_every_layer(made):
 
 @pytest.mark.slow
 def test_verify_and_generate_on_deepseek_v32(made, capsys):
-    from kvwall.cli import main
-
     path, _, model = made
-    assert main(["verify", str(path), "--json", "--prompt-ids", ",".join(str(i) for i in range(1, 13))]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["pass"] and out["tokens"] == 12
-    assert main(["generate", str(path), "--prompt-ids", "1,2,3,4,5,6", "--max-new-tokens", "8", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert len(out["ids"]) == 8 and all(0 <= i < VOCAB for i in out["ids"])
-    assert out["cache_bytes"] == predicted_bytes("contiguous", model.spec, 1, 14)
+    verify_and_generate(path, model.spec, capsys, prompt=12,
+                        context_bytes=lambda n: predicted_bytes("contiguous", model.spec, 1, n))

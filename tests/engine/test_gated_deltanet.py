@@ -3,29 +3,34 @@ transformers 5.25 on tiny random checkpoints, and the delta rule's chunked prefi
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tiny_checkpoints import COMMON, VOCAB, ids, randomize, transformers_greedy  # noqa: E402
+from engine_equivalence import (  # noqa: E402
+    FP32,
+    decode_logits,
+    filled_cache,
+    greedy_batch_alone_transformers,
+    greedy_pair,
+    save,
+    verify_and_generate,
+)
+from tiny_checkpoints import COMMON, VOCAB, ids  # noqa: E402
 
-from kvwall.engine.caches import ModelCache, make_cache  # noqa: E402
-from kvwall.engine.generate import generate  # noqa: E402
+from kvwall.engine.caches import ModelCache  # noqa: E402
 from kvwall.engine.layers.gated_deltanet import (  # noqa: E402
     GatedDeltaNet,
-    GatedRMSNorm,
     gated_delta_chunked,
     gated_delta_reference,
     gated_delta_step,
     gated_delta_step_,
     l2norm,
 )
+from kvwall.engine.layers.norm import GatedRMSNorm  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
-from kvwall.predict.memory import Formats, memory  # noqa: E402
-from kvwall.spec.formats import get_format  # noqa: E402
+from kvwall.predict.memory import memory  # noqa: E402
 
 # 4 layers, layer_types linear x 3 then full (full_attention_interval 4); key heads 2 x 8, value heads 4 x 12
 # (each key head serves 2 value heads), conv 4 taps; attention 4 q / 2 kv heads of 16, rotary on 4 of them (0.25)
@@ -34,7 +39,6 @@ LINEAR = dict(COMMON, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, 
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 GDN_FAMILIES = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"]
 FAMILIES = [*GDN_FAMILIES, "qwen2_moe"]
-FP32 = Formats(get_format("fp32"), get_format("fp32"), get_format("fp32"))
 
 
 def config(family: str):
@@ -56,13 +60,7 @@ def made(tmp_path_factory):
     def get(family):
         if family not in out:
             path = tmp_path_factory.mktemp(family)
-            cfg = config(family)
-            cfg._attn_implementation = "eager"
-            torch.manual_seed(0)
-            ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-            randomize(ref)
-            ref.save_pretrained(path)
-            out[family] = (path, ref, load_model(path))
+            out[family] = (path, save(config(family), path), load_model(path))
         return out[family]
 
     return get
@@ -134,7 +132,7 @@ def test_padding_leaves_the_state_as_after_the_last_real_token():
 
 
 def test_gated_norm_normalises_each_head_then_gates():
-    norm = GatedRMSNorm(4, eps=0.0)
+    norm = GatedRMSNorm(4, 4, eps=0.0, before_gate=True, cast_first=True)
     y = torch.tensor([[[3.0, 3.0, 3.0, 3.0], [-0.5, 0.5, -0.5, 0.5]]])  # (1, 2 heads, 4)
     z = torch.full((1, 2, 4), 50.0)  # silu(50) = 50
     assert torch.allclose(norm(y, z), 50 * torch.tensor([[[1.0] * 4, [-1.0, 1.0, -1.0, 1.0]]]), atol=1e-4)
@@ -173,15 +171,11 @@ def test_decode_step_by_step_equals_one_full_forward(family, cache, made):
     largest logit (1.6e-4 of 6.3 seen on qwen3_next); in float64 the two agree to 1e-12."""
     path, _, model = made(family)
     x = ids(length=40)
-    B, T = x.shape
 
     def both(model, dtype):
         with torch.no_grad():
             full = model(x)
-            c = make_cache(cache, model.spec, B, T, dtype=dtype, block_size=4)
-            steps = [model(x[:, :5], None, c), model(x[:, 5:12], torch.arange(5, 12).expand(B, 7), c)]
-            steps += [model(x[:, t:t + 1], torch.full((B, 1), t), c) for t in range(12, T)]
-        return torch.cat(steps, 1), full
+        return decode_logits(model, x, cache, dtype), full
 
     steps, full = both(model, torch.float32)
     assert (steps - full).abs().max().item() < 5e-5 * max(1.0, full.abs().max().item())
@@ -194,9 +188,7 @@ def test_decode_step_by_step_equals_one_full_forward(family, cache, made):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_20_tokens_equal_transformers_generate(family, made):
     _, ref, model = made(family)
-    prompt = ids(batch=1, length=12, seed=1)
-    expected = transformers_greedy(ref, prompt, new_tokens=20)
-    got = generate(model, [prompt[0].tolist()], max_new_tokens=20).tokens[0]
+    got, expected = greedy_pair(model, ref)
     assert len(set(expected)) > 1, "a degenerate reference would prove little"
     assert got == expected
 
@@ -205,10 +197,8 @@ def test_greedy_20_tokens_equal_transformers_generate(family, made):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batch_of_3_different_lengths_equals_one_by_one(family, made):
     """Right-padded rows: padding writes nothing into a row's conv or delta-rule state."""
-    _, _, model = made(family)
-    prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 21, 9)]
-    batch = generate(model, prompts, max_new_tokens=20).tokens
-    alone = [generate(model, [p], max_new_tokens=20).tokens[0] for p in prompts]
+    _, ref, model = made(family)
+    batch, alone, _ = greedy_batch_alone_transformers(model, ref)
     assert batch == alone
 
 
@@ -223,13 +213,8 @@ def test_state_bytes_equal_the_predictor_and_the_hand_count(made):
     per_token = 2 * 2 * 16 * 4
     B = 2
     for length in (16, 300):
-        cache = make_cache("contiguous", model.spec, B, length)
+        cache = filled_cache(model, B, length)
         assert isinstance(cache, ModelCache)
-        x = ids(B, length)
-        with torch.no_grad():
-            model(x[:, :length - 3], None, cache)
-            for t in range(length - 3, length):
-                model(x[:, t:t + 1], torch.full((B, 1), t), cache)
         assert cache.state.nbytes() == B * state
         assert cache.nbytes() == memory(model.spec, batch=B, context=length, formats=FP32).cache_bytes \
             == B * (state + per_token * length)
@@ -266,16 +251,8 @@ def test_fused_decode_stack_steps_aside(made):
 
 @pytest.mark.slow
 def test_verify_and_generate_on_qwen3_next(made, capsys):
-    from kvwall.cli import main
-
-    path = made("qwen3_next")[0]
-    assert main(["verify", str(path), "--json", "--prompt-ids", "1,2,3,4,5,6"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["pass"] and out["tokens"] == 6
-    assert main(["generate", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert len(out["ids"]) == 8 and all(0 <= i < VOCAB for i in out["ids"])
-    assert out["cache_bytes"] == memory(made("qwen3_next")[2].spec, batch=1, context=11, formats=FP32).cache_bytes
+    path, _, model = made("qwen3_next")
+    verify_and_generate(path, model.spec, capsys)
 
 
 def test_qwen3_5_moe_always_renormalises_its_top_k():

@@ -4,22 +4,27 @@ functions (chunk_kimi_delta_attention, recurrent_kimi_delta_attention) and its p
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tiny_checkpoints import COMMON, VOCAB, ids, randomize, transformers_greedy  # noqa: E402
+from engine_equivalence import (  # noqa: E402
+    FP32,
+    decode_logits,
+    filled_cache,
+    greedy_batch_alone_transformers,
+    greedy_pair,
+    made as made_checkpoint,
+    verify_and_generate,
+)
+from tiny_checkpoints import COMMON, ids  # noqa: E402
 
-from kvwall.engine.caches import ModelCache, make_cache  # noqa: E402
-from kvwall.engine.generate import generate  # noqa: E402
-from kvwall.engine.layers.gated_deltanet import l2norm  # noqa: E402
-from kvwall.engine.layers.kda import KimiDeltaAttention, kda_chunked, kda_reference, kda_step, kda_step_  # noqa: E402
+from kvwall.engine.caches import ModelCache  # noqa: E402
+from kvwall.engine.layers.gated_deltanet import gated_delta_decode_, l2norm  # noqa: E402
+from kvwall.engine.layers.kda import KimiDeltaAttention, kda_chunked, kda_reference, kda_step  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
-from kvwall.predict.memory import Formats, memory  # noqa: E402
-from kvwall.spec.formats import get_format  # noqa: E402
+from kvwall.predict.memory import memory  # noqa: E402
 
 # 4 layers: KDA, KDA, MLA, KDA (kda_layers / full_attn_layers are 1-based); KDA 4 heads x 16, conv 4 taps; MLA 4
 # heads, latent 32, nope 16 + (unrotated) rope part 8, v 16; layer 0 a dense MLP, the rest 8 experts in 4 groups
@@ -30,20 +35,12 @@ KIMI = dict(COMMON, num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=32,
             tie_word_embeddings=False,
             linear_attn_config={"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 4],
                                 "full_attn_layers": [3]})
-FP32 = Formats(get_format("fp32"), get_format("fp32"), get_format("fp32"))
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """(path, transformers model, engine model), built once per module."""
-    path = tmp_path_factory.mktemp("kimi_linear")
-    cfg = transformers.KimiLinearConfig(**KIMI)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    randomize(ref)
-    ref.save_pretrained(path)
-    return path, ref, load_model(path)
+    return made_checkpoint(tmp_path_factory, "kimi_linear", transformers.KimiLinearConfig(**KIMI))
 
 
 # -- the KDA rule ---------------------------------------------------------------------------------------------
@@ -97,10 +94,11 @@ def test_decay_is_per_key_channel():
 
 
 def test_in_place_step_equals_the_reference_step():
+    """The decode fast path (the C++ kernel where built, else the torch in-place step) with a per-channel decay."""
     q, k, v, g, beta, S = rule_inputs(T=1, dtype=torch.float32)
     q, k = l2norm(q[:, 0]), l2norm(k[:, 0])
     o_ref, S_ref = kda_step(q, k, v[:, 0], g[:, 0], beta[:, 0], S)
-    o = kda_step_(q, k, v[:, 0], g[:, 0], beta[:, 0], S)  # S updated in place
+    o = gated_delta_decode_(q, k, v[:, 0], g[:, 0], beta[:, 0], S)  # S updated in place
     assert (o - o_ref).abs().max().item() < 1e-6 and (S - S_ref).abs().max().item() < 1e-6
 
 
@@ -146,7 +144,6 @@ def test_decode_step_by_step_equals_one_full_forward(cache, made):
     MLA softmax run in fp32 whatever the model's dtype (engine/layers/moe.py, latent.py; 2e-8 seen)."""
     path, _, model = made
     x = ids(length=40)
-    B, T = x.shape
 
     def both(model, dtype):
         seen = {}
@@ -155,13 +152,11 @@ def test_decode_step_by_step_equals_one_full_forward(cache, made):
         with torch.no_grad():
             full = model(x)
             kda_full = [seen.pop(i)[0] for i in (0, 1)]
-            c = make_cache(cache, model.spec, B, T, dtype=dtype, block_size=4)
-            steps = [model(x[:, :5], None, c), model(x[:, 5:12], torch.arange(5, 12).expand(B, 7), c)]
-            steps += [model(x[:, t:t + 1], torch.full((B, 1), t), c) for t in range(12, T)]
+        steps = decode_logits(model, x, cache, dtype)
         for h in hooks:
             h.remove()
         kda_gap = max((torch.cat(seen[i], 1) - kda_full[i]).abs().max().item() for i in (0, 1))
-        return torch.cat(steps, 1), full, kda_gap
+        return steps, full, kda_gap
 
     steps, full, _ = both(model, torch.float32)
     assert (steps - full).abs().max().item() < 5e-5 * max(1.0, full.abs().max().item())
@@ -173,9 +168,7 @@ def test_decode_step_by_step_equals_one_full_forward(cache, made):
 @pytest.mark.slow
 def test_greedy_20_tokens_equal_transformers_generate(made):
     _, ref, model = made
-    prompt = ids(batch=1, length=12, seed=1)
-    expected = transformers_greedy(ref, prompt, new_tokens=20)
-    got = generate(model, [prompt[0].tolist()], max_new_tokens=20).tokens[0]
+    got, expected = greedy_pair(model, ref)
     assert len(set(expected)) > 1, "a degenerate reference would prove little"
     assert got == expected
 
@@ -185,11 +178,9 @@ def test_batch_of_3_different_lengths_equals_one_by_one_and_transformers(made):
     """Right-padded rows: padding writes nothing into a row's conv or KDA state, nor the MLA latent cache. Each row
     alone is also transformers' own greedy continuation."""
     _, ref, model = made
-    prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 21, 9)]
-    batch = generate(model, prompts, max_new_tokens=20).tokens
-    alone = [generate(model, [p], max_new_tokens=20).tokens[0] for p in prompts]
+    batch, alone, expected = greedy_batch_alone_transformers(model, ref)
     assert batch == alone
-    assert alone == [transformers_greedy(ref, torch.tensor([p]), new_tokens=20) for p in prompts]
+    assert alone == expected
 
 
 # -- the state: its bytes, the fused decode stack, the CLI ------------------------------------------------------
@@ -203,13 +194,8 @@ def test_state_bytes_equal_the_predictor_and_the_hand_count(made):
     per_token = (32 + 8) * 4
     B = 2
     for length in (16, 100):
-        cache = make_cache("contiguous", model.spec, B, length)
+        cache = filled_cache(model, B, length)
         assert isinstance(cache, ModelCache)
-        x = ids(B, length)
-        with torch.no_grad():
-            model(x[:, :length - 3], None, cache)
-            for t in range(length - 3, length):
-                model(x[:, t:t + 1], torch.full((B, 1), t), cache)
         assert cache.state.nbytes() == B * state
         assert cache.nbytes() == memory(model.spec, batch=B, context=length, formats=FP32).cache_bytes \
             == B * (state + per_token * length)
@@ -224,13 +210,4 @@ def test_fused_decode_stack_steps_aside(made):
 
 @pytest.mark.slow
 def test_verify_and_generate(made, capsys):
-    from kvwall.cli import main
-
-    path = made[0]
-    assert main(["verify", str(path), "--json", "--prompt-ids", "1,2,3,4,5,6"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["pass"] and out["tokens"] == 6
-    assert main(["generate", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert len(out["ids"]) == 8 and all(0 <= i < VOCAB for i in out["ids"])
-    assert out["cache_bytes"] == memory(made[2].spec, batch=1, context=11, formats=FP32).cache_bytes
+    verify_and_generate(made[0], made[2].spec, capsys)

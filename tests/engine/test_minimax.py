@@ -4,7 +4,6 @@ against its plain loop and hand-computed sums."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -12,10 +11,19 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tiny_checkpoints import COMMON, VOCAB, ids, randomize, transformers_greedy  # noqa: E402
+from engine_equivalence import (  # noqa: E402
+    FP32,
+    decode_logits,
+    filled_cache,
+    greedy_batch_alone_transformers,
+    greedy_pair,
+    made as made_checkpoint,
+    save,
+    verify_and_generate,
+)
+from tiny_checkpoints import COMMON, ids  # noqa: E402
 
 from kvwall.engine.caches import ModelCache, make_cache  # noqa: E402
-from kvwall.engine.generate import generate  # noqa: E402
 from kvwall.engine.layers.lightning import (  # noqa: E402
     Lightning,
     lightning_chunked,
@@ -25,8 +33,7 @@ from kvwall.engine.layers.lightning import (  # noqa: E402
     slopes,
 )
 from kvwall.engine.load import load_model  # noqa: E402
-from kvwall.predict.memory import Formats, memory  # noqa: E402
-from kvwall.spec.formats import get_format  # noqa: E402
+from kvwall.predict.memory import memory  # noqa: E402
 
 # 4 layers: softmax, lightning, softmax, lightning (transformers' default pattern); 4 heads of 16 (softmax: 2 KV
 # heads); 4 experts top-2; transformers' prefill blocks of 16 (so 40+ tokens cross blocks). The residual factors
@@ -36,20 +43,12 @@ MINIMAX = dict(COMMON, num_hidden_layers=4, head_dim=16, num_local_experts=4, nu
                full_attn_alpha_factor=3.5565588200778455, full_attn_beta_factor=1.0,
                linear_attn_alpha_factor=3.5565588200778455, linear_attn_beta_factor=0.7, mlp_alpha_factor=2.0,
                mlp_beta_factor=1.3, tie_word_embeddings=False)
-FP32 = Formats(get_format("fp32"), get_format("fp32"), get_format("fp32"))
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """(path, transformers model, engine model), built once per module."""
-    path = tmp_path_factory.mktemp("minimax")
-    cfg = transformers.MiniMaxConfig(**MINIMAX)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    randomize(ref)
-    ref.save_pretrained(path)
-    return path, ref, load_model(path)
+    return made_checkpoint(tmp_path_factory, "minimax", transformers.MiniMaxConfig(**MINIMAX))
 
 
 # -- the lightning rule ---------------------------------------------------------------------------------------
@@ -133,12 +132,7 @@ def test_prefill_across_several_blocks_equals_transformers(made):
 def test_sliding_window_on_the_softmax_layers_equals_transformers(tmp_path):
     """sliding_window 8 windows the softmax layers (transformers' mask); 40 tokens, well past it, full forward and
     decoding through the sliding cache (a ring of 8 slots on those layers)."""
-    cfg = transformers.MiniMaxConfig(**MINIMAX, sliding_window=8)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    randomize(ref)
-    ref.save_pretrained(tmp_path)
+    ref = save(transformers.MiniMaxConfig(**MINIMAX, sliding_window=8), tmp_path)
     model = load_model(tmp_path)
     assert model.spec.layers[0].mixer.window == 8
     x = ids(length=40)
@@ -161,7 +155,6 @@ def test_decode_step_by_step_equals_one_full_forward(cache, made):
     whatever the model's dtype (engine/layers/moe.py)."""
     path, _, model = made
     x = ids(length=40)
-    B, T = x.shape
 
     def both(model, dtype):
         seen = {}
@@ -170,12 +163,10 @@ def test_decode_step_by_step_equals_one_full_forward(cache, made):
         with torch.no_grad():
             full = model(x)
             mixer_full = seen.pop(1)[0]
-            c = make_cache(cache, model.spec, B, T, dtype=dtype, block_size=4, residual=8)
-            steps = [model(x[:, :5], None, c), model(x[:, 5:12], torch.arange(5, 12).expand(B, 7), c)]
-            steps += [model(x[:, t:t + 1], torch.full((B, 1), t), c) for t in range(12, T)]
+        steps = decode_logits(model, x, cache, dtype, residual=8)
         for h in hooks:
             h.remove()
-        return torch.cat(steps, 1), full, (torch.cat(seen[1], 1) - mixer_full).abs().max().item()
+        return steps, full, (torch.cat(seen[1], 1) - mixer_full).abs().max().item()
 
     steps, full, _ = both(model, torch.float32)
     tol = 5e-2 if cache == "int8" else 5e-5
@@ -188,9 +179,7 @@ def test_decode_step_by_step_equals_one_full_forward(cache, made):
 @pytest.mark.slow
 def test_greedy_20_tokens_equal_transformers_generate(made):
     _, ref, model = made
-    prompt = ids(batch=1, length=12, seed=1)
-    expected = transformers_greedy(ref, prompt, new_tokens=20)
-    got = generate(model, [prompt[0].tolist()], max_new_tokens=20).tokens[0]
+    got, expected = greedy_pair(model, ref)
     assert len(set(expected)) > 1, "a degenerate reference would prove little"
     assert got == expected
 
@@ -200,11 +189,9 @@ def test_batch_of_3_different_lengths_equals_one_by_one_and_transformers(made):
     """Right-padded rows: padding neither decays nor writes a row's lightning state. Each row alone is also
     transformers' own greedy continuation."""
     _, ref, model = made
-    prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 21, 9)]
-    batch = generate(model, prompts, max_new_tokens=20).tokens
-    alone = [generate(model, [p], max_new_tokens=20).tokens[0] for p in prompts]
+    batch, alone, expected = greedy_batch_alone_transformers(model, ref)
     assert batch == alone
-    assert alone == [transformers_greedy(ref, torch.tensor([p]), new_tokens=20) for p in prompts]
+    assert alone == expected
 
 
 # -- the state: its bytes, the fused decode stack, the CLI ------------------------------------------------------
@@ -218,13 +205,8 @@ def test_state_bytes_equal_the_predictor_and_the_hand_count(made):
     per_token = 2 * 2 * 2 * 16 * 4
     B = 2
     for length in (16, 100):
-        cache = make_cache("contiguous", model.spec, B, length)
+        cache = filled_cache(model, B, length)
         assert isinstance(cache, ModelCache)
-        x = ids(B, length)
-        with torch.no_grad():
-            model(x[:, :length - 3], None, cache)
-            for t in range(length - 3, length):
-                model(x[:, t:t + 1], torch.full((B, 1), t), cache)
         assert cache.state.nbytes() == B * state
         assert cache.nbytes() == memory(model.spec, batch=B, context=length, formats=FP32).cache_bytes \
             == B * (state + per_token * length)
@@ -239,16 +221,7 @@ def test_fused_decode_stack_steps_aside(made):
 
 @pytest.mark.slow
 def test_verify_and_generate(made, capsys):
-    from kvwall.cli import main
-
-    path = made[0]
-    assert main(["verify", str(path), "--json", "--prompt-ids", "1,2,3,4,5,6"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["pass"] and out["tokens"] == 6
-    assert main(["generate", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert len(out["ids"]) == 8 and all(0 <= i < VOCAB for i in out["ids"])
-    assert out["cache_bytes"] == memory(made[2].spec, batch=1, context=11, formats=FP32).cache_bytes
+    verify_and_generate(made[0], made[2].spec, capsys)
 
 
 def test_residual_factors_are_read_in_either_spelling():

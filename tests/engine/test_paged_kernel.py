@@ -22,15 +22,6 @@ def kernel():
     return built(paged_decode, "paged_decode")
 
 
-@pytest.fixture
-def two_threads():
-    """torch on 2 threads for the test (ContiguousCache.decode_kernel asks for a (row, KV head) job per thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
 def spec(window=None):
     """One GQA layer: 6 query heads over 2 KV heads (3 a group) of 40 channels (not a whole SIMD vector)."""
     cfg = {"model_type": "llama", "hidden_size": 240, "num_hidden_layers": 1, "num_attention_heads": 6,

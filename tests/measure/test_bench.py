@@ -129,7 +129,8 @@ def test_bench_a_model_directory(tmp_path, local_profile, capsys):
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tiny")
     assert main(["bench", str(tmp_path / "tiny"), "--context", "64", "--steps", "1", "--json"]) == 0
     (r,) = json.loads(capsys.readouterr().out)["results"]
-    assert r["arch"] == "tiny" and r["cache_bytes"] == r["cache_pred_bytes"] == 2 * 2 * 2 * 16 * 4 * (64 + 3)
+    # K and V, 2 layers, 2 KV heads x 16, fp32, for 64 tokens + 2 warm-up, 1 timed and 4 profiled steps
+    assert r["arch"] == "tiny" and r["cache_bytes"] == r["cache_pred_bytes"] == 2 * 2 * 2 * 16 * 4 * (64 + 2 + 1 + 4)
 
 
 @pytest.mark.slow

@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "98 s; pass key costs a 1k prefill per prompt and strategy (22 s each measured on a busy machine "
                     "before the engine's fast path; far less when quiet), so the default 1k x 3 depths x 20 keys "
                     "takes tens of minutes: --no-passkey, fewer --keys or --cache for less; --passkey-lengths "
-                    "1k,2k,4k for the full grid.")
+                    "1k,2k,4k for the full grid. Long rows (--row-tokens 4k --chunk 32) add Δ perplexity per "
+                    "context band (0-1k, 1k-4k, 4k-16k, 16k-L).")
     p.add_argument("checkpoint", metavar="MODEL", help=f"smollm2-135m / gemma-3-270m ({INSTALL_HINT}), a .gguf "
                    "file, or a checkpoint directory with a tokenizer.json")
     p.add_argument("--cache", metavar="LIST", help="comma-separated strategies (default: contiguous, fp8, int8, "
@@ -35,16 +36,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "sliding and what-if windows of half and double it); contiguous, the reference, always runs")
     p.add_argument("--text", metavar="FILE", help="UTF-8 text (default: the prose of the Python Language "
                    "Reference shipped with CPython)")
-    p.add_argument("--tokens", type=tokens_arg, default=d["tokens"], metavar="N",
-                   help=f"tokens of text scored, e.g. 4096 or 4k (default {d['tokens']})")
+    p.add_argument("--tokens", type=tokens_arg, metavar="N",
+                   help=f"tokens of text scored, e.g. 4096 or 4k (default {d['tokens']}; with --row-tokens L: R x L)")
     p.add_argument("--rows", type=whole(1), default=d["rows"], metavar="R",
                    help=f"rows of tokens / R decoded as one batch (default {d['rows']})")
+    p.add_argument("--row-tokens", type=tokens_arg, metavar="L",
+                   help="tokens per row instead of --tokens / --rows, e.g. 4k: long rows give Δ perplexity by "
+                        "context, in bands 0-1k, 1k-4k, 4k-16k, 16k-L (long mode: --row-tokens 4k --rows 2 --chunk 32 "
+                        "on SmolLM2, 16k --rows 1 on Gemma 3; the default text holds about 47k tokens)")
+    p.add_argument("--chunk", type=whole(1, 4096), default=1, metavar="C",
+                   help="tokens fed per pass after the prefill, every one scored (default 1: each prediction by a "
+                        "decode step); C > 1 gives the same predictions C times fewer passes, cutting where a KIVI "
+                        "cache's quantized part grows, so C is lowered to divide every int format's group (32 for "
+                        "int4 / int2)")
     p.add_argument("--prefill", type=whole(1), default=d["prefill"], metavar="P",
                    help=f"tokens per row prefilled before decoding starts (default {d['prefill']})")
     p.add_argument("--residual", type=whole(0, 1 << 24), default=32, metavar="N",
                    help="quantized caches: newest tokens kept in full precision (default 32)")
     p.add_argument("--passkey-lengths", default=d["lengths"], metavar="LIST",
-                   help=f"pass-key context lengths (default {d['lengths']})")
+                   help=f"pass-key context lengths, 'max' for the model's context less 16 tokens for the answer "
+                        f"(default {d['lengths']}; a 32k prompt on Gemma 3 prefills for minutes per key and strategy)")
     p.add_argument("--keys", type=whole(1), default=d["keys"], metavar="K",
                    help=f"pass keys per length and depth (10/50/90 %%; default {d['keys']}, seeded)")
     p.add_argument("--seed", type=whole(0, 2**63 - 1), default=0, help="pass-key seed (default 0)")
@@ -69,7 +80,8 @@ def cmd_quality(args) -> int:
 
     caches = [parse_cache(c).text for c in args.cache.split(",")] if args.cache else None
     plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
-    lengths = None if args.no_passkey else parse_token_list(args.passkey_lengths, "pass-key length")
+    _rows(args)
+    lengths = None if args.no_passkey else _lengths(args.passkey_lengths)
     path = _checkpoint(args.checkpoint)
     if args.server is not None:
         return _served(args, path, lengths)
@@ -82,8 +94,9 @@ def cmd_quality(args) -> int:
     for weights in args.weights or [None]:  # one model per weight format, each with every cache strategy
         model, tok = quality.load(path, weights)
         caches = quality.with_exact_first(caches or quality.default_strategies(model.spec, args.tokens // args.rows))
-        pk = quality.PasskeyPlan(lengths, args.keys, seed=args.seed) if lengths else None
-        plan = quality.Plan(caches, args.tokens, args.rows, args.prefill, args.residual, pk)
+        pk = quality.PasskeyPlan(quality.passkey_lengths(lengths, model.spec), args.keys, seed=args.seed) \
+            if lengths else None
+        plan = quality.Plan(caches, args.tokens, args.rows, args.prefill, args.residual, pk, args.chunk)
         plan.check(model.spec)
         runs.append((weights or "checkpoint", _run_with_progress(model, tok, plan, text, source, quiet=args.json)))
         del model
@@ -112,9 +125,10 @@ def _served(args, path, lengths) -> int:
     if tok is None:
         raise KvwallError(f"{path} has no tokenizer (tokenizer.json, or a .gguf's); quality needs one to make the "
                           "token ids it sends")
-    pk = quality.PasskeyPlan(lengths, args.keys, seed=args.seed) if lengths else None
+    spec = load_spec(str(path))
+    pk = quality.PasskeyPlan(quality.passkey_lengths(lengths, spec), args.keys, seed=args.seed) if lengths else None
     plan = quality.Plan([], args.tokens, args.rows, args.prefill, args.residual, pk)
-    plan.check(load_spec(str(path)))
+    plan.check(spec)
     text, source = quality.read_text(args.text)
     started = time.time()
     data = served_quality.measure(served_quality.Server(args.server, args.server_model, args.api_key), tok, plan,
@@ -137,6 +151,24 @@ def print_served(data: dict) -> None:
         _print_passkey(data["passkey"])
 
 
+def _rows(args) -> None:
+    """--row-tokens L sets tokens = rows x L; without it, --tokens (default 1,024) in --rows."""
+    if args.row_tokens is None:
+        args.tokens = DEFAULTS["tokens"] if args.tokens is None else args.tokens
+    elif args.tokens is not None and args.tokens != args.rows * args.row_tokens:
+        raise KvwallError(f"--tokens {args.tokens:,} is not --rows {args.rows} x --row-tokens {args.row_tokens:,}; "
+                          "give --row-tokens and --rows, or --tokens and --rows")
+    else:
+        args.tokens = args.rows * args.row_tokens
+
+
+def _lengths(text: str) -> list[int | str]:
+    """--passkey-lengths: token counts (1k, 4096) and 'max'."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    return [p if p == "max" else parse_token_list(p, "pass-key length")[0] for p in parts] or \
+        parse_token_list(text, "pass-key length")
+
+
 def _run_with_progress(model, tok, plan, text, source, quiet: bool) -> dict:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -148,7 +180,7 @@ def _run_with_progress(model, tok, plan, text, source, quiet: bool) -> dict:
 
     with Progress(*columns, console=Console(stderr=True), transient=True, disable=quiet) as progress:
         task = progress.add_task("quality", total=quality.steps(plan))
-        return quality.measure(model, tok, plan, text, source, lambda: progress.update(task, advance=1))
+        return quality.measure(model, tok, plan, text, source, lambda n: progress.update(task, advance=n))
 
 
 def print_quality(data: dict) -> None:
@@ -162,10 +194,22 @@ def print_quality(data: dict) -> None:
                   ["cache", "ppl", "Δ ppl", "KL (nats)", "top-1", "bytes/token", "predicted"], rows,
                   caption=f"against the exact {data['quality'][0]['cache']} cache; int* caches keep the newest "
                           f"{data['residual']} .. {data['residual']} + group - 1 tokens in full precision"))
+    if len(data["quality"][0].get("bands", [])) > 1:
+        _print_bands(data)
     if data.get("passkey"):
         _print_passkey(data["passkey"])
     if data.get("plot"):
         c.print(f"plot written to {data['plot']}")
+
+
+def _print_bands(data: dict) -> None:
+    from kvwall.measure.quality import band_grid
+
+    heads, rows = band_grid(data["quality"])
+    console().print(table("Δ perplexity by context (each band: the tokens with that many before them)",
+                          ["cache", *heads], rows,
+                          caption=f"Δ% against the exact cache's perplexity in the same band; every {data['chunk']} "
+                                  "token(s) per pass (the decode path's predictions)"))
 
 
 def _print_passkey(pk: dict) -> None:

@@ -1,5 +1,5 @@
-"""`kvwall recall`: MQAR recall of small attention, sliding-window, Mamba, Mamba-2 and hybrid models against the
-bytes each keeps per sequence (kvwall.measure.recall)."""
+"""`kvwall recall`: MQAR recall of small attention, sliding-window, Mamba, Mamba-2, hybrid and Gated DeltaNet models
+against the bytes each keeps per sequence (kvwall.measure.recall)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "recall", help="train small models on multi-query associative recall: accuracy against kept bytes",
         description="Multi-query associative recall (MQAR, Zoology): each sequence opens with N key-value pairs and "
                     "later asks for each key's value. Trains 2-block models built from the engine's own layers "
-                    "(attention, sliding:W, mamba, mamba2, hybrid = a Mamba block then an attention block) at each "
+                    "(attention, sliding:W, mamba, mamba2, hybrid = a Mamba block then an attention block, "
+                    "gated_deltanet = Gated DeltaNet with Mamba-2's state bytes) at each "
                     "width and number of pairs, and sets their held-out accuracy beside the bytes each keeps per "
                     "sequence (kvwall's predictor: K/V for attention, window-bounded for sliding, fixed state for "
                     "Mamba). As in Zoology, one model per architecture and width trains on the mixture of the pair "

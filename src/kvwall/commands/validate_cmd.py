@@ -91,7 +91,8 @@ def _print(data: dict) -> None:
 
 def _print_fit(c, f: dict) -> None:
     c.print(f"expected mode: the figures in {f['source']}, fitted {f['date']} to table version {f['table_version']}; "
-            "no engine factor (one set of figures for every engine: an engine factor made leave-one-out worse)")
+            "no engine factor (one set of figures for every engine: an engine factor, or a cache factor per engine "
+            "class, scored worse held out)")
     if f["stale"]:
         c.print(f"warning: the table changed since (now {f['current_table_version']}); run `kvwall validate --fit`")
 

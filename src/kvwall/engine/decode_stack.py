@@ -11,11 +11,20 @@ When: Transformer.forward takes it for one new token per row, outside autograd, 
   - every layer is attention + gated MLP whose modules offer their parts (SequenceMixer.stack_parts): RMSNorm
     (with Gemma's offset and sandwich norms), q/k norms, full-width rotary, SwiGLU or GeGLU (tanh), a window,
     biases; fp32 or packed projections (PackedLinear, nn.Linear, OneDnnLinear: its forward called back);
-  - the cache hands over its fp32 pools for a step where each row adds one token at its end
-    (KVCache.decode_blocks: contiguous and paged caches);
+  - the cache hands over each layer's K/V (KVCache.decode_blocks, a KVView per layer) for a step where each row adds
+    one token at its end (rows at different positions too; a padding row at -1 is never written, so its steps run
+    layer by layer): fp32 pools (contiguous and paged caches), fp8 pools (the fp8 cache: e4m3 bytes read in
+    place and converted in registers, kernels/fp8_attend.h), or the KIVI buffers (int8 / int4 / int2: the new token
+    appended to the full-precision residual, attention by quantized_decode.cpp's attend_head,
+    kernels/quantized_attend.h) on the G - 1 steps in G that flush no chunk (the flushing one runs layer by layer);
   - there are as many (row, KV head) attention jobs as threads (ContiguousCache.decode_kernel's rule).
 Anything else runs layer by layer, as before; the C++ kernel not building is one such case. The layer-by-layer
 path is what tests hold the stack to.
+
+Why the quantized caches too: off the stack they paid the layer-by-layer dispatch again, so the caches that read
+fewer bytes were the slower ones: SmolLM2-135M at 1k tokens decoded 65.7 tok/s with the exact cache but 47.7 with
+int8 and 50.5 with int4 (issue #43), and the fp8 cache upcast its whole cache to fp32 in torch every step.
+benchmarks/bench_stack_caches.py measures each cache on and off the stack (benchmarks/results/stack_caches.json).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import functools
 import torch
 from torch import nn
 
+from kvwall.engine.caches.base import KVView
 from kvwall.engine.layers.norm import RMSNorm
 from kvwall.engine.layers.onednn import OneDnnLinear
 from kvwall.engine.layers.packed import PackedLinear
@@ -102,8 +112,8 @@ def layer(mod, block: nn.Module, rope: int, eps: float, offset: float):
 class DecodeStack:
     """The kernel's Stack over a model's layers, and the checks made at each step (the module doc's "When")."""
 
-    def __init__(self, stack, min_kv: int):
-        self.stack, self.min_kv = stack, min_kv  # min_kv: the fewest KV heads of any layer
+    def __init__(self, mod, stack, min_kv: int):
+        self.mod, self.stack, self.min_kv = mod, stack, min_kv  # min_kv: the fewest KV heads of any layer
 
     @classmethod
     def build(cls, model: nn.Module) -> DecodeStack | None:
@@ -120,7 +130,7 @@ class DecodeStack:
                 return None
             stack.add(one)
             kv.append(one.nkv)
-        return cls(stack, min(kv)) if kv else None
+        return cls(mod, stack, min(kv)) if kv else None
 
     def __call__(self, x: torch.Tensor, tables: list, cache) -> torch.Tensor | None:
         """x (B, 1, D) after every layer, or None when this step is not one the stack takes (then x is untouched)."""
@@ -132,7 +142,29 @@ class DecodeStack:
         blocks = cache.decode_blocks(B)
         if blocks is None:
             return None
-        ks, vs, table, lengths = blocks
+        views = blocks.views
+        if views.native is None:  # once per cache: the kernel's copy of its views
+            views.native = [native_view(self.mod, v) for v in views]
+        quantized = blocks.quantized if blocks.quantized is not None else NO_COUNTS
         cos = [t.cos.reshape(B, -1) for t in tables]  # (B, d) each: one position per row
         sin = [t.sin_swapped.reshape(B, -1) for t in tables]
-        return self.stack.step(x.reshape(B, -1).contiguous(), cos, sin, ks, vs, table, lengths).view(B, 1, -1)
+        y = self.stack.step(x.reshape(B, -1).contiguous(), cos, sin, views.native, blocks.table, blocks.lengths,
+                            quantized).view(B, 1, -1)
+        if blocks.done is not None:
+            blocks.done()
+        return y
+
+
+NO_COUNTS = torch.empty(0, dtype=torch.int64)  # step()'s `quantized` where no layer is kivi
+
+
+def native_view(mod, view: KVView):
+    """A KVView as the kernel's KV (its tensors shared, not copied)."""
+    kv = mod.KV()
+    kv.kind = getattr(mod.Kind, view.kind)
+    for name in ("k", "v", "kq", "ks", "kz", "vq", "vs", "vz"):
+        t = getattr(view, name)
+        if t is not None:
+            setattr(kv, name, t)
+    kv.bits = view.bits
+    return kv

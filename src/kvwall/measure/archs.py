@@ -43,6 +43,27 @@ def _local_global() -> dict:
     return _llama(model_type="mistral", num_key_value_heads=4, sliding_window=1024, layer_types=types)
 
 
+def _mla(**kw) -> dict:
+    """The bench's MLA (mla below): 12 heads, a 256-d latent and a 32-d rope key per token, no query latent."""
+    return dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FF, num_hidden_layers=LAYERS,
+                num_attention_heads=12, num_key_value_heads=12, kv_lora_rank=256, q_lora_rank=None,
+                qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, max_position_embeddings=MAX_POS,
+                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32", **kw)
+
+
+def _kimi_linear() -> dict:
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(LAYERS)]
+    return _mla(model_type="kimi_linear", layer_types=types, mlp_layer_types=["dense"] * LAYERS,
+                linear_attn_config=dict(num_heads=12, head_dim=64, short_conv_kernel_size=4),
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)  # KimiLinearConfig's defaults lie past 32,000
+
+
+def _deepseek_v32() -> dict:
+    cfg = _mla(model_type="deepseek_v32", first_k_dense_replace=LAYERS, index_n_heads=4, index_head_dim=64,
+               index_topk=2048)
+    return {**cfg, "q_lora_rank": 384}  # DSA's indexer reads the query latent: deepseek_v32 needs one
+
+
 ARCHS: dict[str, Arch] = {a.name: a for a in [
     Arch("mha", _llama(num_key_value_heads=12), "contiguous", "fp32", "12 query heads, 12 KV heads"),
     Arch("gqa", _llama(num_key_value_heads=4), "contiguous", "fp32", "12 query heads share 4 KV heads"),
@@ -50,11 +71,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in [
     Arch("sliding", _local_global(), "sliding", "fp32", "GQA-4, 5 local (window 1k) : 1 global layers"),
     Arch("gqa-int8", _llama(num_key_value_heads=4), "int8", "int8", "GQA-4, KIVI int8 cache"),
     Arch("gqa-int4", _llama(num_key_value_heads=4), "int4", "int4", "GQA-4, KIVI int4 cache"),
-    Arch("mla", dict(model_type="deepseek_v2", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FF,
-                     num_hidden_layers=LAYERS, num_attention_heads=12, num_key_value_heads=12,
-                     kv_lora_rank=256, q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-                     n_routed_experts=None, first_k_dense_replace=LAYERS, max_position_embeddings=MAX_POS,
-                     rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32"),
+    Arch("mla", _mla(model_type="deepseek_v2", n_routed_experts=None, first_k_dense_replace=LAYERS),
          "contiguous", "fp32", "latent attention: 256-d latent + 32-d rope key per token (absorbed decode)"),
     Arch("mamba", dict(model_type="mamba", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2 * LAYERS,
                        state_size=16, expand=2, conv_kernel=4, time_step_rank="auto", intermediate_size=2 * HIDDEN,
@@ -77,6 +94,42 @@ ARCHS: dict[str, Arch] = {a.name: a for a in [
                                   linear_num_key_heads=6, linear_key_head_dim=64, linear_num_value_heads=12,
                                   linear_value_head_dim=64, linear_conv_kernel_dim=4),
          "contiguous", "fp32", "Qwen3.5-style: 3 Gated DeltaNet (12 heads x 64 x 64) : 1 gated attention (GQA-4)"),
+    # Kimi-Linear-style: Kimi Delta Attention (12 heads x 64, per-channel gates, conv 4 taps) on 3 layers of 4, the
+    # 4th the bench's NoPE MLA (Kimi Linear's 3 : 1); dense MLPs (Kimi Linear's MoE left out to keep the size matched)
+    Arch("kda", _kimi_linear(), "contiguous", "fp32",
+         "Kimi-Linear-style: 3 Kimi Delta Attention (12 heads x 64 x 64) : 1 NoPE MLA (256-d latent)"),
+    # MiniMax-01-style: lightning attention (12 heads x 64) and softmax GQA-4 layers alternating; its MoE is one
+    # expert of 2,048 picked every time, a gated MLP with a router
+    Arch("lightning", _llama(model_type="minimax", num_key_value_heads=4, num_local_experts=1, num_experts_per_tok=1),
+         "contiguous", "fp32", "MiniMax-style: lightning attention (12 heads x 64 x 64) and GQA-4 layers alternating"),
+    # DeepSeek-V3.2-style: the bench's MLA with a query latent of 384 (the indexer reads it), every layer DeepSeek
+    # Sparse Attention: a 4-head x 64 lightning indexer keeps a key per token and picks the top 2,048 latents, half
+    # of a 4k context and 1/16 of 32k
+    Arch("dsa", _deepseek_v32(), "contiguous", "fp32",
+         "DeepSeek-V3.2-style: sparse MLA, indexer 4 heads x 64, top 2,048 of the cached latents"),
+    # gpt-oss-style: GQA-4 with q/k/v/o biases and a sink logit per head, 128-token windows on even layers and full
+    # attention on odd ones; its MoE is one expert of 2,048 (the clamped SwiGLU, biased), picked every time. The
+    # sliding cache: a ring of 128 slots on the windowed layers (the contiguous one would keep every token there)
+    Arch("sinks", _llama(model_type="gpt_oss", num_key_value_heads=4, sliding_window=128, num_local_experts=1,
+                         num_experts_per_tok=1, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+         "sliding", "fp32", "gpt-oss-style: sinks, 128-token windows and full GQA-4 layers alternating"),
+    # Llama-4-style: chunked local attention over chunks of 8,192 tokens (Llama 4's) with RoPE on 3 layers of 4, the
+    # 4th global NoPE attention over every token; dense MLPs (moe_layers empty). The sliding cache: a ring of one
+    # chunk on the chunked layers
+    Arch("chunked", _llama(model_type="llama4_text", num_key_value_heads=4, attention_chunk_size=8192,
+                           intermediate_size_mlp=FF, moe_layers=[]),
+         "sliding", "fp32", "Llama-4-style: 3 chunked (8k chunks, GQA-4) : 1 global NoPE attention"),
+    # LFM2-style: short convolutions (3 taps, LFM2's conv_L_cache) with GQA-4 attention at LFM2-1.2B's first four
+    # attention positions (layers 2, 5, 8, 10)
+    Arch("short_conv", _llama(model_type="lfm2", num_key_value_heads=4, block_ff_dim=FF,
+                              block_auto_adjust_ff_dim=False, conv_L_cache=3,
+                              layer_types=["full_attention" if i in (2, 5, 8, 10) else "conv" for i in range(LAYERS)]),
+         "contiguous", "fp32", "LFM2-style: 8 short-convolution (3 taps) : 4 GQA-4 attention layers"),
+    # Falcon-H1-style: every layer GQA-4 attention and Mamba-2 (8 heads x 64, d_state 64) side by side on the same
+    # input; the Mamba-2 half is 512 wide so that the 12 layers stay in the matched size (768 wide: 147.2M)
+    Arch("parallel_hybrid", _llama(model_type="falcon_h1", num_key_value_heads=4, mamba_d_ssm=512, mamba_n_heads=8,
+                                   mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1, mamba_d_conv=4),
+         "contiguous", "fp32", "Falcon-H1-style: GQA-4 attention and Mamba-2 (8 heads x 64) in parallel, every layer"),
 ]}
 
 DEFAULT = list(ARCHS)

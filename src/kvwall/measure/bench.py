@@ -16,13 +16,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvwall.engine.caches.registry import predicted_bytes
+from kvwall.engine.caches.registry import as_stored, predicted_bytes
 from kvwall.errors import KvwallError
 from kvwall.measure import machine
 from kvwall.measure.archs import Arch
+from kvwall.predict import mixers
 from kvwall.predict.devices import Device
 from kvwall.predict.memory import Formats
-from kvwall.predict.roofline import Roof, decode, prefill
+from kvwall.predict.roofline import Roof, decode, fused_stack, prefill, weights_kernel
+from kvwall.predict.step import MATMUL, Step
 from kvwall.spec.formats import get_format
 from kvwall.spec.hf import spec_from_config
 from kvwall.spec.model import ModelSpec
@@ -39,6 +41,7 @@ class Plan:
     contexts: list[int]
     steps: int = 8
     warmup: int = 2
+    profile_steps: int = 4  # after the timed steps, steps timed per part (bench_worker.timed_parts): the reason
     prefill_max: int = 4096
     threads: int | None = None
     skipped: list[dict] = field(default_factory=list)
@@ -95,9 +98,11 @@ def predict(arch: Arch, spec: ModelSpec, context: int, device: Device, prefill_m
     """The roofline's figures for one point; `held` is the tokens the cache holds when its bytes are read."""
     roof = Roof(device, dtype="fp32")
     fm = formats_for(arch)
+    cached = predicted_cache_bytes(arch, spec, held)
+    spec = as_stored(spec, fm.kv)  # as the engine's cache holds it: a DSA indexer key in the cache's format
     d = decode(spec, context, 1, fm, roof)
     out = {"decode_pred_s": d.time_s, "decode_bound": d.bound, "decode_bytes": d.bytes, "decode_flops": d.flops,
-           "cache_pred_bytes": predicted_cache_bytes(arch, spec, held)}
+           "cache_pred_bytes": cached, "parts_pred": predicted_parts(spec, d, fm, roof)}
     reads = [op for op in d.ops if op.cache_read]
     if reads:  # the bandwidth the profile gives this architecture's cache reads
         out["cache_read_pred_Bps"] = roof.op_bandwidth(reads[0])
@@ -105,6 +110,68 @@ def predict(arch: Arch, spec: ModelSpec, context: int, device: Device, prefill_m
         p = prefill(spec, context, 1, fm, roof)
         out.update(prefill_pred_s=p.time_s, prefill_bound=p.bound)
     return out
+
+
+def _part() -> dict:
+    return dict(layers=0, pred_s=0.0, overhead_s=0.0, weight_s=0.0, weight_bytes=0.0, read_bytes=0.0)
+
+
+def predicted_parts(spec: ModelSpec, d, fm: Formats, roof: Roof) -> dict[str, dict]:
+    """The predicted decode step `d` split as bench_worker.timed_parts times it: per part ("mixer:<kind>",
+    "ffn:<kind>", "rest") its layers, the seconds of its ops (weight_s: of its matmuls) and of its share of the
+    fixed dispatch cost (a layer's goes to its mixer, the step's own to the rest), and its bytes: weights, and the
+    cache or state it reads and writes. A layer's ops are its mixer's, then its channel mixer's
+    (predict.ops.layer_ops on one GPU)."""
+    parts: dict[str, dict] = {}
+
+    def add(key: str, ops: list[dict]) -> dict:
+        p = parts.setdefault(key, _part())
+        for op in ops:
+            p["pred_s"] += op["time_s"]
+            p["weight_s"] += op["time_s"] if op["kind"] == MATMUL else 0.0
+            p["weight_bytes"] += op["weight_bytes"]
+            p["read_bytes"] += op["cache_read"] + op["cache_write"] + op["state_bytes"]
+        return p
+
+    fused, kernel, st = fused_stack(spec), weights_kernel(d.ops), Step(1, d.step.past, 1)
+    for i, layer in enumerate(spec.layers):
+        mine = [op for op in d.per_op if op["layer"] == i]
+        n_ffn = len(mixers.of(layer.ffn).ops(i, layer.ffn, spec, st, fm, 1, 1)) if layer.ffn is not None else 0
+        if layer.mixer is not None:
+            p = add(f"mixer:{layer.mixer.kind}", mine[:len(mine) - n_ffn])
+            cost = roof.device.layer_overhead(layer.mixer.kind, kernel, fused)  # measured per mixer kind
+            p["layers"] += 1
+            p["overhead_s"] += cost
+            p["pred_s"] += cost
+        if layer.ffn is not None:
+            add(f"ffn:{layer.ffn.kind}", mine[len(mine) - n_ffn:])["layers"] += 1
+    rest = add("rest", [op for op in d.per_op if op["layer"] is None])
+    own = d.overhead_s - sum(p["overhead_s"] for p in parts.values())  # the step's own fixed cost
+    rest["overhead_s"] += own
+    rest["pred_s"] += own
+    return parts
+
+
+def parts_table(measured: dict, predicted: dict, device: Device) -> list[dict]:
+    """Each part of the step measured beside its prediction, and the speed it reached on its bytes: with its
+    matmuls and dispatch as predicted, a part's cache or state traffic took the rest of its measured time
+    (read_Bps; share_of_calibrated: its share of the calibrated read bandwidth); a part that reads none streamed
+    its weights at weight_Bps in its time less its dispatch."""
+    rows = []
+    for part, p in predicted.items():
+        if part not in measured:
+            continue
+        row = {"part": part, "layers": p["layers"], "measured_s": measured[part], **p}
+        if p["read_bytes"]:
+            left = measured[part] - p["weight_s"] - p["overhead_s"]
+            row["read_Bps"] = p["read_bytes"] / left if left > 0 else None
+        elif p["weight_bytes"]:
+            left = measured[part] - p["overhead_s"]
+            row["weight_Bps"] = p["weight_bytes"] / left if left > 0 else None
+        speed = row.get("read_Bps") or row.get("weight_Bps")
+        row["share_of_calibrated"] = speed / device.bandwidth if speed else None
+        rows.append(row)
+    return rows
 
 
 def run(plan: Plan, device: Device, on_point: Callable[[dict], None] | None = None) -> list[dict]:
@@ -118,19 +185,22 @@ def run(plan: Plan, device: Device, on_point: Callable[[dict], None] | None = No
         spec = arch_spec(arch)
         job = {"name": name, "config": arch.config, "cache": arch.cache, "contexts": contexts, "steps": plan.steps,
                "warmup": plan.warmup, "prefill_max": plan.prefill_max, "threads": plan.threads,
-               "checkpoint": arch.checkpoint}
+               "checkpoint": arch.checkpoint, "profile_steps": plan.profile_steps}
         watch = machine.OthersWatch(children=True)  # the worker's own CPU time is ours
         lines = []
         for line in _worker(job):
             if "error" in line:
                 plan.skipped.append({"arch": name, "context": None, "reason": line["error"]})
                 continue
-            held = line["context"] + plan.warmup + plan.steps  # the cache's bytes are read after the decode steps
+            # the cache's bytes are read after the decode steps, the profiled ones included
+            held = line["context"] + plan.warmup + plan.steps + plan.profile_steps
             line.update(predict(arch, spec, line["context"], device, plan.prefill_max, held))
             line["decode_error"] = line["decode_pred_s"] / line["decode_s"] - 1
             if line.get("prefill_s") and line.get("prefill_pred_s"):
                 line["prefill_error"] = line["prefill_pred_s"] / line["prefill_s"] - 1
             line["within_goal"] = abs(line["decode_error"]) <= GOAL
+            if line.get("parts_s") and line.get("parts_pred"):
+                line["parts"] = parts_table(line["parts_s"], line["parts_pred"], device)
             lines.append(line)
             results.append(line)
             if on_point:
@@ -149,14 +219,15 @@ PROCESS_S = 4.0  # one worker's start: python, torch, building the model (about 
 def estimate_seconds(plan: Plan, device: Device) -> float:
     """A rough wall time for the plan, from the roofline on this machine's profile: each worker's start, and
     per point its prefill (counted twice: measured prefill runs 1.4-2.3x the prediction here) and its
-    warm-up and timed decode steps."""
+    warm-up, timed and profiled decode steps."""
     total = 0.0
     for arch in plan.archs:
         spec = arch_spec(arch)
         total += PROCESS_S
         for ctx in plan.contexts:
             p = predict(arch, spec, ctx, device, plan.prefill_max, ctx)
-            total += 2 * p.get("prefill_pred_s", 0.0) + (plan.warmup + plan.steps) * p["decode_pred_s"]
+            total += 2 * p.get("prefill_pred_s", 0.0) + (plan.warmup + plan.steps + plan.profile_steps) * \
+                p["decode_pred_s"]
     return total
 
 
@@ -197,9 +268,38 @@ def explain(rows: list[dict]) -> str:
     per-step cost or changes with the cache bytes read, and then at what speed this run read the cache."""
     rows = sorted(rows, key=lambda r: r["context"])
     text = "measured decode is " + ", ".join(_gap_at(r) for r in rows)
+    parts = next((_slowest_part(r) for r in reversed(rows) if r.get("parts")), "")  # the longest context timed
     if len(rows) == 1:
-        return text + "; one context cannot tell a fixed per-step cost from a different cache read speed"
-    return f"{text}; {_gap_shape(rows)}"
+        return text + "; one context cannot tell a fixed per-step cost from a different cache read speed" + parts
+    return f"{text}; {_gap_shape(rows)}{parts}"
+
+
+def _part_name(p: dict) -> str:
+    """"mixer:gated_deltanet" -> "the gated_deltanet mixer"; "ffn:mlp" -> "the mlp channel mixer"."""
+    which, _, kind = p["part"].partition(":")
+    return {"mixer": f"the {kind} mixer", "ffn": f"the {kind} channel mixer"}.get(which, "the rest")
+
+
+def _slowest_part(r: dict) -> str:
+    """The part of the step (bench_worker.timed_parts) furthest over its prediction at r's context, and the speed
+    it reached on its own bytes (parts_table)."""
+    p = max(r["parts"], key=lambda p: p["measured_s"] - p["pred_s"])
+    times = ", ".join(f"{_part_name(q)} {q['measured_s'] / q['pred_s']:.1f}x" for q in r["parts"] if q["pred_s"])
+    text = (f"; timed per part at {fmt_tokens(r['context'])} (measured / predicted: {times}), the furthest over is "
+            f"{_part_name(p)} ({p['layers']} layers): {p['measured_s'] * 1e3:.1f} ms against "
+            f"{p['pred_s'] * 1e3:.1f} ms predicted")
+    share = p.get("share_of_calibrated")
+    if p.get("read_Bps"):
+        text += (f"; with its matmuls ({p['weight_s'] * 1e3:.1f} ms) and dispatch ({p['overhead_s'] * 1e3:.1f} ms) as "
+                 f"predicted, its {fmt_bytes(p['read_bytes'])} of cache and state traffic ran at "
+                 f"{p['read_Bps'] / 1e9:.2f} GB/s, {share:.2f} of the calibrated read bandwidth")
+    elif p.get("weight_Bps"):
+        text += (f"; less its dispatch ({p['overhead_s'] * 1e3:.1f} ms) it streamed its "
+                 f"{fmt_bytes(p['weight_bytes'])} of weights at {p['weight_Bps'] / 1e9:.2f} GB/s, {share:.2f} of the "
+                 "calibrated read bandwidth")
+    elif p["read_bytes"] or p["weight_bytes"]:
+        text += "; its matmuls and dispatch as predicted already take all of its measured time"
+    return text
 
 
 def _gap_at(r: dict) -> str:

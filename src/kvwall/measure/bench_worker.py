@@ -7,7 +7,8 @@ the C++ kernels a first call builds, such as the Mamba scan), so no timing inclu
 each context (ascending): time a real prefill when the context is at most `prefill_max` (the median
 of a few, each into a fresh cache; fewer at long contexts, where one costs seconds), time decode
 steps over the cache it filled (median after warm-up), and report every run, the cache's own byte
-count and the process's peak RSS so far. Contexts above `prefill_max` are
+count and the process's peak RSS so far, then (profile_steps) a few more steps timed per part of the step
+(timed_parts: each mixer kind's layers, the channel mixers, the rest). Contexts above `prefill_max` are
 reached by writing random K/V through the cache's own update() (what a decode step reads does
 not depend on the values), so a 32k point costs seconds, not minutes.
 """
@@ -107,12 +108,48 @@ def timed_prefills(model, job: dict, context: int, max_len: int):
     return cache, runs
 
 
+def timed_parts(model, step, n: int) -> dict | None:
+    """n more decode steps with a clock around each block's sequence mixer and channel mixer (forward hooks), after
+    the timed ones so that those carry no hook: the median seconds per step of "mixer:<kind>" (every layer of that
+    mixer kind together), "ffn:<kind>", and "rest" (embedding, final norm, LM head and the glue between blocks:
+    the step's time less the parts), plus "step" (the hooked step, a few hook calls slower than decode_s). None
+    when no hook fired: the fused decode step (engine/decode_stack.py) runs every layer in one C++ call. Every one
+    of the n steps runs either way, so that the cache holds the tokens bench.run predicts its bytes for."""
+    clock, started, got = time.perf_counter, {}, {}
+
+    def pre(key):
+        return lambda module, args: started.__setitem__(key, clock())
+
+    def post(key, part):
+        return lambda module, args, out: got.__setitem__(part, got.get(part, 0.0) + clock() - started.pop(key))
+
+    handles = []
+    for i, (block, layer) in enumerate(zip(model.layers, model.spec.layers)):
+        for which, module, kind in (("mixer", block.mixer, layer.mixer), ("ffn", block.ffn, layer.ffn)):
+            if module is not None and kind is not None:
+                handles += [module.register_forward_pre_hook(pre((i, which))),
+                            module.register_forward_hook(post((i, which), f"{which}:{kind.kind}"))]
+    runs = []
+    try:
+        for _ in range(n):
+            got.clear()
+            t0 = clock()
+            step()
+            total = clock() - t0
+            if got:
+                runs.append({**got, "rest": total - sum(got.values()), "step": total})
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]} if runs else None
+
+
 @torch.inference_mode()
 def run_point(model, job: dict, context: int) -> dict:
     from kvwall.engine.caches import make_cache
 
-    steps, warmup = job["steps"], job["warmup"]
-    max_len = context + steps + warmup  # exactly what the run writes: preallocating caches hold no spare slot
+    steps, warmup, profile = job["steps"], job["warmup"], job.get("profile_steps", 0)
+    max_len = context + steps + warmup + profile  # exactly what the run writes: preallocating caches hold no spare
     prefill_runs = []
     if context <= job["prefill_max"]:
         cache, prefill_runs = timed_prefills(model, job, context, max_len)
@@ -127,7 +164,9 @@ def run_point(model, job: dict, context: int) -> dict:
         state["pos"] += 1
 
     times = timed(step, steps, warmup)
+    parts = timed_parts(model, step, profile) if profile else None
     return {"arch": job["name"], "context": context, "decode_s": statistics.median(times), "decode_runs_s": times,
+            "parts_s": parts,
             "prefill_s": statistics.median(prefill_runs) if prefill_runs else None, "prefill_runs_s": prefill_runs,
             "cache_bytes": cache.nbytes(), "peak_rss_bytes": peak_rss_bytes(),
             "params": sum(p.numel() for p in model.parameters())}

@@ -11,6 +11,21 @@ cache at decode). Against the exact cache (contiguous), at every scored position
 Cache bytes per token = the cache's nbytes() once each row holds L - 1 tokens, over R (L - 1); the registry's
 predicted_bytes for the same point is reported beside it (they are equal).
 
+Bands by context. The prediction of token j (its context: the j tokens before it) falls in the band
+[a, b) with a <= j < b; the edges are BAND_EDGES (1k, 4k, 16k) cut at the row's length, so one pass over
+long rows gives ppl, Δ ppl, KL and top-1 at every context at once: a saving's cost at context c is its loss
+on the tokens that had about c tokens before them. Δ% = 100 Δ ppl / ppl(exact) in the same band.
+
+Chunked scoring (--chunk C > 1, for long rows). Feeding one token per step costs L - 1 - P forward passes per
+strategy; feeding C tokens at once and scoring every one of their logits gives the same predictions when
+each query sees the cache as its own decode step would. Exact, fp8 and sliding caches hold the same values
+however many tokens a pass adds (a pass attends over what the cache returns, masked by position). A KIVI
+cache (group G, residual R) holding n tokens has q(n) = G floor((n - R) / G) of them quantized (0 for
+n < R + G), which steps at n = R + kG; a chunk of positions a .. b - 1 holds n = a + 1 .. b for its
+queries, so cutting the row at every a = R - 1 (mod C), with C dividing every G, keeps q the same for all
+queries of a chunk as at their own decode step (chunk_cuts). C = 1 is the decode path itself; a test
+holds C = 32 to it.
+
 Pass-key retrieval (after Mohtashami & Jaggi 2023, "Landmark attention"). A prompt of `length` tokens: an
 instruction, filler prose with one sentence stating a random 5-digit key after `depth` of the filler, then a
 question. The context is prefilled through the strategy's cache; the question's tokens are fed one per step
@@ -35,6 +50,8 @@ from kvwall.files import read_user_text
 EXACT = "contiguous"  # the reference every strategy is held against
 DEPTHS = (0.1, 0.5, 0.9)
 SINKS = 4  # StreamingLLM's attention sinks: the first four tokens
+BAND_EDGES = (1024, 4096, 16384)  # context bands: the issue asks for each saving's cost at 1k, 4k and the longest
+ANSWER_ROOM = 16  # tokens kept free past a pass-key prompt for the answer (a 5-digit key is 2-6 tokens + 3)
 INTRO = ("There is a pass key hidden inside a lot of unrelated text. Find it and remember it; you will be asked "
          "for it at the end.\n\n")
 NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
@@ -123,27 +140,78 @@ def with_exact_first(caches: list[str]) -> list[str]:
 
 @dataclass
 class Score:
-    """Running sums over scored positions for one strategy."""
+    """Running sums over scored positions for one strategy, per context band."""
 
-    nll: float = 0.0
-    kl: float = 0.0
-    agree: int = 0
-    n: int = 0
+    bands: list[tuple[int, int]]  # [a, b): targets j with a <= j < b
+    nll: list[float] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    agree: list[int] = field(default_factory=list)
+    n: list[int] = field(default_factory=list)
 
-    def add(self, logp, exact, target) -> None:
-        """logp, exact: (R, V) log-probabilities; target (R,) the next tokens."""
-        self.nll -= float(logp.gather(1, target[:, None]).sum())
-        self.kl += float((exact.exp() * (exact - logp)).sum())
-        self.agree += int((logp.argmax(-1) == exact.argmax(-1)).sum())
-        self.n += target.shape[0]
+    def __post_init__(self):
+        k = len(self.bands)
+        self.nll, self.kl, self.agree, self.n = [0.0] * k, [0.0] * k, [0] * k, [0] * k
 
-    def result(self, exact_ppl: float | None) -> dict:
+    def add(self, logp, exact, target, first: int) -> None:
+        """logp, exact: (R, T, V) log-probabilities; target (R, T) the next tokens, target[:, i] at position
+        first + i of the row (its context: first + i tokens)."""
+        nll = -logp.gather(2, target[..., None])[..., 0]  # (R, T)
+        kl = (exact.exp() * (exact - logp)).sum(-1)  # (R, T)
+        agree = logp.argmax(-1) == exact.argmax(-1)  # (R, T)
+        T = target.shape[1]
+        for i, (a, b) in enumerate(self.bands):
+            lo, hi = max(a - first, 0), min(b - first, T)
+            if lo < hi:
+                self.nll[i] += float(nll[:, lo:hi].sum())
+                self.kl[i] += float(kl[:, lo:hi].sum())
+                self.agree[i] += int(agree[:, lo:hi].sum())
+                self.n[i] += target.shape[0] * (hi - lo)
+
+    @staticmethod
+    def _stats(nll: float, kl: float, agree: int, n: int, exact_ppl: float | None) -> dict:
         import math
 
-        ppl = math.exp(self.nll / self.n)
+        ppl = math.exp(nll / n)
         base = ppl if exact_ppl is None else exact_ppl
-        return {"ppl": ppl, "delta_ppl": ppl - base, "kl": max(0.0, self.kl / self.n), "top1": self.agree / self.n,
-                "predictions": self.n}
+        return {"ppl": ppl, "delta_ppl": ppl - base, "delta_pct": 100 * (ppl - base) / base,
+                "kl": max(0.0, kl / n), "top1": agree / n, "predictions": n}
+
+    def result(self, exact: dict | None) -> dict:
+        """The whole row's figures and one per band; Δ against `exact` (the exact cache's result, same bands)."""
+        out = self._stats(sum(self.nll), sum(self.kl), sum(self.agree), sum(self.n), exact and exact["ppl"])
+        out["bands"] = [{"start": a, "end": b, **self._stats(*sums, exact and exact["bands"][i]["ppl"])}
+                        for i, ((a, b), *sums) in enumerate(zip(self.bands, self.nll, self.kl, self.agree, self.n))]
+        return out
+
+
+def bands(row_tokens: int, prefill: int, edges=BAND_EDGES) -> list[tuple[int, int]]:
+    """Context bands [a, b) over the scored targets j = prefill + 1 .. row_tokens - 1: the edges below the row's
+    length, the last band ending at the row's end; bands with no scored target are left out."""
+    cuts = [0, *sorted(e for e in set(edges) if 0 < e < row_tokens), row_tokens]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > prefill + 1]
+
+
+def chunk_cuts(row_tokens: int, prefill: int, chunk: int, residual: int) -> list[int]:
+    """Where the tokens 0 .. L - 2 are cut into passes: the prefill, then chunks that start at a = R - 1 (mod
+    chunk) (the module docstring's rule), the last one ending at L - 1. chunk 1: one token per pass (decode)."""
+    first = prefill + (residual - 1 - prefill) % chunk  # the first cut past the prefill on the R - 1 grid
+    inner = range(first if first > prefill else first + chunk, row_tokens - 1, chunk)
+    return [0, prefill, *inner, row_tokens - 1]
+
+
+def chunk_for(caches: list[str], wanted: int) -> int:
+    """The largest chunk <= wanted that divides the key group of every quantized strategy (int8: 128, int4 and
+    int2: 32, :gN its N), so chunked scoring keeps each query's cache as at decode."""
+    from math import gcd
+
+    from kvwall.engine.caches.registry import parse_cache
+    from kvwall.spec.formats import get_format
+
+    groups = [get_format(c.format).group for c in map(parse_cache, caches) if c.format]
+    g = 0
+    for group in groups:
+        g = gcd(g, group)
+    return max(c for c in range(1, wanted + 1) if not g or g % c == 0)
 
 
 def split_rows(ids: list[int], tokens: int, rows: int, prefix: list[int]):
@@ -154,14 +222,17 @@ def split_rows(ids: list[int], tokens: int, rows: int, prefix: list[int]):
     L = tokens // rows
     body = L - len(prefix)
     if body < 1 or len(ids) < rows * body:
-        raise KvwallError(f"the text has {len(ids):,} tokens; --tokens {tokens:,} in --rows {rows} needs "
-                          f"{rows * max(body, 1):,}: give a longer --text, fewer --tokens or fewer --rows")
+        raise KvwallError(f"the text has {len(ids):,} tokens; {rows} row(s) of {L:,} tokens need "
+                          f"{rows * max(body, 1):,}: give a longer --text FILE, fewer --rows or shorter rows "
+                          "(--tokens / --row-tokens)")
     return torch.tensor([prefix + ids[r * body:(r + 1) * body] for r in range(rows)])  # (R, L)
 
 
 def perplexity(model, rows, prefill: int, caches: list[str], residual: int,
-               on_step: Callable[[], None] | None = None) -> list[dict]:
-    """Every strategy in lockstep over rows (R, L); caches[0] is the exact one. -> one dict per strategy."""
+               on_step: Callable[[int], None] | None = None, chunk: int = 1, edges=BAND_EDGES) -> list[dict]:
+    """Every strategy in lockstep over rows (R, L); caches[0] is the exact one. -> one dict per strategy, with
+    its figures per context band. chunk: tokens per pass after the prefill (1: the decode path; more: chunked
+    scoring, chunk_for(caches, chunk) of them). on_step(n): n more tokens scored by one strategy."""
     import torch
 
     from kvwall.engine.caches import make_cache
@@ -170,24 +241,26 @@ def perplexity(model, rows, prefill: int, caches: list[str], residual: int,
     R, L = rows.shape
     held, w = L - 1, next(model.parameters())
     made = [make_cache(c, model.spec, R, held, w.dtype, w.device, residual=residual) for c in caches]
-    scores = [Score() for _ in caches]
+    band = bands(L, prefill, edges)
+    scores = [Score(band) for _ in caches]
+    cuts = chunk_cuts(L, prefill, chunk_for(caches, chunk), residual)
     with torch.inference_mode():
         for cache in made:
             model(rows[:, :prefill], cache=cache, last_only=True)  # its prediction is not scored
-        for t in range(prefill, L - 1):
-            pos, target = torch.full((R, 1), t), rows[:, t + 1]  # (R, 1), (R,)
+        for a, b in zip(cuts[1:], cuts[2:]):
+            pos, target = torch.arange(a, b).expand(R, -1), rows[:, a + 1:b + 1]  # (R, T), (R, T)
             exact = None
             for cache, score in zip(made, scores):
-                logp = model(rows[:, t:t + 1], pos, cache)[:, -1].float().log_softmax(-1)  # (R, V)
+                logp = model(rows[:, a:b], pos, cache).float().log_softmax(-1)  # (R, T, V)
                 exact = logp if exact is None else exact
-                score.add(logp, exact, target)
+                score.add(logp, exact, target, a + 1)
                 if on_step:
-                    on_step()
+                    on_step(b - a)
     element = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[w.dtype]
     out, base = [], None
     for name, cache, score in zip(caches, made, scores):
         r = {"cache": name, **score.result(base)}
-        base = r["ppl"] if base is None else base
+        base = r if base is None else base
         r.update(cache_bytes=cache.nbytes(), bytes_per_token=cache.nbytes() / (R * held),
                  predicted_bytes_per_token=predicted_bytes(name, model.spec, R, held, element, residual=residual)
                  / (R * held))
@@ -310,6 +383,8 @@ class Plan:
     prefill: int = 16
     residual: int = 32
     passkey: PasskeyPlan | None = field(default_factory=lambda: PasskeyPlan([1024, 2048, 4096]))
+    chunk: int = 1  # tokens per pass after the prefill: 1 is the decode path (perplexity's docstring)
+    edges: tuple[int, ...] = BAND_EDGES
 
     def check(self, spec) -> None:
         """Everything that can be wrong before minutes of work: one line each."""
@@ -321,20 +396,35 @@ class Plan:
                               f"--prefill {self.prefill} and one prediction; give more --tokens or fewer --rows")
         if self.prefill < 1:
             raise KvwallError("--prefill must be at least 1")
+        if self.chunk < 1:
+            raise KvwallError("--chunk must be at least 1 (1: every prediction by a decode step)")
         limit = spec.max_context
-        longest = max([L, *(self.passkey.lengths if self.passkey else [])])
-        if limit and longest + 16 > limit:
-            raise KvwallError(f"{longest:,} tokens is past {spec.name}'s context of {limit:,}; shorten the rows "
-                              "(--tokens / --rows) or --passkey-lengths")
+        if limit and L > limit:
+            raise KvwallError(f"rows of {L:,} tokens are past {spec.name}'s context of {limit:,}; shorten the rows "
+                              "(--row-tokens, or --tokens / --rows)")
+        longest = max(self.passkey.lengths) if self.passkey else 0
+        if limit and longest + ANSWER_ROOM > limit:
+            raise KvwallError(f"pass key at {longest:,} tokens is past {spec.name}'s context of {limit:,} less "
+                              f"{ANSWER_ROOM} for the answer; the longest is {limit - ANSWER_ROOM:,} "
+                              "(--passkey-lengths max)")
         for c in self.caches:
             predicted_bytes(c, spec, 1, L, residual=self.residual)  # one line for a strategy the model cannot run
 
 
 def steps(plan: Plan) -> int:
-    """Units of progress: decode steps times strategies, plus one per pass-key cell and strategy."""
+    """Units of progress: tokens scored (decode steps at chunk 1) times strategies, plus one per pass-key cell and
+    strategy."""
     L = plan.tokens // plan.rows
     cells = len(plan.passkey.cells()) if plan.passkey else 0
     return len(plan.caches) * ((L - 1 - plan.prefill) + cells)
+
+
+def passkey_lengths(lengths: list[int | str], spec) -> list[int]:
+    """--passkey-lengths with "max" as the model's context less the answer's room (SmolLM2: 8,192 - 16)."""
+    limit = spec.max_context
+    if "max" in lengths and not limit:
+        raise KvwallError(f"--passkey-lengths max: {spec.name} declares no maximum context; give lengths in tokens")
+    return sorted({limit - ANSWER_ROOM if n == "max" else n for n in lengths})
 
 
 def passkey_grid(pk: dict) -> tuple[list[str], list[list[str]]]:
@@ -346,6 +436,22 @@ def passkey_grid(pk: dict) -> tuple[list[str], list[list[str]]]:
     for cell in pk["cells"]:
         by_cache.setdefault(cell["cache"], []).append(f"{cell['correct']}/{cell['keys']}")
     return heads, [[name, *cells] for name, cells in by_cache.items()]
+
+
+def band_label(band: dict) -> str:
+    """A band's context range, e.g. "1k-4k"."""
+    from kvwall.units import fmt_tokens
+
+    return f"{fmt_tokens(band['start']) if band['start'] else 0}-{fmt_tokens(band['end'])}"
+
+
+def band_grid(quality: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Bands as a grid: column heads ("0-1k" ...) and one row per strategy (Δ% of perplexity in each band; the
+    exact cache's row gives its perplexity)."""
+    heads = [band_label(b) for b in quality[0]["bands"]]
+    rows = [[quality[0]["cache"], *(f"ppl {b['ppl']:.2f}" for b in quality[0]["bands"])]]
+    rows += [[r["cache"], *(f"{b['delta_pct']:+.2f}%" for b in r["bands"])] for r in quality[1:]]
+    return heads, rows
 
 
 def load(path, weights: str | None = None):
@@ -365,11 +471,13 @@ def merge_weights(runs: list[tuple[str, dict]]) -> dict:
     Δ ppl taken against the first run's first (exact) row, so a row says what its weights and cache cost
     together; KL and top-1 stay against the same weights' exact cache (the logits of two runs never meet)."""
     first = runs[0][1]
-    base = first["quality"][0]["ppl"]
+    base = first["quality"][0]
+    against = lambda r, b: {"delta_ppl": r["ppl"] - b["ppl"], "delta_pct": 100 * (r["ppl"] - b["ppl"]) / b["ppl"]}  # noqa: E731
     out = {**first, "quality": [], "weights": [w for w, _ in runs]}
     for w, data in runs:
         for r in data["quality"]:
-            out["quality"].append({**r, "cache": f"{r['cache']} @ {w}", "weights": w, "delta_ppl": r["ppl"] - base})
+            out["quality"].append({**r, "cache": f"{r['cache']} @ {w}", "weights": w, **against(r, base),
+                                   "bands": [{**x, **against(x, y)} for x, y in zip(r["bands"], base["bands"])]})
     if first.get("passkey"):
         out["passkey"] = {**first["passkey"], "cells": [{**c, "cache": f"{c['cache']} @ {w}"} for w, data in runs
                                                         for c in data["passkey"]["cells"]]}
@@ -383,12 +491,14 @@ def measure(model, tok, plan: Plan, text: str, source: str, on_step: Callable[[]
     ids = tokens.plain(text)
     rows = split_rows(ids, plan.tokens, plan.rows, tokens.prefix)
     prompts = passkey_prompts(tokens, ids, plan.passkey) if plan.passkey else None
+    chunk = chunk_for(plan.caches, plan.chunk)
     out = {"model": model.spec.name, "text": {"source": source, "tokens": len(ids), "used": int(rows.numel()),
                                               "rows": plan.rows, "row_tokens": rows.shape[1], "prefill": plan.prefill},
-           "residual": plan.residual,
-           "quality": perplexity(model, rows, plan.prefill, plan.caches, plan.residual, on_step)}
+           "residual": plan.residual, "chunk": chunk, "max_context": model.spec.max_context,
+           "quality": perplexity(model, rows, plan.prefill, plan.caches, plan.residual, on_step, chunk, plan.edges)}
     if plan.passkey:
         pk = plan.passkey
         out["passkey"] = {"lengths": pk.lengths, "depths": list(pk.depths), "keys": pk.keys, "seed": pk.seed,
-                          "cells": passkey(model, tokens, prompts, plan.caches, pk, plan.residual, on_step)}
+                          "cells": passkey(model, tokens, prompts, plan.caches, pk, plan.residual,
+                                           on_step and (lambda: on_step(1)))}
     return out

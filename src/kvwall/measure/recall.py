@@ -644,7 +644,7 @@ def _write(path: Path, rows: list[dict]) -> None:
 
 # -- the grid `kvwall recall` trains by default (its options' defaults) --------------------------------------
 
-# Defaults sized for 2 shared CPU cores (30 minutes for the grid): 10 models, one per architecture and width,
+# Defaults sized for 2 shared CPU cores (30 minutes for the grid): 12 models, one per architecture and width,
 # each on the mixture of 4, 8 and 16 pairs. A training step (batch 32, width 64, one thread, 2 busy cores) at
 # 128 / 256 tokens: attention 0.082 / 0.208 s, Mamba 0.099 / 0.220 s (0.83 s at 128 before its C++ training scan),
 # hybrid 0.101 / 0.218 s, Mamba-2 0.253 / 0.479 s; the issue's 256 tokens would leave a few hundred steps per

@@ -30,7 +30,7 @@ def memory_section(out: Path) -> Section:
     rows = []
     for _, spec in specs:
         fm = Formats.for_spec(spec)
-        longest = [_longest(spec, fm, get_device(d).memory_bytes) for d in DEVICES]
+        longest = [longest_fitting(spec, fm, get_device(d).memory_bytes) for d in DEVICES]
         rows.append([spec.name, spec.family(), fmt_bytes(cache_bytes_per_token(spec, fm.kv)),
                      fmt_bytes(growth_bytes_per_token(spec, fm.kv)), fmt_bytes(state_bytes(spec, fm.state)),
                      fmt_bytes(memory(spec, context=131072, formats=fm).cache_bytes), *longest])
@@ -146,7 +146,7 @@ def _tok_s(spec, fm, device, context: int) -> str:
     return f"{1 / _decode_s(spec, fm, device, context):,.1f}{_on(par)}" if par else "does not fit 8"
 
 
-def _longest(spec, fm, memory_bytes: int) -> str:
+def longest_fitting(spec, fm, memory_bytes: int) -> str:
     """Longest context for batch 1 on the smallest tensor-parallel group that holds the weights."""
     p, f = longest_on_group(spec, memory_bytes, 1, fm)
     if not p.fits:

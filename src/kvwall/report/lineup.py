@@ -25,7 +25,7 @@ from kvwall.predict.memory import (
 from kvwall.predict.ops import step_ops
 from kvwall.predict.step import Step
 from kvwall.report import plots
-from kvwall.report.analysis import CONTEXTS, DEVICES, PREDICTED, _longest
+from kvwall.report.analysis import CONTEXTS, DEVICES, PREDICTED, longest_fitting
 from kvwall.report.document import Figure, Section, Table
 from kvwall.spec.model import ModelSpec
 from kvwall.spec.resolve import load_spec
@@ -92,7 +92,7 @@ def section(out: Path) -> Section:
                      fmt_bytes(memory(spec, context=LONG, formats=fm).cache_bytes),
                      fmt_bytes(memory(spec, context=MILLION, formats=fm).cache_bytes),
                      *[_group(spec, fm, d, c) for d in DEVICES for c in (LONG, MILLION)],
-                     _longest(spec, fm, get_device("h200").memory_bytes)])
+                     longest_fitting(spec, fm, get_device("h200").memory_bytes)])
         series[spec.name] = [(c, memory(spec, context=c, formats=fm).cache_bytes / 2**30) for c in CONTEXTS]
         sentences.append(buys(spec, fm))
     fig = plots.lines(series, "context (tokens)", "cache and state for one sequence (GiB)",

@@ -259,11 +259,17 @@ def quality(data: dict, path: str | Path) -> Path:
     plt = _plt()
     pk = data.get("passkey")
     names = list(dict.fromkeys(c["cache"] for c in pk["cells"])) if pk else []
-    cols = max(1, min(4, len(names)))
+    banded = len(data["quality"][0].get("bands", [])) > 1  # long rows: Δ% by context beside the bytes panel
+    cols = max(1, min(4, len(names)), 2 if banded else 1)
     heat_rows = -(-len(names) // cols)
-    fig = plt.figure(figsize=(3.2 * max(cols, 2), 4.5 + 2.6 * heat_rows))
+    fig = plt.figure(figsize=(3.2 * max(cols, 2) * (1.4 if banded else 1), 4.5 + 2.6 * heat_rows))
     grid = fig.add_gridspec(1 + heat_rows, cols, height_ratios=[1.7] + [1] * heat_rows)
-    _quality_points(fig.add_subplot(grid[0, :]), data)
+    if banded:
+        half = cols // 2
+        _quality_points(fig.add_subplot(grid[0, :half]), data)
+        _quality_by_context(fig.add_subplot(grid[0, half:]), data)
+    else:
+        _quality_points(fig.add_subplot(grid[0, :]), data)
     for i, name in enumerate(names):
         _passkey_map(fig.add_subplot(grid[1 + i // cols, i % cols]), pk, name, plt)
     fig.tight_layout()
@@ -286,6 +292,30 @@ def _quality_points(ax, data: dict) -> None:
     ax.set_title(f"{data['model']}: what each saving costs ({t['used']:,} tokens, rows of {t['row_tokens']})",
                  fontsize=10)
     ax.grid(True, which="both", alpha=0.2)
+
+
+def _quality_by_context(ax, data: dict) -> None:
+    """Δ perplexity (% of the exact cache's, same band) against context, one line per saving: each band drawn at
+    its end (the cost on tokens with up to that many before them), on a symmetric-log y axis."""
+    from kvwall.measure.quality import band_label
+
+    rows = data["quality"]
+    ends = [b["end"] for b in rows[0]["bands"]]
+    for r in rows[1:]:
+        ys = [b["delta_pct"] for b in r["bands"]]
+        ax.plot(ends, ys, "o-", lw=1.2, ms=4, label=r["cache"])
+        ax.annotate(f"{ys[-1]:+.1f}%", (ends[-1], ys[-1]), fontsize=7, xytext=(4, 0), textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ends, [band_label(b) for b in rows[0]["bands"]], fontsize=8)
+    ax.minorticks_off()
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_ylim(bottom=min([-0.5] + [b["delta_pct"] * 1.3 for r in rows for b in r["bands"]]))  # no empty negative side
+    ax.axhline(0, color="gray", lw=1, ls=":")
+    ax.set_xlabel("context of the scored tokens (band)")
+    ax.set_ylabel("Δ perplexity vs exact (%)")
+    ax.set_title(f"cost by context ({data['text']['rows']} row(s) of {data['text']['row_tokens']:,})", fontsize=10)
+    ax.grid(True, which="both", alpha=0.2)
+    ax.legend(fontsize=7, loc="upper left")
 
 
 def _passkey_map(ax, pk: dict, name: str, plt) -> None:

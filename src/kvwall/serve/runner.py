@@ -27,9 +27,10 @@ import time
 
 import torch
 
-from kvwall.engine.caches.base import attention_specs, valid_tokens
+from kvwall.engine.caches.base import KVCache, attention_specs, valid_tokens
 from kvwall.engine.caches.fp8 import E4M3_MAX
 from kvwall.engine.caches.paged import PagedCache
+from kvwall.engine.caches.paged_kernel import attend_int_blocks, int_kernel
 from kvwall.engine.caches.quant import dequantize, group_size, quantize
 from kvwall.engine.caches.registry import predicted_bytes
 from kvwall.engine.caches.state import has_state
@@ -52,11 +53,11 @@ class ScheduledPages(PagedCache):
     def step(self, pos):
         self.set_table(self._tables, self._lengths, pos)
 
-    def update(self, layer, k, v, pos):
+    def write(self, layer, k, v, pos):
         dtype = self.pools[layer][0].dtype  # a bf16 or fp8 pool under an fp32 model stores rounded K/V
         if dtype == torch.float8_e4m3fn:  # e4m3fn has no infinity: clamp, as the fp8 cache does
             k, v = k.clamp(-E4M3_MAX, E4M3_MAX), v.clamp(-E4M3_MAX, E4M3_MAX)
-        return super().update(layer, k.to(dtype), v.to(dtype), pos)
+        return super().write(layer, k.to(dtype), v.to(dtype), pos)
 
     def copy_block(self, src: int, dst: int) -> None:
         for k, v in filter(None, self.pools):
@@ -68,13 +69,15 @@ class ScheduledPages(PagedCache):
 
 class QuantizedPages(ScheduledPages):
     """A paged pool of integer K/V: every token's head vector quantized on write, in groups of the format's
-    group along head_dim with an fp16 scale (and zero point), as caches/quant.py lays them out; the gather
-    dequantizes. Each token is quantized alone, so a block needs no full-precision residual and is never
+    group along head_dim with an fp16 scale (and zero point), as caches/quant.py lays them out. A decode step
+    reads the codes in place (paged_kernel.attend_int_blocks: dequantized in registers); a prefill chunk, or a
+    step the kernel cannot take (no compiler, a softcap, sinks; in_place False), gathers and dequantizes. Each
+    token is quantized alone, so a block needs no full-precision residual and is never
     re-quantized; the price is that keys are grouped per token, not per channel as KIVI does (worse at 2-4
     bits, about exact at 8). One block = block_size tokens of `--kv-format int8` (or int4) in every attention
     layer: predict.memory's figure for that format (a test holds it)."""
 
-    in_place = False  # the gather dequantizes; no kernel reads packed blocks in place
+    in_place = True  # decode steps read the packed blocks in place (False: always the gather and dequantize)
 
     def __init__(self, spec, block_size: int, n_blocks: int, fmt, device="cpu"):
         self.block_size, self.device, self.fmt = block_size, device, fmt
@@ -93,16 +96,37 @@ class QuantizedPages(ScheduledPages):
             parts.append(torch.zeros(*shape, dim // g, dtype=torch.float16, device=self.device))  # zero point
         return g, parts
 
-    def update(self, layer, k, v, pos):
-        b, t, p = valid_tokens(pos)
-        block, slot = self.table[b, p // self.block_size], p % self.block_size  # (N,), (N,)
-        out = []
-        for (g, parts), x in zip(self.pools[layer], (k, v)):
-            coded = quantize(x[b, :, t], self.fmt, g)  # packed (N, H, D * bits / 8), scale (N, H, G), zero
+    def write(self, layer, k, v, pos) -> None:
+        """Quantize the new tokens and scatter their codes, scales and zero points into their blocks."""
+        if self.decoding:  # each row's one new token (set_table found its block and slot)
+            block, slot = self._new  # (B,), (B,)
+            rows = (k[:, :, 0], v[:, :, 0])  # (B, H, D) each
+        else:
+            b, t, p = valid_tokens(pos)
+            block, slot = self.table[b, p // self.block_size], p % self.block_size  # (N,), (N,)
+            rows = (k[b, :, t], v[b, :, t])  # (N, H, D) each
+        for (g, parts), x in zip(self.pools[layer], rows):
+            coded = quantize(x, self.fmt, g)  # packed (N, H, D * bits / 8), scale (N, H, G), zero
             for part, value in zip(parts, coded):
                 part[block, :, slot] = value
-            out.append(self._gather_dequantized(g, parts))
+
+    def update(self, layer, k, v, pos):
+        self.write(layer, k, v, pos)
+        out = [self._gather_dequantized(g, parts) for g, parts in self.pools[layer]]  # (B, H, S, D) each
         return out[0].to(k.dtype), out[1].to(v.dtype), self.k_pos
+
+    def attend(self, layer, q, k, v, pos, scale, window, softcap, sink: int = 0):
+        """A decode step reads the codes in place (paged_decode_int); anything else gathers (KVCache.attend)."""
+        kernel = int_kernel(q, softcap, sink) if self.in_place and self.decoding else None
+        if kernel is None:
+            return KVCache.attend(self, layer, q, k, v, pos, scale, window, softcap, sink)  # update(): the gather
+        self.write(layer, k, v, pos)
+        (_, kparts), (_, vparts) = self.pools[layer]
+        return attend_int_blocks(kernel, q, kparts, vparts, self.fmt.bits, self.table, self.lengths, window,
+                                 scale)  # (B, Hq, 1, Dv)
+
+    def decode_blocks(self, batch: int):
+        return None  # the fused decode step has no view of per-token integer blocks: layer by layer, in place
 
     def _gather_dequantized(self, g: int, parts: list[torch.Tensor]) -> torch.Tensor:
         rows = [self._gather(part) for part in parts]  # each (B, H, S, .)

@@ -11,10 +11,11 @@
                                       update(), then softmax attention of q (B, Hq, T, D) over what it
                                       returns -> (B, Hq, T, Dv). A cache that can attend in its own
                                       storage format (the quantized one, at decode) overrides it.
-    decode_blocks(batch)              for a step where each row adds one token at its end: the layers' fp32
-                                      pools, block table and lengths (paged_decode's arguments), which
-                                      the fused decode step (engine/decode_stack.py) writes and reads
-                                      itself; None (the default) where the cache cannot hand them over
+    decode_blocks(batch)              for a step where each row adds one token at its end: a DecodeBlocks (each
+                                      layer's KVView: fp32 or fp8 pools, or the KIVI buffers; block table,
+                                      lengths), which the fused decode step (engine/decode_stack.py) writes
+                                      and reads itself; None (the default) where the cache cannot hand them
+                                      over, and for any step it must run itself (a KIVI chunk's flush)
     nbytes()                          bytes of K/V storage held (scales/zero points included, position
                                       bookkeeping excluded): equal to kvwall.predict's figure
 
@@ -30,12 +31,53 @@ builds it through ``create``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 
 from kvwall.engine.layers.attention import attend, attend_causal, attend_sinks, prefix_start, visible
 from kvwall.engine.mixers import kv_layout
 from kvwall.errors import KvwallError
 from kvwall.spec.model import Attention, ModelSpec
+
+
+@dataclass(frozen=True)
+class KVView:
+    """One layer's K/V as the fused decode step (kernels/decode_stack.cpp's KV) writes and reads it in place.
+
+    kind "fp32" / "fp8": k (NB, H, bs, D), v (NB, H, bs, Dv) pools of blocks, fp32 or float8_e4m3fn (written as
+    caches/fp8.py writes), read through DecodeBlocks.table; "kivi": a QuantizedLayer's buffers (caches/quantized.py),
+    k, v its full-precision residual (rows, H, slots, D|Dv) fp32, the new token going to the residual's next slot."""
+
+    kind: str
+    k: torch.Tensor
+    v: torch.Tensor
+    kq: torch.Tensor | None = None  # kivi: packed key chunks, their scales and zero points (None: symmetric)
+    ks: torch.Tensor | None = None
+    kz: torch.Tensor | None = None
+    vq: torch.Tensor | None = None  # kivi: packed values per token, scales, zero points
+    vs: torch.Tensor | None = None
+    vz: torch.Tensor | None = None
+    bits: int = 0  # kivi: 8, 4 or 2
+
+
+class KVViews(list):
+    """Every layer's KVView, kept by a cache for as long as its buffers stay; `native`: the kernel's copy of them,
+    made once by the decode stack (so a step converts nothing)."""
+
+    native = None
+
+
+class DecodeBlocks(NamedTuple):
+    """What decode_blocks hands the fused decode step for one step of B rows."""
+
+    views: KVViews
+    table: torch.Tensor  # (B, nb) int64: the pools' block tables (a contiguous cache: row b is block b)
+    lengths: torch.Tensor  # (B,) int64: tokens each row holds, its new one (at position lengths - 1) included
+    quantized: torch.Tensor | None = None  # (B,) int64: tokens each row holds in quantized chunks (kivi views)
+    done: Callable[[], None] | None = None  # called once the step wrote its tokens: the cache's counters follow
 
 
 class KVCache:
@@ -93,7 +135,7 @@ class KVCache:
             self._masks[key] = (k_pos, None if bool(m.all()) else m)
         return self._masks[key][1]
 
-    def decode_blocks(self, batch: int):
+    def decode_blocks(self, batch: int) -> DecodeBlocks | None:
         return None
 
     def nbytes(self) -> int:

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from kvwall.engine.caches.base import KVCache, attention_specs, check_length, valid_tokens
+from kvwall.engine.caches.base import (
+    DecodeBlocks,
+    KVCache,
+    KVView,
+    KVViews,
+    attention_specs,
+    check_length,
+    valid_tokens,
+)
 from kvwall.engine.caches.paged_kernel import attend_blocks, in_place_kernel
 from kvwall.spec.model import Attention, ModelSpec
 
@@ -36,6 +44,12 @@ class ContiguousLayer:
             self.v[b, :, p] = v[b, :, t]
         return self.k[:, :, :length], self.v[:, :, :length], self.slots[:, :length]
 
+    def view(self) -> KVView | None:
+        """This layer as the fused decode step's pools (row b is block b of max_len slots), or None: fp32 only here
+        (a subclass that stores otherwise, a ring or fp8, says itself what it hands over)."""
+        ok = type(self) is ContiguousLayer and self.k.dtype == self.v.dtype == torch.float32
+        return KVView("fp32", self.k, self.v) if ok else None
+
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
@@ -52,7 +66,8 @@ class ContiguousCache(KVCache):
         self.at = None  # this step's one position shared by every row's one new token, else None
         self.rows = torch.arange(batch, device=device)[:, None]  # (B, 1): row b is "block" b (attend's kernel)
         self.lengths = None  # (B,) at + 1 when `at` is set: the tokens every row holds
-        self.pools = None  # decode_blocks: ([K], [V]) of every layer, or False when a layer is not contiguous fp32
+        self.ends = None  # (B,) each row's one new position + 1 at a decode step without padding rows, else None
+        self.views = None  # decode_blocks: every layer's KVView, or False when some layer has none
         self.layers = [self._layer(a, batch, max_len, dtype, device) if a else None for a in attention_specs(spec)]
         slots = torch.arange(max_len, device=device)[None]  # (1, max_len)
         for layer in self.layers:  # one slot table for all: KVCache.mask then works once per forward pass
@@ -69,6 +84,7 @@ class ContiguousCache(KVCache):
         self.length = max(self.length, check_length(hi, self.max_len, self.name))
         self.at = hi if pos.shape[1] == 1 and lo == hi >= 0 else None
         self.lengths = None if self.at is None else torch.full((pos.shape[0],), self.at + 1, device=pos.device)
+        self.ends = self.lengths if self.at is not None else pos[:, 0] + 1 if pos.shape[1] == 1 and lo >= 0 else None
 
     def update(self, layer, k, v, pos):
         store = self.layers[layer]
@@ -95,16 +111,16 @@ class ContiguousCache(KVCache):
             return None
         return in_place_kernel(q, store.k, softcap, sink)
 
-    def decode_blocks(self, batch: int):
-        """Each row is one block of max_len slots (as attend_rows reads it), at a step where every row's one new
-        token is at one position."""
-        if self.at is None:
+    def decode_blocks(self, batch: int) -> DecodeBlocks | None:
+        """Each row is one block of max_len slots (as attend_rows reads it), at a step where every row adds one token
+        at its own position (no padding row: a row at -1 would have the kernel write slot -1): row b then holds slots
+        0 .. pos[b], as the layers' mask (k_pos <= pos) sees them."""
+        if self.ends is None:
             return None
-        if self.pools is None:
-            fits = all(type(layer) is ContiguousLayer and layer.k.dtype == layer.v.dtype == torch.float32
-                       for layer in self.layers)
-            self.pools = ([layer.k for layer in self.layers], [layer.v for layer in self.layers]) if fits else False
-        return (*self.pools, self.rows[:batch], self.lengths) if self.pools else None
+        if self.views is None:
+            views = [layer.view() if isinstance(layer, ContiguousLayer) else None for layer in self.layers]  # rings: no
+            self.views = KVViews(views) if all(views) else False
+        return DecodeBlocks(self.views, self.rows[:batch], self.ends) if self.views else None
 
     def attend_rows(self, kernel, q, store, lengths, window, scale):
         """q (B, Hq, 1, D) over the first lengths[b] slots of each row of `store` -> (B, Hq, 1, Dv)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kvwall.engine.caches.base import KVView
 from kvwall.engine.caches.contiguous import ContiguousCache, ContiguousLayer
 from kvwall.spec.model import Attention
 
@@ -25,6 +26,11 @@ class Fp8Layer(ContiguousLayer):
     def update(self, k, v, pos, length: int, at: int | None = None):
         to8 = lambda x: x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # noqa: E731
         return super().update(to8(k), to8(v), pos, length, at)  # (B, Hkv, S, D) in fp8: attend reads them upcast
+
+    def view(self) -> KVView:
+        """The fused decode step reads these bytes in place and writes the new token rounded as update() does
+        (kernels/fp8_attend.h); the layer-by-layer path upcasts the whole cache to fp32 for SDPA every step."""
+        return KVView("fp8", self.k, self.v)
 
 
 class Fp8Cache(ContiguousCache):

@@ -9,8 +9,8 @@ the bytes of one block in all layers = predict.memory(spec.with_window(None), ba
 context=len, block_size=...).cache_bytes summed over rows. Internal waste (allocated minus
 used) is below one block per row. pool_bytes() is the whole preallocated pool.
 Sliding windows only mask here; every layer keeps every token.
-A decode step over fp32 pools attends in place, walking each row's block table in C++ (paged_kernel.py);
-everything else gathers each row's blocks into a (B, H, S, D) copy first.
+A decode step over fp32 pools (or bf16, fp16, fp8 ones under an fp32 query) attends in place, walking each row's
+block table in C++ (paged_kernel.py); everything else gathers each row's blocks into a (B, H, S, D) copy first.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from collections import deque
 
 import torch
 
-from kvwall.engine.caches.base import KVCache, attention_specs, valid_tokens
+from kvwall.engine.caches.base import DecodeBlocks, KVCache, KVView, KVViews, attention_specs, valid_tokens
 from kvwall.engine.caches.paged_kernel import attend_blocks, in_place_kernel
 from kvwall.errors import KvwallError
 from kvwall.spec.model import ModelSpec
+
+STACK_KINDS = {torch.float32: "fp32", torch.float8_e4m3fn: "fp8"}  # pool dtypes the fused decode step writes itself
 
 
 class BlockManager:
@@ -77,7 +79,7 @@ class PagedCache(KVCache):
     """nbytes() = predict.memory(spec.with_window(None), batch, context=tokens held, block_size).cache_bytes."""
 
     name = "paged"
-    in_place = True  # decode steps may read the float blocks in place (a pool of packed integers may not)
+    in_place = True  # decode steps may read the blocks in place (False: always the gather, the reference path)
 
     def __init__(self, spec: ModelSpec, batch: int, block_size: int = 16, n_blocks: int | None = None,
                  max_len: int = 2048, dtype=torch.float32, device="cpu"):
@@ -95,6 +97,7 @@ class PagedCache(KVCache):
         self.device = device
         self.table = self.k_pos = self.lengths = None
         self.decoding = False  # this forward: one new token per row, each its row's last (step())
+        self.views = None  # decode_blocks: the pools as the fused decode step's KVViews, made once
 
     def step(self, pos):
         """Allocate blocks for the new tokens; rebuild the (B, blocks) table and the slot positions."""
@@ -136,21 +139,27 @@ class PagedCache(KVCache):
         return self._gather(kp), self._gather(vp), self.k_pos
 
     def attend(self, layer, q, k, v, pos, scale, window, softcap, sink: int = 0):
-        """A decode step over fp32 pools reads the blocks in place (paged_kernel.py); anything else (prefill, a
-        softcap, sinks, another dtype, no compiler) gathers them (KVCache.attend)."""
-        kernel = in_place_kernel(q, self.pools[layer][0], softcap, sink) if self.in_place and self.decoding else None
+        """A decode step under an fp32 query reads the blocks (fp32, bf16, fp16, fp8) in place (paged_kernel.py);
+        anything else (prefill, a softcap, sinks, another query dtype, no compiler) gathers them (KVCache.attend)."""
+        kernel = None
+        if self.in_place and self.decoding:
+            kernel = in_place_kernel(q, self.pools[layer][0], softcap, sink, any_float=True)
         if kernel is None:
             return super().attend(layer, q, k, v, pos, scale, window, softcap, sink)
         kp, vp = self.write(layer, k, v, pos)
         return attend_blocks(kernel, q, kp, vp, self.table, self.lengths, window, scale)  # (B, Hq, 1, Dv)
 
-    def decode_blocks(self, batch: int):
-        """The pools as they are, at a decode step over fp32 blocks that every layer has."""
+    def decode_blocks(self, batch: int) -> DecodeBlocks | None:
+        """The pools as they are, at a decode step over fp32 or fp8 blocks that every layer has (the fused step
+        writes fp8 rounded as caches/fp8.py does, the rounding ScheduledPages.write uses too)."""
         if not (self.in_place and self.decoding) or not all(self.pools):
             return None
-        if self.pools[0][0].dtype != torch.float32:
+        kind = STACK_KINDS.get(self.pools[0][0].dtype)
+        if kind is None:
             return None
-        return [k for k, _ in self.pools], [v for _, v in self.pools], self.table, self.lengths
+        if self.views is None:  # the pools live as long as the cache: their views too
+            self.views = KVViews(KVView(kind, k, v) for k, v in self.pools)
+        return DecodeBlocks(self.views, self.table, self.lengths)
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
         B, nb = self.table.shape

@@ -19,7 +19,9 @@ Every layer keeps every token (a sliding window only masks), so compare with the
 
 Decode (one token per row) attends straight from the packed bytes (quant_kernel.py) when its C++
 kernel builds; prefill, soft-capped attention and machines without a compiler read dequantized
-copies (``read``). Both compute the same attention over the same rounded values.
+copies (``read``). Both compute the same attention over the same rounded values. Inside the fused decode
+step (engine/decode_stack.py) the same attention runs from C++ (kernels/quantized_attend.h), the new token
+written to the residual there (decode_blocks), except on the one step in G that flushes a chunk.
 
 Error: attention sees rounded K/V; each element is off by at most scale / 2 of its group
 (int8: range / 510, int4: range / 30, int2: range / 6). tests/engine/test_caches.py states and
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from kvwall.engine.caches.base import KVCache, attention_specs, check_length
+from kvwall.engine.caches.base import DecodeBlocks, KVCache, KVView, KVViews, attention_specs, check_length
 from kvwall.engine.caches.quant import dequantize, group_size, quantize
 from kvwall.engine.caches.quant_kernel import quantized_decode
 from kvwall.engine.caches.registry import RESIDUAL
@@ -114,8 +116,16 @@ class QuantizedLayer:
         counts = torch.tensor([self.chunks, self.res], dtype=torch.int64)  # (2, B)
         n_q = counts[0] * self.G
         y = kernel(qg, self.kq, self.ks, self.kz, self.vq, self.vs, self.vz, rk, rv, n_q, counts[1],
-                   pos[:, 0].to("cpu", torch.int64), window or 0, self.fmt.bits, scale)  # (B, H, rep, Dv)
+                   pos[:, 0].to("cpu", torch.int64).contiguous(), window or 0, self.fmt.bits, scale)  # (B, H, rep, Dv)
+        # contiguous: pos may be a column of a wider (B, T) tensor, whose row b the kernel would misread (a windowed
+        # layer then attended from a wrong position: Gemma 3's int4 perplexity moved between identical runs)
         return y.reshape(B, Hq, 1, Dv)
+
+    def view(self) -> KVView | None:
+        """These buffers as the fused decode step's kivi view (an fp32 residual only: the step computes in fp32)."""
+        if self.rk.dtype != torch.float32:
+            return None
+        return KVView("kivi", self.rk, self.rv, self.kq, self.ks, self.kz, self.vq, self.vs, self.vz, self.fmt.bits)
 
     def _positions(self, C: int) -> torch.Tensor:
         B, slots = len(self.chunks), self.rk.shape[2]
@@ -159,9 +169,42 @@ class QuantizedCache(KVCache):
         self.name = fmt.label
         self.layers = [QuantizedLayer(a, batch, max_len, fmt, residual, dtype, device) if a else None
                        for a in attention_specs(spec)]
+        self.new = None  # step(): each row's one new position at a decode step without padding rows, else None
+        self.views = None  # decode_blocks: every layer's KVView, or False when some layer has none
 
     def step(self, pos):
         check_length(pos, self.max_len, self.name)
+        self.new = pos[:, 0].tolist() if pos.shape[1] == 1 and pos.device.type == "cpu" else None
+
+    def decode_blocks(self, batch: int) -> DecodeBlocks | None:
+        """A decode step the fused step can take: every row adds one token right after the ones it holds (none is
+        padding) and none of them flushes a chunk, i.e. each row's residual grows from res to res + 1 < R + G slots
+        (QuantizedLayer.append). The step in G that flushes is declined: the layers quantize that chunk, in torch,
+        exactly as they always do. The fused step writes the residual slot res of every layer; `done` then counts it.
+        """
+        new, first = self.new, self.layers[0]
+        if new is None or len(new) != batch or first is None:
+            return None
+        G, chunks, res = first.G, first.chunks, first.res
+        if any(p != c * G + r or r + 1 >= first.R + G for p, c, r in zip(new, chunks, res)):
+            return None  # padding (-1), a gap, or a flush
+        if any(layer is None or layer.chunks != chunks or layer.res != res for layer in self.layers):
+            return None  # every layer must hold the same tokens: one count per row for all of them
+        if self.views is None:
+            views = [layer.view() for layer in self.layers]
+            self.views = KVViews(views) if all(views) else False
+        if not self.views:
+            return None
+        lengths = torch.tensor(new[:batch]) + 1  # (B,)
+        quantized = torch.tensor(chunks[:batch]) * G  # (B,)
+        no_table = torch.empty(batch, 0, dtype=torch.int64)  # (B, 0): kivi views read no block table
+        return DecodeBlocks(self.views, no_table, lengths, quantized, lambda: self._advance(batch))
+
+    def _advance(self, batch: int) -> None:
+        """The fused step wrote each row's new token to residual slot res of every layer: count it."""
+        for layer in self.layers:
+            for b in range(batch):
+                layer.res[b] += 1
 
     def update_only(self, layer, k, v, pos) -> None:
         """Write the new tokens (right-padded rows) without reading anything back."""

@@ -4,7 +4,9 @@
 //     a = o(attend(q, cache));  [a = post1(a)];  x += a
 //     h = norm2(x);  m = down(act(gate(h)) * up(h));  [m = post2(m)];  x += m
 // the same ops, in the same order, as engine/model.py's Block over layers/attention.py and layers/mlp.py.
+#include "fp8_attend.h"
 #include "packed.h"
+#include "quantized_attend.h"
 
 namespace py = pybind11;
 
@@ -67,6 +69,20 @@ inline void add_into(float *x, const float *y, int64_t n) {
   for (; i < n; ++i) x[i] += y[i];
 }
 
+// One layer's cache as a step writes and reads it in place (caches/base.py's KVView says which cache hands over which)
+enum class Kind : int64_t { fp32, fp8, kivi };
+
+struct KV {
+  Kind kind = Kind::fp32;
+  // fp32, fp8: pools (NB, H, bs, D) and (NB, H, bs, Dv), fp32 or float8_e4m3fn, read through the step's block table;
+  // kivi: the full-precision residual rk (Bc, H, slots, D) and rv (Bc, H, slots, Dv) fp32 (Bc >= B rows)
+  torch::Tensor k, v;
+  // kivi: QuantizedLayer's packed key chunks kq (Bc, H, C, D, G bits / 8) uint8, ks, kz (Bc, H, C, D, 1) fp16, packed
+  // values vq (Bc, H, C G, Dv bits / 8) uint8, vs, vz (Bc, H, C G, Dv / gv) fp16; kz, vz absent: a symmetric format
+  torch::Tensor kq, ks, kz, vq, vs, vz;
+  int64_t bits = 0;  // kivi: 8, 4 or 2
+};
+
 struct Stack {
   std::vector<Layer> layers;
   double eps, offset;  // every norm's (the model's RMSNorm: offset 1 is Gemma's (1 + w))
@@ -76,25 +92,27 @@ struct Stack {
 
   // x (B, D) fp32 contiguous: the residual stream of B rows, updated in place and returned.
   // cos, sin: per rotary table, (B, d) fp32 at each row's new position (sin: RopeTables.sin_swapped).
-  // kp, vp: per layer, (NB, Hkv, bs, d) and (NB, Hkv, bs, dv) fp32 pools; table (B, nb), lengths (B,) int64:
-  // paged_decode's block tables (a contiguous cache: row b is block b of bs = max_len slots). Row b's new token
-  // goes to position lengths[b] - 1.
+  // kv: per layer, its cache (KV). lengths (B,) int64: the tokens row b holds, its new one (at position
+  // lengths[b] - 1) included. table (B, nb) int64: the pools' block tables, paged_decode's (a contiguous cache: row
+  // b is block b of bs = max_len slots). quantized (B,) int64: the tokens row b holds in quantized chunks (kivi
+  // layers: its new token goes to residual slot lengths[b] - 1 - quantized[b]); empty without kivi layers.
   torch::Tensor step(torch::Tensor x, std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
-                     std::vector<torch::Tensor> kp, std::vector<torch::Tensor> vp, torch::Tensor table,
-                     torch::Tensor lengths) {
+                     const std::vector<KV> &kv, torch::Tensor table, torch::Tensor lengths, torch::Tensor quantized) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2, "x: contiguous (B, D) fp32");
-    TORCH_CHECK(kp.size() == layers.size() && vp.size() == layers.size(), "one K and one V pool per layer");
+    TORCH_CHECK(kv.size() == layers.size(), "one cache view per layer");
     TORCH_CHECK(cos.size() == sin.size(), "one sin table per cos table");
     TORCH_CHECK(table.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && table.is_contiguous() &&
                     lengths.is_contiguous(), "table and lengths: contiguous int64");
     const int64_t B = x.size(0), D = x.size(1), nb = table.size(1);
     TORCH_CHECK(table.size(0) == B && lengths.size(0) == B, "one table row and one length per row of x");
     const int64_t *tab = table.data_ptr<int64_t>(), *len = lengths.data_ptr<int64_t>();
+    TORCH_CHECK(quantized.scalar_type() == at::kLong && quantized.is_contiguous(), "quantized: contiguous int64");
+    const int64_t *nq = quantized.numel() == B ? quantized.data_ptr<int64_t>() : nullptr;
     for (size_t i = 0; i < cos.size(); ++i)
       TORCH_CHECK(cos[i].is_contiguous() && sin[i].is_contiguous() && cos[i].scalar_type() == at::kFloat &&
                       sin[i].scalar_type() == at::kFloat && cos[i].size(0) == B && cos[i].sizes() == sin[i].sizes(),
                   "rotary tables: contiguous (B, d) fp32");
-    for (size_t i = 0; i < layers.size(); ++i) check_layer(layers[i], kp[i], vp[i], cos, B, D, tab, nb, len);
+    for (size_t i = 0; i < layers.size(); ++i) check_layer(layers[i], kv[i], cos, B, D, tab, nb, len, nq);
     float *px = x.data_ptr<float>();
     auto h = torch::empty({B, D}, x.options());
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -102,7 +120,7 @@ struct Stack {
       norm_rows(px, L.norm1, h.data_ptr<float>(), B, D, float(eps), float(offset));
       torch::Tensor qkv = L.qkv(h);  // (B, (Hq + Hkv) d + Hkv dv)
       TORCH_CHECK(qkv.size(1) == (L.nq + L.nkv) * L.d + L.nkv * L.dv, "qkv's width does not match the heads");
-      torch::Tensor a = L.o(attention(L, qkv, kp[i], vp[i], cos, sin, tab, nb, len));  // (B, Hq dv) -> (B, D)
+      torch::Tensor a = L.o(attention(L, qkv, kv[i], cos, sin, tab, nb, len, nq));  // (B, Hq dv) -> (B, D)
       TORCH_CHECK(a.sizes() == x.sizes(), "o's output is not (B, D)");
       if (L.post1.defined()) norm_rows(a.data_ptr<float>(), L.post1, a.data_ptr<float>(), B, D, eps, offset);
       add_into(px, a.data_ptr<float>(), B * D);
@@ -118,33 +136,64 @@ struct Stack {
   }
 
   // Shapes a step relies on, checked before anything is written: a wrong pool or table must not write out of bounds.
-  void check_layer(const Layer &L, const torch::Tensor &k, const torch::Tensor &v,
-                   const std::vector<torch::Tensor> &cos, int64_t B, int64_t D, const int64_t *tab, int64_t nb,
-                   const int64_t *len) const {
-    TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.is_contiguous() &&
-                    v.is_contiguous(), "K/V pools: contiguous fp32");
-    TORCH_CHECK(k.dim() == 4 && k.size(1) == L.nkv && k.size(3) == L.d && v.dim() == 4 && v.size(0) == k.size(0) &&
-                    v.size(1) == L.nkv && v.size(2) == k.size(2) && v.size(3) == L.dv,
-                "the pools do not match the layer");
+  void check_layer(const Layer &L, const KV &kv, const std::vector<torch::Tensor> &cos, int64_t B, int64_t D,
+                   const int64_t *tab, int64_t nb, const int64_t *len, const int64_t *nq) const {
+    const torch::Tensor &k = kv.k, &v = kv.v;
     TORCH_CHECK(L.norm1.numel() == D && L.norm2.numel() == D, "norm weights must be (D,)");
     TORCH_CHECK(L.rope < int64_t(cos.size()) && (L.rope < 0 || cos[L.rope].size(1) == L.d),
                 "a layer's rotary table is missing or not head-wide");
+    TORCH_CHECK(k.defined() && v.defined() && k.is_contiguous() && v.is_contiguous() && k.dim() == 4 &&
+                    v.dim() == 4 && k.size(1) == L.nkv && k.size(3) == L.d && v.size(0) == k.size(0) &&
+                    v.size(1) == L.nkv && v.size(2) == k.size(2) && v.size(3) == L.dv,
+                "the cache's K/V do not match the layer");
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(len[b] >= 1, "a row holds no token");
+    if (kv.kind == Kind::kivi) return check_kivi(kv, B, len, nq);
+    const auto dtype = kv.kind == Kind::fp8 ? at::kFloat8_e4m3fn : at::kFloat;
+    TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "K/V pools: fp32 (fp8 views: float8_e4m3fn)");
     const int64_t NB = k.size(0), bs = k.size(2);
     for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(len[b] >= 1 && len[b] <= nb * bs, "a row's length lies outside its block table");
+      TORCH_CHECK(len[b] <= nb * bs, "a row's length lies outside its block table");
       for (int64_t j = 0; j < (len[b] + bs - 1) / bs; ++j)
         TORCH_CHECK(tab[b * nb + j] >= 0 && tab[b * nb + j] < NB, "a block table entry lies outside the pool");
     }
   }
 
-  // qkv (B, (Hq + Hkv) d + Hkv dv): norms and rotation of q and k in place, k and v written to the pools at each
-  // row's new position, then every query head over its KV head's tokens -> (B, Hq dv)
-  torch::Tensor attention(const Layer &L, torch::Tensor qkv, const torch::Tensor &k, const torch::Tensor &v,
-                          const std::vector<torch::Tensor> &cos, const std::vector<torch::Tensor> &sin,
-                          const int64_t *tab, int64_t nb, const int64_t *len) const {
-    const int64_t B = qkv.size(0), width = qkv.size(1), H = L.nkv, d = L.d, dv = L.dv, rep = L.nq / H;
-    const int64_t bs = k.size(2);
-    float *p = qkv.data_ptr<float>(), *pk = k.data_ptr<float>(), *pv = v.data_ptr<float>();
+  // A kivi view (caches/quantized.py's buffers): dtypes and shapes as QuantizedLayer allocates them, and each row's
+  // quantized tokens within its chunks and its new token within the residual's slots
+  static void check_kivi(const KV &kv, int64_t B, const int64_t *len, const int64_t *nq) {
+    TORCH_CHECK(nq, "kivi layers need each row's quantized token count");
+    TORCH_CHECK(kv.bits == 8 || kv.bits == 4 || kv.bits == 2, "kivi bits must be 8, 4 or 2");
+    const torch::Tensor &k = kv.k, &v = kv.v;
+    TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.size(0) >= B,
+                "the residual: fp32, a row per row of the step");
+    for (const torch::Tensor *t : {&kv.kq, &kv.ks, &kv.vq, &kv.vs})
+      TORCH_CHECK(t->defined() && t->is_contiguous() && t->size(0) == k.size(0) && t->size(1) == k.size(1),
+                  "kivi buffers: contiguous, (rows, H, ...)");
+    TORCH_CHECK(kv.kq.scalar_type() == at::kByte && kv.vq.scalar_type() == at::kByte && kv.ks.scalar_type() == at::kHalf
+                    && kv.vs.scalar_type() == at::kHalf, "kivi codes: uint8; scales: fp16");
+    for (const torch::Tensor *t : {&kv.kz, &kv.vz})
+      TORCH_CHECK(!t->defined() || (t->is_contiguous() && t->scalar_type() == at::kHalf), "zero points: fp16");
+    TORCH_CHECK(!kv.kz.defined() || kv.kz.sizes() == kv.ks.sizes(), "kz must be shaped as ks");
+    TORCH_CHECK(!kv.vz.defined() || kv.vz.sizes() == kv.vs.sizes(), "vz must be shaped as vs");
+    const int64_t C = kv.kq.size(2), D = k.size(3), Dv = v.size(3), G = kv.kq.size(4) * 8 / kv.bits;
+    TORCH_CHECK(kv.kq.dim() == 5 && kv.kq.size(3) == D && kv.ks.dim() == 5 && kv.ks.size(2) == C &&
+                    kv.ks.size(3) == D && kv.ks.size(4) == 1 && G > 0, "kq/ks: (rows, H, chunks, D, ...)");
+    TORCH_CHECK(kv.vq.size(2) == C * G && kv.vq.size(3) * 8 == Dv * kv.bits && kv.vs.size(2) == C * G &&
+                    kv.vs.size(3) > 0 && Dv % kv.vs.size(3) == 0, "vq/vs: (rows, H, chunks G, ...)");
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(nq[b] >= 0 && nq[b] % G == 0 && nq[b] <= C * G, "a row's quantized tokens lie outside its chunks");
+      TORCH_CHECK(len[b] - 1 - nq[b] >= 0 && len[b] - 1 - nq[b] < k.size(2),
+                  "a row's new token lies outside the residual");
+    }
+  }
+
+  // qkv (B, (Hq + Hkv) d + Hkv dv): norms and rotation of q and k in place, k and v written to the cache at each
+  // row's new position (write), then every query head over its KV head's tokens (attend) -> (B, Hq dv)
+  torch::Tensor attention(const Layer &L, torch::Tensor qkv, const KV &kv, const std::vector<torch::Tensor> &cos,
+                          const std::vector<torch::Tensor> &sin, const int64_t *tab, int64_t nb, const int64_t *len,
+                          const int64_t *nq) const {
+    const int64_t B = qkv.size(0), width = qkv.size(1), H = L.nkv, d = L.d;
+    float *p = qkv.data_ptr<float>();
     for (int64_t b = 0; b < B; ++b) {
       float *row = p + b * width;
       for (int64_t j = 0; j < L.nq + H; ++j) {  // the query heads, then the key heads, side by side in qkv
@@ -154,25 +203,87 @@ struct Stack {
         if (L.rope >= 0)
           rotate_head(head, cos[L.rope].data_ptr<float>() + b * d, sin[L.rope].data_ptr<float>() + b * d, d);
       }
-      const int64_t t = len[b] - 1, blk = tab[b * nb + t / bs];
-      for (int64_t j = 0; j < H; ++j) {
-        std::copy_n(row + (L.nq + j) * d, d, pk + ((blk * H + j) * bs + t % bs) * d);
-        std::copy_n(row + (L.nq + H) * d + j * dv, dv, pv + ((blk * H + j) * bs + t % bs) * dv);
-      }
+      for (int64_t j = 0; j < H; ++j)
+        write(L, kv, b, j, row + (L.nq + j) * d, row + (L.nq + H) * d + j * L.dv, tab + b * nb, len[b],
+              nq ? nq[b] : 0);
     }
-    auto y = torch::empty({B, L.nq * dv}, qkv.options());  // every row holds a token: attend_job writes it all
+    return attend(L, kv, qkv, tab, nb, len, nq);
+  }
+
+  // Row b's new key (d) and value (dv) of KV head j into the cache, at position len - 1: a pool's slot through the
+  // row's block table (fp8: rounded as caches/fp8.py writes), or the kivi residual's slot len - 1 - nq (as
+  // QuantizedLayer.append puts it there when no chunk is flushed: decode_blocks declines a step that flushes one)
+  static void write(const Layer &L, const KV &kv, int64_t b, int64_t j, const float *key, const float *val,
+                    const int64_t *blk, int64_t len, int64_t nq) {
+    const int64_t H = L.nkv, d = L.d, dv = L.dv, t = len - 1;
+    if (kv.kind == Kind::kivi) {
+      const int64_t slots = kv.k.size(2), slot = t - nq;
+      std::copy_n(key, d, kv.k.data_ptr<float>() + ((b * H + j) * slots + slot) * d);
+      std::copy_n(val, dv, kv.v.data_ptr<float>() + ((b * H + j) * slots + slot) * dv);
+      return;
+    }
+    const int64_t bs = kv.k.size(2), at = (blk[t / bs] * H + j) * bs + t % bs;  // the slot in the pool
+    if (kv.kind == Kind::fp32) {
+      std::copy_n(key, d, kv.k.data_ptr<float>() + at * d);
+      std::copy_n(val, dv, kv.v.data_ptr<float>() + at * dv);
+      return;
+    }
+    uint8_t *pk = static_cast<uint8_t *>(kv.k.data_ptr()) + at * d;
+    uint8_t *pv = static_cast<uint8_t *>(kv.v.data_ptr()) + at * dv;
+    for (int64_t i = 0; i < d; ++i) pk[i] = to_e4m3(key[i]);
+    for (int64_t i = 0; i < dv; ++i) pv[i] = to_e4m3(val[i]);
+  }
+
+  // Every (row, KV head) job: query heads j rep .. (j + 1) rep - 1 of row b over the tokens they see -> (B, Hq dv)
+  static torch::Tensor attend(const Layer &L, const KV &kv, const torch::Tensor &qkv, const int64_t *tab, int64_t nb,
+                              const int64_t *len, const int64_t *nq) {
+    const int64_t B = qkv.size(0), width = qkv.size(1), H = L.nkv, d = L.d, dv = L.dv, rep = L.nq / H;
+    const float *p = qkv.data_ptr<float>();
+    auto y = torch::empty({B, L.nq * dv}, qkv.options());  // every row holds a token: each job writes its part
     float *py = y.data_ptr<float>();
+    const QuantKV Q = kv.kind == Kind::kivi ? quant_kv(kv.kq, kv.ks, kv.kz, kv.vq, kv.vs, kv.vz, kv.k, kv.v, kv.bits)
+                                            : QuantKV{};
+    const int64_t bs = kv.k.size(2);
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> s;
+      std::vector<float> s, buf;
       for (int64_t job = begin; job < end; ++job) {
-        const int64_t b = job / H, j = job % H;  // query heads j rep .. (j + 1) rep - 1 read KV head j
-        attend_job(p + b * width + j * rep * d, rep, d, dv, pk, pv, tab + b * nb, H, j, bs, len[b], L.window,
-                   float(L.scale), py + (b * L.nq + j * rep) * dv, s);
+        const int64_t b = job / H, j = job % H;
+        const float *qq = p + b * width + j * rep * d;
+        float *yy = py + (b * L.nq + j * rep) * dv;
+        if (kv.kind == Kind::fp32) {
+          attend_job(qq, rep, d, dv, kv.k.data_ptr<float>(), kv.v.data_ptr<float>(), tab + b * nb, H, j, bs, len[b],
+                     L.window, float(L.scale), yy, s);
+        } else if (kv.kind == Kind::fp8) {
+          attend_job_fp8(qq, rep, d, dv, static_cast<const uint8_t *>(kv.k.data_ptr()),
+                         static_cast<const uint8_t *>(kv.v.data_ptr()), tab + b * nb, H, j, bs, len[b], L.window,
+                         float(L.scale), yy, s, buf);
+        } else {  // quantized_decode's window: the query at position len - 1 sees positions > len - 1 - window
+          const int64_t lo = L.window > 0 ? std::max<int64_t>(0, len[b] - L.window) : 0;
+          attend_head_bits(kv.bits, Q, b, j, qq, rep, lo, nq[b], len[b] - nq[b], float(L.scale), yy);
+        }
       }
     });
     return y;
   }
 };
+
+// The conversions a step makes, one element at a time, for tests: e4m3 bytes (uint8) -> floats as the fp8 view's
+// attention reads them, and floats -> the bytes its write stores
+torch::Tensor e4m3_read(torch::Tensor codes) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes: contiguous uint8");
+  auto out = torch::empty(codes.sizes(), codes.options().dtype(at::kFloat));
+  e4m3_to_float(codes.data_ptr<uint8_t>(), out.data_ptr<float>(), codes.numel());
+  return out;
+}
+
+torch::Tensor e4m3_write(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32");
+  auto out = torch::empty(x.sizes(), x.options().dtype(at::kByte));
+  const float *px = x.data_ptr<float>();
+  uint8_t *po = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < x.numel(); ++i) po[i] = to_e4m3(px[i]);
+  return out;
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Proj>(m, "Proj")
@@ -191,6 +302,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("nq", &Layer::nq).def_readwrite("nkv", &Layer::nkv).def_readwrite("d", &Layer::d)
       .def_readwrite("dv", &Layer::dv).def_readwrite("window", &Layer::window).def_readwrite("rope", &Layer::rope)
       .def_readwrite("scale", &Layer::scale).def_readwrite("gelu", &Layer::gelu);
+  py::enum_<Kind>(m, "Kind").value("fp32", Kind::fp32).value("fp8", Kind::fp8).value("kivi", Kind::kivi);
+  py::class_<KV>(m, "KV")
+      .def(py::init<>())
+      .def_readwrite("kind", &KV::kind).def_readwrite("k", &KV::k).def_readwrite("v", &KV::v)
+      .def_readwrite("kq", &KV::kq).def_readwrite("ks", &KV::ks).def_readwrite("kz", &KV::kz)
+      .def_readwrite("vq", &KV::vq).def_readwrite("vs", &KV::vs).def_readwrite("vz", &KV::vz)
+      .def_readwrite("bits", &KV::bits);
+  m.def("e4m3_read", &e4m3_read, "uint8 e4m3 codes -> fp32, as the fp8 view's attention converts them");
+  m.def("e4m3_write", &e4m3_write, "fp32 -> uint8 e4m3 codes, as the fp8 view's write rounds them");
   py::class_<Stack>(m, "Stack")
       .def(py::init<double, double>())
       .def("add", &Stack::add)

@@ -244,9 +244,83 @@ torch::Tensor run(const torch::Tensor &x, const torch::Tensor &q, const torch::T
   return y;
 }
 
-// x (M, K) float32 contiguous; q (N, K bits/8) uint8; s, z (N, ceil(K/G)) float16 (z undefined: symmetric)
+// -- many rows (a prefill): dequantize once, then a real GEMM --------------------------------------------------
+// At M rows the row kernel above does M K FMAs per R rows with one load of x and R of w per R FMAs, a GEMV's
+// arithmetic intensity; a GEMM keeps blocks of x and w in registers and runs near the FMA peak. So from
+// GEMM_MIN_ROWS rows on, the weight is dequantized once per call, GEMM_TILE_FLOATS floats (a tile of whole rows)
+// at a time, into float32, and torch's GEMM (at::mm: MKL's sgemm in torch's x86 builds) multiplies x by the tile
+// into its columns of y. The dequantization costs N K converts against the GEMM's M N K FMAs (1/M of the work).
+// GEMM_MIN_ROWS: benchmarks/bench_prefill.py --crossover --threads 1 (SmolLM2-135M's four matrix shapes, int4 g32
+// with zeros as Q4_1, fastest of 15 calls, 2026-12-06 on the shared 2-core dev box): the GEMM path took 0.92-1.03x
+// the row kernel's time at 4 rows, 1.49-1.63x less at 16, 1.78-2.09x less at 32 and 2.3-4.4x less at 512. 32, not
+// 16: at 2 threads the GEMM path has two parallel regions to the row kernel's one (the dequantization, then the
+// GEMM's), each a wait on a descheduled thread on a busy machine, so it starts where its margin is about 2x.
+constexpr int64_t GEMM_MIN_ROWS = 32;
+constexpr int64_t GEMM_TILE_FLOATS = int64_t(1) << 20;  // 4 MiB of dequantized weights a tile (SmolLM2: one tile)
+
+// Rows n0 .. n0 + rows - 1 of the packed matrix as floats into w (rows, K), the rows split across threads; QB bytes
+// and NG groups per packed row. These are exactly layers/packed.py's dequantize() values, bit for bit: d is a
+// float16 (11 significant bits) and q < 2^8, so d q is exact in float32 (19 of 24 bits), and dequant_row's
+// fused multiply-add and torch's mul-then-add both round only the sum (c = -2^(bits-1) d is exact too).
+template <int BITS>
+inline void dequant_rows(const uint8_t *qp, const at::Half *sp, const at::Half *zp, int64_t n0, int64_t rows,
+                         int64_t K, int64_t G, int64_t QB, int64_t NG, float *w) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> sf(NG), zf(NG);
+    for (int64_t r = r0; r < r1; ++r) {
+      halves_to_float(sp + (n0 + r) * NG, NG, sf.data());
+      if (zp) halves_to_float(zp + (n0 + r) * NG, NG, zf.data());
+      dequant_row<BITS>(qp + (n0 + r) * QB, sf.data(), zp ? zf.data() : nullptr, K, G, w + r * K);
+    }
+  });
+}
+
+template <int BITS>
+torch::Tensor run_gemm(const torch::Tensor &x, const torch::Tensor &q, const torch::Tensor &s, const torch::Tensor &z,
+                       int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), NG = s.size(1), QB = q.size(1);
+  const at::Half *sp = s.data_ptr<at::Half>(), *zp = z.defined() ? z.data_ptr<at::Half>() : nullptr;
+  const int64_t tile = std::max<int64_t>(1, std::min(N, GEMM_TILE_FLOATS / std::max<int64_t>(1, K)));
+  auto w = torch::empty({tile, K}, x.options());  // (tile, K) float32: the dequantized rows of one tile
+  auto y = torch::empty({M, N}, x.options());  // (M, N)
+  for (int64_t n0 = 0; n0 < N; n0 += tile) {
+    const int64_t rows = std::min(tile, N - n0);
+    dequant_rows<BITS>(q.data_ptr<uint8_t>(), sp, zp, n0, rows, K, G, QB, NG, w.data_ptr<float>());
+    auto wt = w.narrow(0, 0, rows).t();  // (K, rows)
+    if (rows == N) {
+      at::mm_out(y, x, wt);  // (M, N): the whole matrix in one tile
+    } else {
+      auto ys = y.narrow(1, n0, rows);  // (M, rows), row stride N: the GEMM writes it in place
+      at::mm_out(ys, x, wt);
+    }
+  }
+  return y;
+}
+
+// The packed matrix as float32 (N, K), exactly layers/packed.py's dequantize() (the GEMM path's values).
+inline torch::Tensor packed_dequantize(torch::Tensor q, torch::Tensor s, c10::optional<torch::Tensor> z, int64_t bits,
+                                       int64_t K, int64_t group) {
+  TORCH_CHECK(q.dtype() == torch::kUInt8 && q.is_contiguous() && q.size(1) * 8 == K * bits,
+              "q: contiguous (N, K bits/8) uint8");
+  TORCH_CHECK(s.dtype() == torch::kFloat16 && s.is_contiguous(), "scales: contiguous float16");
+  const torch::Tensor zz = z.has_value() ? z->contiguous() : torch::Tensor();
+  const at::Half *zp = zz.defined() ? zz.data_ptr<at::Half>() : nullptr;
+  const int64_t N = q.size(0);
+  auto w = torch::empty({N, K}, torch::kFloat32);  // (N, K)
+  if (bits == 8)
+    dequant_rows<8>(q.data_ptr<uint8_t>(), s.data_ptr<at::Half>(), zp, 0, N, K, group, q.size(1), s.size(1),
+                    w.data_ptr<float>());
+  else
+    dequant_rows<4>(q.data_ptr<uint8_t>(), s.data_ptr<at::Half>(), zp, 0, N, K, group, q.size(1), s.size(1),
+                    w.data_ptr<float>());
+  return w;
+}
+
+// x (M, K) float32 contiguous; q (N, K bits/8) uint8; s, z (N, ceil(K/G)) float16 (z undefined: symmetric).
+// gemm_rows: the GEMM path from that many rows on; -1: from GEMM_MIN_ROWS; 0: never (the row kernel at every M, the
+// path before the GEMM one: benchmarks/bench_prefill.py times both).
 inline torch::Tensor packed_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, c10::optional<torch::Tensor> z,
-                            int64_t bits, int64_t group) {
+                                   int64_t bits, int64_t group, int64_t gemm_rows = -1) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x: contiguous (M, K) float32");
   TORCH_CHECK(q.dtype() == torch::kUInt8 && q.is_contiguous(), "q: contiguous uint8");
   TORCH_CHECK(s.dtype() == torch::kFloat16 && s.is_contiguous(), "scales: contiguous float16");
@@ -256,7 +330,10 @@ inline torch::Tensor packed_linear(torch::Tensor x, torch::Tensor q, torch::Tens
   if (x.size(0) == 1 && fused_fits(bits, x.size(1), group)) return bits == 8 ? run_one<8>(x, q, s, zz, group)
                                                                             : run_one<4>(x, q, s, zz, group);
 #endif
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 4 or 8");
+  if (gemm_rows < 0) gemm_rows = GEMM_MIN_ROWS;
+  if (gemm_rows > 0 && x.size(0) >= gemm_rows) return bits == 8 ? run_gemm<8>(x, q, s, zz, group)
+                                                            : run_gemm<4>(x, q, s, zz, group);
   if (bits == 8) return run<8>(x, q, s, zz, group);
-  TORCH_CHECK(bits == 4, "bits must be 4 or 8");
   return run<4>(x, q, s, zz, group);
 }

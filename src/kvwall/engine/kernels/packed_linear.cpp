@@ -2,5 +2,9 @@
 #include "packed.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("packed_linear", &packed_linear, "y = x W^T, W packed int8/int4 with fp16 scale (and zero) per group");
+  m.def("packed_linear", &packed_linear, "y = x W^T, W packed int8/int4 with fp16 scale (and zero) per group",
+        pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("s"), pybind11::arg("z"), pybind11::arg("bits"),
+        pybind11::arg("group"), pybind11::arg("gemm_rows") = -1);
+  m.def("packed_dequantize", &packed_dequantize, "the packed (N, K) matrix as float32, exactly dequantize()'s");
+  m.attr("GEMM_MIN_ROWS") = GEMM_MIN_ROWS;
 }

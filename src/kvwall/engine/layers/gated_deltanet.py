@@ -18,9 +18,10 @@ the papers' claim that this recalls better than a decayed sum of k ⊗ v of the 
 `kvwall recall`'s gated_deltanet row measures.
 
 ``gated_delta_reference`` is the plain loop, ``gated_delta_step`` the decode step (``gated_delta_step_`` the
-same in place, the fast path) and ``gated_delta_chunked`` the prefill: inside a chunk of L tokens the L delta
-updates are one unit-lower-triangular solve (the WY / UT form of the paper's section 3), and only the state
-passes from chunk to chunk. Padding gets β = 0 and g = 0:
+same in place; ``gated_delta_decode_`` the fast path: the C++ kernel of layers/delta_kernel.py, else the former)
+and ``gated_delta_chunked`` the prefill: inside a chunk of L tokens the L delta updates are one
+unit-lower-triangular solve (the WY / UT form of the paper's section 3), and only the state passes from chunk to
+chunk. Padding gets β = 0 and g = 0:
 the state passes through it unchanged. The state is computed in fp32, as transformers does.
 """
 
@@ -30,9 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvwall.engine.layers.delta_kernel import delta_step_
 from kvwall.engine.layers.mamba import causal_conv
 from kvwall.engine.layers.mixer import SequenceMixer
 from kvwall.engine.layers.mlp import activation
+from kvwall.engine.layers.norm import GatedRMSNorm
 from kvwall.spec.model import GatedDeltaNet as GatedDeltaNetSpec
 
 L2_EPS = 1e-6  # transformers' l2norm (the FLA library's): x / sqrt(sum x² + 1e-6)
@@ -53,26 +56,39 @@ def gated_delta_reference(q, k, v, g, beta, S):
 
 
 def gated_delta_step(q, k, v, g, beta, S):
-    """One token: q, k (B, H, dk), v (B, H, dv), g, beta (B, H), S (B, H, dk, dv) -> o (B, H, dv), new S."""
-    S = S * torch.exp(g)[..., None, None]  # (B, H, dk, dv): decayed
+    """One token: q, k (B, H, dk), v (B, H, dv), g (B, H) (a decay per head) or (B, H, dk) (per key channel: Kimi
+    Delta Attention), beta (B, H), S (B, H, dk, dv) -> o (B, H, dv), new S."""
+    S = S * decay(g, S)  # (B, H, dk, dv): decayed
     read = (k[:, :, None] @ S)[:, :, 0]  # (B, H, dv): what the state returns for k
     delta = (v - read) * beta[..., None]  # (B, H, dv): the correction written
     S = torch.addcmul(S, k[..., None], delta[:, :, None])  # (B, H, dk, dv)
     return (q[:, :, None] @ S)[:, :, 0], S  # (B, H, dv)
 
 
+def decay(g: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """exp(g) shaped to scale S (B, H, dk, dv) row by row: g (B, H) -> (B, H, 1, 1), g (B, H, dk) -> (B, H, dk, 1)."""
+    return torch.exp(g).reshape(*S.shape[:2], -1, 1)
+
+
 def gated_delta_step_(q, k, v, g, beta, S):
-    """gated_delta_step with S updated in place (the decode fast path: no new state tensors). Why: a fresh
-    (B, H, dk, dv) tensor per op is a fresh allocation of the state's size (2 MiB per Qwen3-Next layer at batch 1);
-    in place 36 such layers took 0.19 s instead of 1.01 s, against 0.047 s for one bare in-place pass over the
-    same states (benchmarks/bench_gated_deltanet_step.py, one thread, 2 cores under load 13, 2026-12-06). It
-    still passes over S six times (decay, read k, update: read and write each, read q) where one would do: a C++
-    kernel's job. -> o (B, H, dv)."""
+    """gated_delta_step with S updated in place, in torch: the decode step where the C++ kernel is not built
+    (gated_delta_decode_) and the reference it is held to. Why in place: a fresh (B, H, dk, dv) tensor per op is a
+    fresh allocation of the state's size (2 MiB per Qwen3-Next layer at batch 1); in place 36 such layers took
+    0.19 s instead of 1.01 s, against 0.047 s for one bare in-place pass over the same states
+    (benchmarks/bench_gated_deltanet_step.py, one thread, 2 cores under load 13, 2026-12-06). It still passes
+    over S six times (decay, read k, update: read and write, read q): the kernel passes once. -> o (B, H, dv)."""
     B, H, dk, dv = S.shape
-    S.mul_(torch.exp(g)[..., None, None])  # (B, H, dk, dv): decayed
+    S.mul_(decay(g, S))  # (B, H, dk, dv): decayed
     delta = (v - (k[:, :, None] @ S)[:, :, 0]) * beta[..., None]  # (B, H, dv)
     S.view(B * H, dk, dv).baddbmm_(k.reshape(B * H, dk, 1), delta.reshape(B * H, 1, dv))  # S += k (x) delta
     return (q[:, :, None] @ S)[:, :, 0]  # (B, H, dv)
+
+
+def gated_delta_decode_(q, k, v, g, beta, S):
+    """The decode fast path (same contract as gated_delta_step_): one C++ pass over S (layers/delta_kernel.py) where
+    it is built and S is fp32 on the CPU, else gated_delta_step_. -> o (B, H, dv)."""
+    o = delta_step_(q, k, v, g, beta, S)
+    return gated_delta_step_(q, k, v, g, beta, S) if o is None else o  # (B, H, dv)
 
 
 def _chunks(t: torch.Tensor, L: int) -> torch.Tensor:
@@ -112,20 +128,6 @@ def gated_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
     return o.transpose(1, 2), S  # (B, T, H, dv), (B, H, dk, dv)
 
 
-class GatedRMSNorm(nn.Module):
-    """rmsnorm(y) · w · silu(z) over each value head's dv channels (the weight shared by the heads)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        y32 = y.float()
-        n = self.weight * (y32 * torch.rsqrt(y32.pow(2).mean(-1, keepdim=True) + self.eps)).to(y.dtype)  # (.., dv)
-        return (n * F.silu(z.float())).to(y.dtype)
-
-
 class GatedDeltaNet(SequenceMixer):
     """in_proj holds [q; k; v; z; b; a] (Qwen3.5's four projections) or [qkvz; ba] (Qwen3-Next's two, rows
     grouped per key head), one matmul either way; conv1d, dt_bias, A_log, norm and out_proj keep HF's names."""
@@ -161,7 +163,7 @@ class GatedDeltaNet(SequenceMixer):
         self.act = activation(spec.activation)
         self.dt_bias = nn.Parameter(torch.ones(self.Hv))
         self.A_log = nn.Parameter(torch.zeros(self.Hv))
-        self.norm = GatedRMSNorm(self.dv, norm_eps)
+        self.norm = GatedRMSNorm(self.dv, self.dv, norm_eps, before_gate=True, cast_first=True)  # per value head
         self.out_proj = nn.Linear(value, hidden, bias=False)
         self.chunk = 64  # prefill chunk (transformers' chunk_size)
         self.eager = False  # True: the reference ops only (Transformer.set_eager)
@@ -193,7 +195,7 @@ class GatedDeltaNet(SequenceMixer):
         beta = b.sigmoid().to(f) * valid[..., None]  # (B, T, Hv): padding writes nothing
         g = -self.A_log.to(f).exp() * F.softplus(a.to(f) + self.dt_bias.to(f)) * valid[..., None]  # (B, T, Hv)
         if T == 1 and not self.eager and state.ssm.dtype == f and not torch.is_grad_enabled():
-            o = gated_delta_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.ssm)[:, None]  # (B, 1, Hv, dv)
+            o = gated_delta_decode_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.ssm)[:, None]  # (B,1,Hv,dv)
         else:
             S0 = state.ssm.to(f)
             if T == 1:

@@ -14,9 +14,9 @@ recurrent_kimi_delta_attention / chunk_kimi_delta_attention):
     o_t = S_tᵀ q_t
     out = o_proj(rmsnorm(o) · w · sigmoid(g_b(g_a(x))))   a gated RMSNorm per head over d (sigmoid, not silu)
 
-Once the state is decayed the update is Gated DeltaNet's with no further decay, so the decode step decays S per
-channel and hands the rest to gated_deltanet.gated_delta_step / gated_delta_step_ with g = 0 (one extra pass
-multiplying by exp(0) = 1: the price of not writing the delta rule twice). The chunked prefill cannot reuse
+The decode step is Gated DeltaNet's with g (B, H, d) in place of g (B, H): gated_deltanet.gated_delta_step and
+its fast path gated_delta_decode_ (the C++ kernel of layers/delta_kernel.py) take either, so the decay costs no
+pass of its own over S. The chunked prefill cannot reuse
 gated_delta_chunked: there the decay between two tokens is one number per head, here one per key channel, so
 the within-chunk matrices carry a d axis (transformers' decay_mask is (.., L, L, d) too); built chunk by chunk
 (L·L·d per head: 2 MiB at L = 64 and Kimi-Linear's d = 128 in fp32, 64 MiB for its 32 heads at batch 1) rather
@@ -30,24 +30,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvwall.engine.layers.gated_deltanet import _chunks, gated_delta_step, gated_delta_step_, l2norm
+from kvwall.engine.layers.gated_deltanet import _chunks, gated_delta_decode_, gated_delta_step, l2norm
 from kvwall.engine.layers.mamba import causal_conv
 from kvwall.engine.layers.mixer import SequenceMixer
+from kvwall.engine.layers.norm import GatedRMSNorm
 from kvwall.spec.model import KimiDeltaAttention as KdaSpec
 
 SOFTPLUS_LINEAR = 20.0  # transformers' forget gate: softplus(x) taken as x above 20 (exp(20) would still be finite)
 
 
 def kda_step(q, k, v, g, beta, S):
-    """One token: q, k (B, H, d), v (B, H, dv), g (B, H, d), beta (B, H), S (B, H, d, dv) -> o (B, H, dv), new S."""
-    S = S * torch.exp(g)[..., None]  # (B, H, d, dv): each key channel's row decayed by its own gate
-    return gated_delta_step(q, k, v, torch.zeros_like(beta), beta, S)
-
-
-def kda_step_(q, k, v, g, beta, S):
-    """kda_step with S updated in place (the decode fast path). -> o (B, H, dv)."""
-    S.mul_(torch.exp(g)[..., None])  # (B, H, d, dv)
-    return gated_delta_step_(q, k, v, torch.zeros_like(beta), beta, S)
+    """One token: q, k (B, H, d), v (B, H, dv), g (B, H, d), beta (B, H), S (B, H, d, dv) -> o (B, H, dv), new S:
+    Gated DeltaNet's step with each key channel's row of S decayed by its own gate."""
+    return gated_delta_step(q, k, v, g, beta, S)
 
 
 def kda_reference(q, k, v, g, beta, S):
@@ -87,20 +82,6 @@ def kda_chunked(q, k, v, g, beta, S, chunk: int = 64):
     return o.transpose(1, 2), S  # (B, T, H, dv), (B, H, d, dv)
 
 
-class SigmoidGatedRMSNorm(nn.Module):
-    """rmsnorm(y) · w · sigmoid(z) over each head's d channels, all in fp32 (transformers' KimiLinearRMSNormGated)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        y32 = y.float()
-        n = self.weight.float() * (y32 * torch.rsqrt(y32.pow(2).mean(-1, keepdim=True) + self.eps))  # (.., d)
-        return (n * torch.sigmoid(z.float())).to(y.dtype)
-
-
 class KimiDeltaAttention(SequenceMixer):
     """q/k/v_proj fused into qkv, the three saved convs into one conv1d; the rest keeps the checkpoint's names."""
 
@@ -136,7 +117,7 @@ class KimiDeltaAttention(SequenceMixer):
         self.b_proj = nn.Linear(hidden, self.H, bias=False)
         self.g_a_proj = nn.Linear(hidden, self.d, bias=False)  # the output gate's low-rank legs
         self.g_b_proj = nn.Linear(self.d, w, bias=False)
-        self.o_norm = SigmoidGatedRMSNorm(self.d, norm_eps)
+        self.o_norm = GatedRMSNorm(self.d, self.d, norm_eps, before_gate=True, act=torch.sigmoid)  # per head, fp32
         self.o_proj = nn.Linear(w, hidden, bias=False)
         self.chunk = 64  # prefill chunk (transformers' chunk_size)
         self.eager = False  # True: the reference ops only (Transformer.set_eager)
@@ -158,7 +139,7 @@ class KimiDeltaAttention(SequenceMixer):
         g = self.gate(x, f) * valid[..., None, None]  # (B, T, H, d): padding decays nothing
         beta = self.b_proj(x).sigmoid().to(f) * valid[..., None]  # (B, T, H): padding writes nothing
         if T == 1 and not self.eager and state.ssm.dtype == f and not torch.is_grad_enabled():
-            o = kda_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.ssm)[:, None]  # (B, 1, H, d)
+            o = gated_delta_decode_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.ssm)[:, None]  # (B,1,H,d)
         else:
             S0 = state.ssm.to(f)
             if T == 1:

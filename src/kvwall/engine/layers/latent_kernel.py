@@ -26,3 +26,10 @@ def mla_decode():
     """The compiled ``mla_decode`` of kernels/mla_decode.cpp (its arguments are documented there), or None if it
     cannot be built."""
     return compiled("mla_decode", "mla_decode", "the torch absorbed path")
+
+
+@functools.lru_cache(maxsize=1)
+def mla_decode_picked():
+    """The compiled ``mla_decode_picked`` of kernels/mla_decode.cpp (DeepSeek Sparse Attention's decode: the same
+    attention over the top-k slots each row picked, read where they lie in the cache), or None if it cannot be built."""
+    return compiled("mla_decode", "mla_decode_picked", "the torch gather and absorbed path")

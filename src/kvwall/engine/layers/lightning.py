@@ -13,7 +13,8 @@ for layer l, so the last layer barely forgets (its s ~ 1e-5 of the first's). tra
 block tables (slope_rate, query_decay, key_decay, diagonal_decay) as buffers; the engine computes them from the
 config as transformers' get_slope_rate does and leaves those tensors unread (engine/load.py IGNORED).
 
-``lightning_step`` is the decode step, ``lightning_reference`` the plain loop and ``lightning_chunked`` the
+``lightning_step`` is the decode step (``lightning_step_`` in place; ``lightning_decode_`` the fast path: the C++
+kernel of layers/delta_kernel.py, else the former), ``lightning_reference`` the plain loop and ``lightning_chunked`` the
 prefill: transformers' block-wise form (intra-block (QKᵀ ∘ decay) V plus the decayed state read by q; the
 state carried from block to block), written with a per-token log decay so that padding (decay 0, k = v = 0)
 leaves a row's state unchanged.
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvwall.engine.layers.delta_kernel import linear_step_
 from kvwall.engine.layers.gated_deltanet import _chunks
 from kvwall.engine.layers.mixer import SequenceMixer
 from kvwall.engine.layers.norm import make_norm
@@ -52,6 +54,13 @@ def lightning_step_(q, k, v, g, S):
     S.mul_(g.exp()[..., None, None])  # (B, H, d, d)
     S.view(B * H, d, d).baddbmm_(k.reshape(B * H, d, 1), v.reshape(B * H, 1, d))  # S += kᵀ v
     return (q[:, :, None] @ S)[:, :, 0]  # (B, H, d)
+
+
+def lightning_decode_(q, k, v, g, S):
+    """The decode fast path (same contract as lightning_step_): one C++ pass over S (layers/delta_kernel.py) where it
+    is built and S is fp32 on the CPU, else lightning_step_. -> o (B, H, d)."""
+    o = linear_step_(q, k, v, g, S)
+    return lightning_step_(q, k, v, g, S) if o is None else o  # (B, H, d)
 
 
 def lightning_reference(q, k, v, g, S):
@@ -122,7 +131,7 @@ class Lightning(SequenceMixer):
         q, k, v = qkv.unflatten(-1, (self.H, 3 * self.d)).split(self.d, dim=-1)  # (B, T, H, d) each
         g = -self.rate.to(f) * valid[..., None]  # (B, T, H): padding decays nothing
         if T == 1 and not self.eager and S_cache.dtype == f and not torch.is_grad_enabled():
-            o = lightning_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], S_cache)[:, None]  # (B, 1, H, d)
+            o = lightning_decode_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], S_cache)[:, None]  # (B, 1, H, d)
         else:
             if T == 1:
                 o, S = lightning_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], S_cache.to(f))

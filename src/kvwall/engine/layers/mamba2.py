@@ -26,6 +26,7 @@ from torch import nn
 
 from kvwall.engine.layers.mamba import causal_conv
 from kvwall.engine.layers.mixer import SequenceMixer, ssm_names
+from kvwall.engine.layers.norm import GatedRMSNorm
 from kvwall.spec.model import Mamba2 as Mamba2Spec
 
 
@@ -75,24 +76,6 @@ def ssd_chunked(x, dt, A, Bm, Cm, h, chunk: int = 64):
     starts = torch.stack(starts, 1)  # (B, c, H, P, N): state entering each chunk
     y = y + torch.einsum("bclhn,bchpn->bclhp", Cm, starts) * torch.exp(cum)[..., None]  # (B, c, L, H, P)
     return y.flatten(1, 2)[:, :T], h  # (B, T, H, P), (B, H, P, N)
-
-
-class GatedRMSNorm(nn.Module):
-    """y * silu(z), RMS-normalised over groups of `group` channels (one per B/C group), times weight.
-    before_gate (Falcon-H1's mamba_norm_before_gate): rmsnorm(y) * weight * silu(z) instead, in fp32 throughout."""
-
-    def __init__(self, dim: int, group: int, eps: float, before_gate: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.group, self.eps, self.before_gate = group, eps, before_gate
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        g = y.float() if self.before_gate else y.float() * F.silu(z.float())  # (B, T, E)
-        g = g.unflatten(-1, (-1, self.group))  # (B, T, G, E/G)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.before_gate:  # FalconH1RMSNormGated: weight and gate applied in fp32, then cast
-            return (self.weight.float() * g.flatten(-2) * F.silu(z.float())).to(y.dtype)  # (B, T, E)
-        return self.weight * g.flatten(-2).to(y.dtype)  # (B, T, E)
 
 
 def out_bias(m: Mamba2Spec) -> bool:

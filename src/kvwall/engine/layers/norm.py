@@ -73,6 +73,32 @@ class RMSNorm(nn.Module):
         return self.weight * y.type_as(x)
 
 
+class GatedRMSNorm(nn.Module):
+    """An RMSNorm with an output gate z, over groups of `group` channels (the weight over all `dim`), all in fp32:
+
+    before_gate (Gated DeltaNet, Kimi Delta Attention, Falcon-H1's Mamba-2):  rmsnorm(y) · w · act(z), cast at the end
+    else (Mamba-2):                                                           rmsnorm(y · silu(z)) · w
+    act: the gate, F.silu or torch.sigmoid (Kimi Delta Attention). cast_first (Qwen3-Next / Qwen3.5, before_gate):
+    rmsnorm(y) is cast to y's dtype before w multiplies it, as transformers' Qwen3NextRMSNormGated does (the same
+    numbers in fp32; one rounding more in bf16). Gated DeltaNet and KDA normalise per head: y (.., heads, d),
+    group = dim = d."""
+
+    def __init__(self, dim: int, group: int, eps: float, before_gate: bool = False, act=F.silu,
+                 cast_first: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group, self.eps, self.before_gate, self.act, self.cast_first = group, eps, before_gate, act, cast_first
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        g = y.float() if self.before_gate else y.float() * F.silu(z.float())  # (.., dim)
+        g = g.unflatten(-1, (-1, self.group))  # (.., dim / group, group)
+        g = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)  # (.., dim)
+        if not self.before_gate:
+            return self.weight * g.to(y.dtype)  # (.., dim)
+        n = self.weight * g.to(y.dtype) if self.cast_first else self.weight.float() * g  # (.., dim)
+        return (n * self.act(z.float())).to(y.dtype)  # (.., dim)
+
+
 def add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + h, norm(x + h)): fused where the norm has it (RMSNorm.add)."""
     if isinstance(norm, RMSNorm):

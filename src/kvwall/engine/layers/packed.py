@@ -14,8 +14,10 @@ byte, within each group element j in the low nibble of byte j and element j + le
 is the predictor's ``Format.bytes(N, K)`` for the same format string (kvwall.spec.formats).
 
 Two paths: ``reference`` dequantizes the matrix and calls F.linear (eager, obviously correct); the fast
-path is kernels/packed_linear.cpp, which dequantizes a few rows at a time into L1 and never the whole
-matrix. Without a compiler the fast path is the reference (correct, slower).
+path is kernels/packed_linear.cpp (packed.h). Below GEMM_MIN_ROWS rows of x (decode) it dequantizes a few rows
+at a time into L1 and never the whole matrix; from GEMM_MIN_ROWS rows on (a prefill) it dequantizes a tile of
+rows at a time to float32, exactly dequantize()'s values, and multiplies x by it with torch's GEMM. Without a
+compiler the fast path is the reference (correct, slower).
 """
 
 from __future__ import annotations
@@ -101,12 +103,26 @@ def quantize(w: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor, 
 
 # -- the module ---------------------------------------------------------------------------------------------
 
+# From how many rows of x the compiled matmul runs its GEMM path: -1, the kernel's own GEMM_MIN_ROWS (gemm_min_rows());
+# 0, never (the row kernel at every M, as before the GEMM path: benchmarks/bench_prefill.py times both); n, from n.
+GEMM_ROWS = -1
+
+
 @functools.lru_cache(maxsize=1)
 def packed_kernel():
     """The compiled matmul, or None when it cannot be built (then the reference path runs)."""
     from kvwall.engine.native import compiled
 
     return compiled("packed_linear", "packed_linear", "dequantize + F.linear (torch)")
+
+
+def gemm_min_rows() -> int | None:
+    """Rows of x from which the compiled matmul dequantizes to float32 and runs a GEMM (packed.h's GEMM_MIN_ROWS),
+    or None without the kernel."""
+    from kvwall.engine.native import build
+
+    built = build("packed_linear", "dequantize + F.linear (torch)") if packed_kernel() is not None else None
+    return None if built is None else int(built[0].GEMM_MIN_ROWS)
 
 
 class PackedLinear(nn.Module):
@@ -149,7 +165,7 @@ class PackedLinear(nn.Module):
         buf, bias = self._buffers, self._parameters.get("bias")
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         x2 = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-        y = kernel(x2, buf["q"], buf["scale"], buf["zero"], self.bits, self.group)  # (M, N)
+        y = kernel(x2, buf["q"], buf["scale"], buf["zero"], self.bits, self.group, GEMM_ROWS)  # (M, N)
         if bias is not None:
             y = y + bias.float()
         y = y if y.dtype == x.dtype else y.to(x.dtype)

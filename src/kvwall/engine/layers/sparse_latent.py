@@ -17,8 +17,9 @@ in the model's dtype; DeepSeek's inference code in fp8 + an fp32 scale per 128, 
 SparseLatentAttention.index_keys counts by default: caches/registry.py counts what the engine stores).
 
 Paths (set_path, as MLA's): prefill and "naive" mask the unpicked keys out of the full attention (transformers'
-way); a decode step on the "auto" / "absorbed" path gathers the picked latents (min(S, index_topk) of them) and
-runs the absorbed attention over those alone, so it reads only the top-k latents, as DSA is meant to.
+way); a decode step on the "auto" / "absorbed" path runs the absorbed attention over the picked latents alone
+(min(S, index_topk) of them), read where they lie by kernels/mla_decode.cpp's mla_decode_picked (torch: gathered
+first), so it reads only the top-k latents, as DSA is meant to.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import nn
 
 from kvwall.engine.layers.attention import visible
 from kvwall.engine.layers.latent import LatentAttention
-from kvwall.engine.layers.latent_kernel import mla_decode
+from kvwall.engine.layers.latent_kernel import mla_decode_picked
 from kvwall.engine.layers.rope import rotate
 from kvwall.spec.model import Attention as AttentionSpec, SparseLatentAttention as SparseSpec
 
@@ -136,14 +137,21 @@ class SparseLatentAttention(LatentAttention):
 
     def picked_decode(self, q_nope, q_pe, c_all, rope_keys, k_pos, pos, top) -> torch.Tensor:
         """One new token per row over the latents of slots `top` (B, k) alone -> (B, H, 1, dv). A picked slot keeps
-        its position, so a slot the row cannot see (picked only when fewer than k are visible) stays masked."""
-        rows = torch.arange(top.shape[0], device=top.device)[:, None]  # (B, 1)
-        # only the picked rows are read: k latents, whatever S (the indexer alone reads all S indexer keys)
-        c, pe = c_all[:, 0][rows, top], rope_keys[:, 0][rows, top]  # (B, k, r), (B, k, dr)
-        k_pos = k_pos.expand(top.shape[0], -1)[rows, top]  # (B, k)
-        kernel = mla_decode() if q_nope.device.type == "cpu" else None
+        its position, so a slot the row cannot see (picked only when fewer than k are visible) stays masked. Only
+        the k picked latents are read, whatever S (the indexer alone reads all S indexer keys): by the C++ kernel
+        where they lie in c_all (B, 1, S, r) (the contiguous cache's own storage: no copy), else gathered."""
+        B = top.shape[0]
+        rows = torch.arange(B, device=top.device)[:, None]  # (B, 1): row b's slots are "block" b of S slots
+        k_pos = k_pos.expand(B, -1)[rows, top]  # (B, k)
+        kernel = mla_decode_picked() if q_nope.device.type == "cpu" else None
         if kernel is not None:
-            return self.absorbed_decode(q_nope, q_pe, c[:, None], pe[:, None], k_pos.contiguous(), pos, kernel)
+            table, picks = rows.contiguous(), top.contiguous()  # (B, 1), (B, k)
+
+            def picked(q, c, pe, kp, p, scale):  # absorbed_decode's kernel call, reading slots `picks` of c, pe
+                return kernel(q, c, pe, table, picks, kp, p, scale)  # (B, H, r)
+
+            return self.absorbed_decode(q_nope, q_pe, c_all, rope_keys, k_pos, pos, picked)  # (B, H, 1, dv)
+        c, pe = c_all[:, 0][rows, top], rope_keys[:, 0][rows, top]  # (B, k, r), (B, k, dr)
         return self.absorbed(q_nope, q_pe, c[:, None], pe[:, None], visible(pos, k_pos, None))  # (B, H, 1, dv)
 
 
