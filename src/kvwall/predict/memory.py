@@ -134,55 +134,14 @@ def layer_weight_bytes(layer: Layer, spec: ModelSpec, fmt: Format, tp: int = 1, 
     return _param_bytes(mats, fmt) + _param_bytes(layer.norm_params, tensor_format(fmt, "norm"))
 
 
-# (tensor kind, module name, out, in, how many): the matrices a checkpoint quantizes, per mixer kind
+# (tensor kind, module name, out, in, how many): the matrices a checkpoint quantizes, each mixer module's matrices()
 def _matrices(m, hidden: int) -> list[tuple[str, str, int, int, int]]:
-    if m.kind == "attention":
-        return [("linear", "self_attn.q_proj", m.q_width, hidden, 1),  # with the output gate, if any
-                ("linear", "self_attn.k_proj", m.n_kv_heads * m.head_dim, hidden, 1),
-                ("linear", "self_attn.v_proj", m.n_kv_heads * m.v_head_dim, hidden, 1),
-                ("linear", "self_attn.o_proj", hidden, m.n_q_heads * m.v_head_dim, 1)]
-    if m.kind == "latent":
-        h = m.n_heads
-        q = ([("linear", "self_attn.q_a_proj", m.q_lora_rank, hidden, 1),
-              ("linear", "self_attn.q_b_proj", h * m.qk_head_dim, m.q_lora_rank, 1)] if m.q_lora_rank
-             else [("linear", "self_attn.q_proj", h * m.qk_head_dim, hidden, 1)])
-        return q + [("linear", "self_attn.kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, hidden, 1),
-                    ("linear", "self_attn.kv_b_proj", h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, 1),
-                    ("linear", "self_attn.o_proj", hidden, h * m.v_head_dim, 1)]
-    if m.kind == "sparse_latent":  # DSA: MLA's matrices and the indexer's (weights_proj stays in the dtype)
-        return _matrices(m.mla, hidden) + [
-            ("linear", "self_attn.indexer.wq_b", m.index_n_heads * m.index_head_dim, m.mla.q_lora_rank, 1),
-            ("linear", "self_attn.indexer.wk", m.index_head_dim, hidden, 1)]
-    if m.kind == "kda":  # Kimi Delta Attention: its nn.Linear layers (the conv, dt_bias, A_log, o_norm stay)
-        w, d = m.qkv_dim, m.head_dim
-        return [("linear", f"self_attn.{p}", w, hidden, 1) for p in ("q_proj", "k_proj", "v_proj")] + [
-            ("linear", "self_attn.b_proj", m.n_heads, hidden, 1),
-            ("linear", "self_attn.forget_gate.f_a_proj", d, hidden, 1),
-            ("linear", "self_attn.forget_gate.f_b_proj", w, d, 1),
-            ("linear", "self_attn.g_a_proj", d, hidden, 1), ("linear", "self_attn.g_b_proj", w, d, 1),
-            ("linear", "self_attn.o_proj", hidden, w, 1)]
-    if m.kind == "gated_deltanet":  # Qwen3-Next / Qwen3.5 linear_attn: its nn.Linear layers (conv, A_log, norm stay)
-        return [("linear", "linear_attn.in_proj_qkvz", 2 * m.key_dim + 2 * m.value_dim, hidden, 1),
-                ("linear", "linear_attn.in_proj_ba", 2 * m.n_v_heads, hidden, 1),
-                ("linear", "linear_attn.out_proj", hidden, m.value_dim, 1)]
-    if m.kind == "lightning":  # MiniMax's lightning attention (its RMSNorm stays)
-        return [("linear", "self_attn.qkv_proj", 3 * m.width, hidden, 1),
-                ("linear", "self_attn.output_gate", m.width, hidden, 1),
-                ("linear", "self_attn.out_proj", hidden, m.width, 1)]
-    if m.kind == "mlp":
-        return _mlp_matrices("linear", "mlp", m.d_ff, m.gated, hidden, 1)
-    if m.kind == "moe":
-        return (_mlp_matrices("expert", "mlp.experts", m.d_expert, m.gated, hidden, m.n_experts)
-                + _mlp_matrices("linear", "mlp.shared_experts", m.d_shared or m.d_expert, m.gated, hidden, m.n_shared)
-                + [("router", "mlp.gate", m.n_experts, hidden, 1)])
-    raise KvwallError(f"a checkpoint's own weight format (quantization_config) is counted for attention, MLA, DSA, "
-                      f"Gated DeltaNet, KDA, lightning, MLP and MoE layers, not {m.kind}; pass --weight-format to "
-                      "size it")
-
-
-def _mlp_matrices(kind: str, name: str, d_ff: int, gated: bool, hidden: int, n: int) -> list:
-    names = ("gate_proj", "up_proj") if gated else ("up_proj",)
-    return [(kind, f"{name}.{x}", d_ff, hidden, n) for x in names] + [(kind, f"{name}.down_proj", hidden, d_ff, n)]
+    mod = mixers.of(m)
+    if not hasattr(mod, "matrices"):
+        raise KvwallError(f"a checkpoint's own weight format (quantization_config) is counted for attention, MLA, "
+                          f"DSA, Gated DeltaNet, KDA, lightning, MLP and MoE layers, not {m.kind}; pass "
+                          "--weight-format to size it")
+    return mod.matrices(m, hidden)
 
 
 def _native_layer_bytes(layer: Layer, spec: ModelSpec, fmt: Format, shard: float) -> int:

@@ -8,6 +8,8 @@ A sequence mixer module (attention, latent, mamba, mamba2) answers, for one laye
     shard_params(m, hidden, tp)  parameters one GPU holds (its tensor-parallel sharding rule)
     ops(i, m, spec, step, fm, tp, absorbed)  the FLOPs and bytes of its ops in one step
     label(m)                   the kind of memory it has, for per-layer tables
+    matrices(m, hidden)        where a checkpoint's own weight format is sized (memory.py): its stored matrices as
+                               (tensor kind, module name, out, in, how many); a kind without it takes --weight-format
 
 A channel mixer module (mlp, moe) answers shard_params(f, hidden, tp, ep) and ops(i, f, spec, step, fm, tp, ep):
 with expert parallel (ep > 1) `step` is one GPU's share and a MoE splits its routed experts ep ways (a dense

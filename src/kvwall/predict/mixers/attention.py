@@ -104,3 +104,11 @@ def kivi_bytes(m: Attention, held: int, kv: Format, residual: int, residual_form
     fp = m.n_kv_heads * (held - q) * (residual_format.vector_bytes(m.head_dim)
                                       + residual_format.vector_bytes(m.v_head_dim))
     return keys + values + fp
+
+
+def matrices(m, hidden: int) -> list[tuple[str, str, int, int, int]]:
+    """(tensor kind, module name, out, in, how many): the matrices a checkpoint stores in its weight format."""
+    return [("linear", "self_attn.q_proj", m.q_width, hidden, 1),  # with the output gate, if any
+            ("linear", "self_attn.k_proj", m.n_kv_heads * m.head_dim, hidden, 1),
+            ("linear", "self_attn.v_proj", m.n_kv_heads * m.v_head_dim, hidden, 1),
+            ("linear", "self_attn.o_proj", hidden, m.n_q_heads * m.v_head_dim, 1)]

@@ -73,3 +73,10 @@ def ops(i: int, m: GatedDeltaNet, spec, st: Step, fm, tp: int, absorbed: bool) -
     in_out = 2 * k_heads * m.k_head_dim + 2 * value_dim + 2 * v_heads  # q, k, v, z and the b, a gates
     return [matmul("in_proj", i, T, h, in_out, fm.weights), rule,
             matmul("out_proj", i, T, value_dim, h, fm.weights)]
+
+
+def matrices(m, hidden: int) -> list[tuple[str, str, int, int, int]]:
+    """Qwen3-Next / Qwen3.5 linear_attn's nn.Linear layers (the conv, A_log and norm stay in the dtype)."""
+    return [("linear", "linear_attn.in_proj_qkvz", 2 * m.key_dim + 2 * m.value_dim, hidden, 1),
+            ("linear", "linear_attn.in_proj_ba", 2 * m.n_v_heads, hidden, 1),
+            ("linear", "linear_attn.out_proj", hidden, m.value_dim, 1)]

@@ -67,3 +67,14 @@ def ops(i: int, m: KimiDeltaAttention, spec, st: Step, fm, tp: int, absorbed: bo
             matmul("f_a/g_a_proj (low rank)", i, T, h, 2 * d, fm.weights),
             matmul("f_b/g_b_proj", i, T, d, 2 * w, fm.weights), rule,
             matmul("o_proj", i, T, w, h, fm.weights)]
+
+
+def matrices(m, hidden: int) -> list[tuple[str, str, int, int, int]]:
+    """Its nn.Linear layers (the conv, dt_bias, A_log and o_norm stay in the dtype)."""
+    w, d = m.qkv_dim, m.head_dim
+    return [("linear", f"self_attn.{p}", w, hidden, 1) for p in ("q_proj", "k_proj", "v_proj")] + [
+        ("linear", "self_attn.b_proj", m.n_heads, hidden, 1),
+        ("linear", "self_attn.forget_gate.f_a_proj", d, hidden, 1),
+        ("linear", "self_attn.forget_gate.f_b_proj", w, d, 1),
+        ("linear", "self_attn.g_a_proj", d, hidden, 1), ("linear", "self_attn.g_b_proj", w, d, 1),
+        ("linear", "self_attn.o_proj", hidden, w, 1)]

@@ -66,3 +66,14 @@ def ops(i: int, m: LatentAttention, spec, st: Step, fm, tp: int, absorbed: bool)
                       act_bytes=(T * H * (m.qk_head_dim + m.v_head_dim)) * ACT_BYTES, kind=CACHE, **cache))
     out.append(matmul("o_proj", i, T, H * m.v_head_dim, h, fm.weights))
     return out
+
+
+def matrices(m, hidden: int) -> list[tuple[str, str, int, int, int]]:
+    """(tensor kind, module name, out, in, how many): the matrices a checkpoint stores in its weight format."""
+    h = m.n_heads
+    q = ([("linear", "self_attn.q_a_proj", m.q_lora_rank, hidden, 1),
+          ("linear", "self_attn.q_b_proj", h * m.qk_head_dim, m.q_lora_rank, 1)] if m.q_lora_rank
+         else [("linear", "self_attn.q_proj", h * m.qk_head_dim, hidden, 1)])
+    return q + [("linear", "self_attn.kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, hidden, 1),
+                ("linear", "self_attn.kv_b_proj", h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, 1),
+                ("linear", "self_attn.o_proj", hidden, h * m.v_head_dim, 1)]

@@ -52,3 +52,10 @@ def ops(i: int, m: LightningAttention, spec, st: Step, fm, tp: int, absorbed: bo
              weight_bytes=w * fm.weights.bytes_per_element(), kind=SCAN)  # the norm's weight
     return [matmul("qkv_proj + output_gate", i, T, h, 4 * w, fm.weights), rec,
             matmul("out_proj", i, T, w, h, fm.weights)]
+
+
+def matrices(m, hidden: int) -> list[tuple[str, str, int, int, int]]:
+    """MiniMax's lightning attention (its RMSNorm stays in the dtype)."""
+    return [("linear", "self_attn.qkv_proj", 3 * m.width, hidden, 1),
+            ("linear", "self_attn.output_gate", m.width, hidden, 1),
+            ("linear", "self_attn.out_proj", hidden, m.width, 1)]

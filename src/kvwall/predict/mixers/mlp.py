@@ -22,3 +22,14 @@ def ops(i: int, f: MLP, spec, st: Step, fm, tp: int, ep: int = 1, name: str = "m
     op.weight_bytes *= mats
     op.act_bytes = st.tokens * (2 * spec.hidden + (mats - 1) * f.d_ff / tp) * ACT_BYTES
     return [op]
+
+
+def matrices(m, hidden: int) -> list[tuple[str, str, int, int, int]]:
+    """(tensor kind, module name, out, in, how many): the matrices a checkpoint stores in its weight format."""
+    return gated_matrices("linear", "mlp", m.d_ff, m.gated, hidden, 1)
+
+
+def gated_matrices(kind: str, name: str, d_ff: int, gated: bool, hidden: int, n: int) -> list:
+    """An MLP's (gate,) up and down projections as matrices() rows, n of each (a MoE's experts)."""
+    names = ("gate_proj", "up_proj") if gated else ("up_proj",)
+    return [(kind, f"{name}.{x}", d_ff, hidden, n) for x in names] + [(kind, f"{name}.down_proj", hidden, d_ff, n)]

@@ -48,3 +48,10 @@ def ops(i: int, f: MoE, spec, st: Step, fm, tp: int, ep: int = 1) -> list[Op]:
         shared = MLP((f.d_shared or f.d_expert) * f.n_shared, f.gated)
         out += mlp.ops(i, shared, spec, st, fm, tp, name="shared experts", module="mlp.shared_experts")
     return out
+
+
+def matrices(m, hidden: int) -> list[tuple[str, str, int, int, int]]:
+    """(tensor kind, module name, out, in, how many): the matrices a checkpoint stores in its weight format."""
+    return (mlp.gated_matrices("expert", "mlp.experts", m.d_expert, m.gated, hidden, m.n_experts)
+            + mlp.gated_matrices("linear", "mlp.shared_experts", m.d_shared or m.d_expert, m.gated, hidden, m.n_shared)
+            + [("router", "mlp.gate", m.n_experts, hidden, 1)])

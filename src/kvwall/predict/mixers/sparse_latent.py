@@ -78,3 +78,10 @@ def ops(i: int, m: SparseLatentAttention, spec, st: Step, fm, tp: int, absorbed:
                matmul("indexer weights_proj", i, T, h, H, fm.weights), score]
     sparse = _TopK(st.batch, st.past, st.new, topk=m.index_topk)
     return indexer + latent.ops(i, m.mla, spec, sparse, fm, tp, absorbed)
+
+
+def matrices(m, hidden: int) -> list[tuple[str, str, int, int, int]]:
+    """MLA's matrices and the indexer's (weights_proj stays in the dtype)."""
+    return latent.matrices(m.mla, hidden) + [
+        ("linear", "self_attn.indexer.wq_b", m.index_n_heads * m.index_head_dim, m.mla.q_lora_rank, 1),
+        ("linear", "self_attn.indexer.wk", m.index_head_dim, hidden, 1)]
