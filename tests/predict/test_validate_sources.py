@@ -25,7 +25,7 @@ def _row(i: int, source: str, value: float) -> SimpleNamespace:
 def geometric_mean_fit(monkeypatch):
     """Replace the fit by one figure, the geometric mean of the values it is fitted to, and a row's log error by
     log(figure / value): the scoring's plumbing (which rows each fit sees) then has answers by hand."""
-    monkeypatch.setattr(expected_fit, "fit", lambda preps: {
+    monkeypatch.setattr(expected_fit, "fit", lambda preps, start=None: {
         "scale": math.exp(sum(math.log(p.row["value"]) for p in preps) / len(preps))})
     monkeypatch.setattr(expected_fit, "log_errors", lambda preps, params: [
         math.log(params["scale"]) - math.log(p.row["value"]) for p in preps])

@@ -79,10 +79,7 @@ def validate(rows, engine: str | None = None, device: str | None = None, mode: s
     preps = [prepare(r) for r in usable]
     params = fitted()
     wanted = [i for i, p in enumerate(preps) if p.row["id"] in chosen]
-    from kvwall.predict.expected_fit import leave_one_out, leave_one_source_out  # numpy: imported when scored
-
-    loo = dict(zip(wanted, leave_one_out(preps, params, only=wanted)))
-    loso = dict(zip(wanted, leave_one_source_out(preps, only=wanted)))
+    loo, loso = held_out(preps, params, wanted)
     results = []
     for r in rows:
         if r["id"] not in chosen:
@@ -91,6 +88,23 @@ def validate(rows, engine: str | None = None, device: str | None = None, mode: s
     return {"mode": mode, "conventions": CONVENTIONS, "fit": fit_info(), "rows": results,
             "summary": summarize(results),
             "summaries": {name: summarize(results, m, key) for name, (m, key) in SCORES.items()}}
+
+
+_HELD_OUT: dict = {}  # (table, parameters) -> {row index: (leave-one-out, leave-one-source-out error)}
+
+
+def held_out(preps: list, params: dict, wanted: list[int]) -> tuple[dict, dict]:
+    """The rows `wanted`'s errors held out one at a time and by source, each computed once per process and table:
+    a validate of the whole table is ~160 fits (tests and the report ask for it several times)."""
+    from kvwall.predict.expected_fit import leave_one_out, leave_one_source_out  # numpy: imported when scored
+
+    key = (json.dumps([p.row for p in preps], sort_keys=True, default=str), json.dumps(params, sort_keys=True))
+    done = _HELD_OUT.setdefault(key, {})
+    todo = [i for i in wanted if i not in done]
+    if todo:
+        pairs = zip(leave_one_out(preps, params, only=todo), leave_one_source_out(preps, only=todo))
+        done.update(zip(todo, pairs))
+    return {i: done[i][0] for i in wanted}, {i: done[i][1] for i in wanted}
 
 
 def _both(row: dict, preps: list, loo: dict, loso: dict, params: dict, mode: str) -> dict:
