@@ -51,6 +51,31 @@ def test_kernel_equals_attention_over_dequantized_cache(kernel, fmt, rep, window
     assert (got - expected).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int2", "int4:g16:sym"])
+@pytest.mark.parametrize("window", [None, 700])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_long_rows_cut_into_pieces_equal_attention_over_dequantized_cache(kernel, fmt, window, threads):
+    """Rows of 2,100 and 900 tokens: the kernel cuts each (row, KV head) into pieces of >= 256 tokens at chunk
+    boundaries (common.h's cut_jobs; a 700-token window starts inside a chunk) and merges their softmax sums."""
+    B, H, rep, D = 2, 2, 3, 64
+    g = torch.Generator().manual_seed(1)
+    layer = QuantizedLayer(Attention(H * rep, H, D, D), B, 2200, get_format(fmt), 32, torch.float32, "cpu")
+    lengths = [2100, 900]
+    for b, n in enumerate(lengths):
+        layer.append(b, torch.randn(H, n, D, generator=g), torch.randn(H, n, D, generator=g))
+    q = 3 * torch.randn(B, H * rep, 1, D, generator=g)  # peaked softmax: the merge's rescaling matters
+    pos = torch.tensor([[n - 1] for n in lengths])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = layer.attend_decode(q, pos, D ** -0.5, window, kernel)
+    finally:
+        torch.set_num_threads(before)
+    k_all, v_all, k_pos = layer.read(torch.float32)
+    expected = attend_reference(q, k_all, v_all, visible(pos, k_pos, window), D ** -0.5, None)
+    assert (got - expected).abs().max().item() < 1e-5
+
+
 def test_a_padding_row_gets_a_finite_output(kernel):
     layer = QuantizedLayer(Attention(4, 2, 16, 16), 2, 200, get_format("int8:g32"), 8, torch.float32, "cpu")
     layer.append(0, torch.randn(2, 100, 16), torch.randn(2, 100, 16))

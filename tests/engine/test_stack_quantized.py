@@ -26,10 +26,10 @@ MODELS = {
 RESIDUAL = 4  # a small residual R, so that short prompts reach the first chunk flush soon
 
 
-def model(model_type: str, layers: int = 7) -> Transformer:
+def model(model_type: str, layers: int = 7, **extra) -> Transformer:
     cfg = {"model_type": model_type, "hidden_size": 48, "num_hidden_layers": layers, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 40, "max_position_embeddings": 512,
-           "rms_norm_eps": 1e-6, **MODELS[model_type]}
+           "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 40, "max_position_embeddings": 4096,
+           "rms_norm_eps": 1e-6, **MODELS[model_type], **extra}
     torch.manual_seed(0)
     m = Transformer(spec_from_config(cfg, name="tiny"))
     for p in m.parameters():
@@ -85,6 +85,9 @@ def writes_close(a_cache, b_cache) -> None:
             assert a.chunks == b.chunks and a.res == b.res
             torch.testing.assert_close(a.rk, b.rk, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(a.rv, b.rv, rtol=1e-5, atol=1e-5)
+        elif a.k.dtype == torch.float32:  # the contiguous cache: the same new rows
+            torch.testing.assert_close(a.k, b.k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a.v, b.v, rtol=1e-5, atol=1e-5)
         else:
             assert a.k.dtype == torch.float8_e4m3fn
             for x, y in ((a.k, b.k), (a.v, b.v)):
@@ -134,6 +137,24 @@ def test_fp8_in_the_stack_equals_the_layers(kernel, stacked, model_type, lengths
     got, expected, _, _ = decode(m, prompts, 12, "fp8")
     assert stacked == [True] * 12
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert got.abs().max() > 1
+
+
+LONG = [("llama", [1100], {}), ("llama", [700, 1030], {}),
+        ("gemma3_text", [900], {"sliding_window": 300})]  # a window that starts inside a KIVI chunk
+
+
+@pytest.mark.parametrize("model_type,lengths,extra", LONG)
+@pytest.mark.parametrize("cache", ["contiguous", "fp8", "int8", "int4", "int2"])
+def test_long_rows_cut_into_pieces_equal_the_layers(kernel, stacked, model_type, lengths, extra, cache):
+    """Rows of 700-1,100 tokens on 2 threads: 1-2 rows x 2 KV heads are 2-4 jobs, which the stack cuts along their
+    tokens into pieces of >= 256 (common.h's cut_jobs) and merges (run_pieces); the layers attend each row whole."""
+    m = model(model_type, layers=6 if model_type == "gemma3_text" else 2, **extra)
+    g = torch.Generator().manual_seed(sum(lengths))
+    prompts = [torch.randint(0, 40, (n,), generator=g) for n in lengths]
+    got, expected, _, _ = decode(m, prompts, 3, cache)
+    assert sum(stacked) >= 2  # a KIVI flush may leave one step to the layers
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert got.abs().max() > 1
 
 

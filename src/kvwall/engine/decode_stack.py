@@ -15,9 +15,11 @@ When: Transformer.forward takes it for one new token per row, outside autograd, 
     one token at its end (rows at different positions too; a padding row at -1 is never written, so its steps run
     layer by layer): fp32 pools (contiguous and paged caches), fp8 pools (the fp8 cache: e4m3 bytes read in
     place and converted in registers, kernels/fp8_attend.h), or the KIVI buffers (int8 / int4 / int2: the new token
-    appended to the full-precision residual, attention by quantized_decode.cpp's attend_head,
-    kernels/quantized_attend.h) on the G - 1 steps in G that flush no chunk (the flushing one runs layer by layer);
-  - there are as many (row, KV head) attention jobs as threads (ContiguousCache.decode_kernel's rule).
+    appended to the full-precision residual, attention by kernels/quantized_attend.h's attend_part_q, as
+    quantized_decode.cpp's) on the G - 1 steps in G that flush no chunk (the flushing one runs layer by layer).
+Each (row, KV head) attention job is cut along its tokens where the jobs are fewer than ~8 a thread (common.h's
+cut_jobs, merged exactly by run_pieces), so one KV head at batch 1 (Gemma 3 270M) keeps every thread busy: the
+stack no longer waits for a job per thread.
 Anything else runs layer by layer, as before; the C++ kernel not building is one such case. The layer-by-layer
 path is what tests hold the stack to.
 
@@ -112,8 +114,8 @@ def layer(mod, block: nn.Module, rope: int, eps: float, offset: float):
 class DecodeStack:
     """The kernel's Stack over a model's layers, and the checks made at each step (the module doc's "When")."""
 
-    def __init__(self, mod, stack, min_kv: int):
-        self.mod, self.stack, self.min_kv = mod, stack, min_kv  # min_kv: the fewest KV heads of any layer
+    def __init__(self, mod, stack):
+        self.mod, self.stack = mod, stack
 
     @classmethod
     def build(cls, model: nn.Module) -> DecodeStack | None:
@@ -122,23 +124,21 @@ class DecodeStack:
         if mod is None or not isinstance(model.norm, RMSNorm) or model.spec.residual_scale != 1.0:
             return None  # the kernel's residual adds take no scale (Granite's residual_multiplier)
         eps, offset = model.norm.eps, model.norm.offset
-        stack, kv = mod.Stack(eps, offset), []
+        stack, layers = mod.Stack(eps, offset), 0
         for i, block in enumerate(model.layers):
             r = model.rope_of_layer[i]
             one = layer(mod, block, -1 if r is None else r, eps, offset)
             if one is None or (r is not None and model.rotary[r].rot_dim != one.d):  # partial rotary: not there
                 return None
             stack.add(one)
-            kv.append(one.nkv)
-        return cls(mod, stack, min(kv)) if kv else None
+            layers += 1
+        return cls(mod, stack) if layers else None
 
     def __call__(self, x: torch.Tensor, tables: list, cache) -> torch.Tensor | None:
         """x (B, 1, D) after every layer, or None when this step is not one the stack takes (then x is untouched)."""
         if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
             return None
         B = x.shape[0]
-        if B * self.min_kv < torch.get_num_threads():
-            return None
         blocks = cache.decode_blocks(B)
         if blocks is None:
             return None

@@ -4,11 +4,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <algorithm>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <cmath>
 #include <limits>
+#include <numeric>
+#include <tuple>
 #include <vector>
 
 using Vec = at::vec::Vectorized<float>;
@@ -109,32 +111,121 @@ inline float dot(const float *a, const float *b, int64_t n) {  // Σ a[i] b[i]
   return s;
 }
 
-// One (row, KV head) job of decode attention: the rep query heads qq (rep, D) that read KV head h, over the n
-// tokens a row holds (its new one written: the queries are at position n - 1), or the last `window` of them
-// (window 0: all); token t's key is kp[((blk[t / bs] * H + h) * bs + t % bs) * D] (blk: the row's block table; a
-// contiguous cache is one block of bs = max_len slots) and its value likewise in vp (Dv wide).
-// -> yy (rep, Dv): softmax(q k * scale) v, left as it was for a row holding nothing. s: scratch.
-inline void attend_job(const float *qq, int64_t rep, int64_t D, int64_t Dv, const float *kp, const float *vp,
-                       const int64_t *blk, int64_t H, int64_t h, int64_t bs, int64_t n, int64_t window, float scale,
-                       float *yy, std::vector<float> &s) {
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0, N = n - lo;
-  if (N <= 0) return;  // a row holding nothing
+// One (row, KV head) job of decode attention over the span [a, e) of a row's tokens, unnormalised: token t's key
+// is kp[((blk[t / bs] * H + h) * bs + t % bs) * D] (blk: the row's block table; a contiguous cache is one block of
+// bs = max_len slots) and its value likewise in vp (Dv wide); qq (rep, D) are the query heads that read KV head h.
+// -> o (rep, Dv) = Σ_t e^(s_t - m) v_t, m (rep) the largest score s_t = q k_t * scale, l (rep) = Σ_t e^(s_t - m)
+// (m = -inf, l = 0, o = 0 over an empty span). Spans merge exactly (run_pieces). s: scratch.
+inline void attend_part(const float *qq, int64_t rep, int64_t D, int64_t Dv, const float *kp, const float *vp,
+                        const int64_t *blk, int64_t H, int64_t h, int64_t bs, int64_t a, int64_t e, float scale,
+                        float *o, float *m, float *l, std::vector<float> &s) {
+  const int64_t N = e - a;
+  std::fill(o, o + rep * Dv, 0.f);
+  std::fill(m, m + rep, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rep, 0.f);
+  if (N <= 0) return;
   s.assign(rep * N, 0.f);  // (rep, N) scores, then weights
-  for (int64_t t = lo; t < n; ++t) {  // key t, read where it lies in its block
+  for (int64_t t = a; t < e; ++t) {  // key t, read where it lies in its block
     const float *k = kp + ((blk[t / bs] * H + h) * bs + t % bs) * D;
-    for (int64_t r = 0; r < rep; ++r) s[r * N + t - lo] = dot(qq + r * D, k, D) * scale;
+    for (int64_t r = 0; r < rep; ++r) s[r * N + t - a] = dot(qq + r * D, k, D) * scale;
   }
   for (int64_t r = 0; r < rep; ++r) {
     float *w = s.data() + r * N;
-    const float l = exp_shifted(w, 0, N).second;
-    std::fill(yy + r * Dv, yy + (r + 1) * Dv, 0.f);
-    for (int64_t t0 = lo; t0 < n;) {  // values a block's run of tokens at a time: (run, Dv) contiguous rows
-      const int64_t t1 = std::min(n, (t0 / bs + 1) * bs);
+    std::tie(m[r], l[r]) = exp_shifted(w, 0, N);
+    for (int64_t t0 = a; t0 < e;) {  // values a block's run of tokens at a time: (run, Dv) contiguous rows
+      const int64_t t1 = std::min(e, (t0 / bs + 1) * bs);
       const float *v = vp + ((blk[t0 / bs] * H + h) * bs + t0 % bs) * Dv;
-      dot_span(w + t0 - lo, v, Dv, t1 - t0, yy + r * Dv, 0, Dv);
+      dot_span(w + t0 - a, v, Dv, t1 - t0, o + r * Dv, 0, Dv);
       t0 = t1;
     }
-    for (int64_t j = 0; j < Dv; ++j) yy[r * Dv + j] /= l;
+  }
+}
+
+// attend_part over the n tokens a row holds (its new one written: the queries are at position n - 1), or the
+// last `window` of them (window 0: all), normalised -> yy (rep, Dv): softmax(q k * scale) v, left as it was for a
+// row holding nothing. s: scratch.
+inline void attend_job(const float *qq, int64_t rep, int64_t D, int64_t Dv, const float *kp, const float *vp,
+                       const int64_t *blk, int64_t H, int64_t h, int64_t bs, int64_t n, int64_t window, float scale,
+                       float *yy, std::vector<float> &s) {
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+  if (n <= lo) return;  // a row holding nothing
+  std::vector<float> ml(2 * rep);
+  attend_part(qq, rep, D, Dv, kp, vp, blk, H, h, bs, lo, n, scale, yy, ml.data(), ml.data() + rep, s);
+  for (int64_t r = 0; r < rep; ++r)
+    for (int64_t j = 0; j < Dv; ++j) yy[r * Dv + j] /= ml[rep + r];
+}
+
+// A piece of a decode attention job: job `job`'s tokens [a, e)
+struct Piece {
+  int64_t job, a, e;
+};
+
+// Decode attention's jobs cut along their tokens: job j's span [lo, hi) = range(j) into up to `ways` pieces of at
+// least MIN_PIECE tokens, cut at multiples of `align`, `ways` making ~8 pieces a thread where the jobs are few. Why:
+// a job is a (row, KV head), and at batch 1 a model has few KV heads: SmolLM2's 3 on 2 threads left one thread idle
+// for a third of each layer's attention, which is most of a step at 4k tokens. Every job gets at least one piece.
+constexpr int64_t MIN_PIECE = 256;
+
+template <class Range>
+std::vector<Piece> cut_jobs(int64_t jobs, Range range, int64_t align) {
+  const int64_t threads = at::get_num_threads(), ways = std::max<int64_t>(1, (8 * threads + jobs - 1) / jobs);
+  std::vector<Piece> ps;
+  ps.reserve(jobs);
+  for (int64_t j = 0; j < jobs; ++j) {
+    const auto [lo, hi] = range(j);
+    const int64_t k = std::max<int64_t>(1, std::min(ways, (hi - lo) / MIN_PIECE)), step = (hi - lo + k - 1) / k;
+    int64_t a = lo;
+    for (int64_t i = 1; i <= k; ++i) {
+      const int64_t e = i == k ? hi : std::min(hi, (lo + i * step + align - 1) / align * align);
+      if (e > a || a == lo) ps.push_back({j, a, std::max(a, e)});
+      a = std::max(a, e);
+    }
+  }
+  return ps;
+}
+
+// Every piece's part(piece, o, m, l) (attend_part's outputs), in parallel, then each job's pieces merged into
+// out(job) (rep, Dv): Σ_p o_p e^(m_p - M) / Σ_p l_p e^(m_p - M), M the largest m_p (zeros for a job that saw
+// nothing). One piece a job (many jobs: the usual case past batch 2): each normalises its own output in place.
+template <class Part, class Out>
+void run_pieces(const std::vector<Piece> &ps, int64_t jobs, int64_t rep, int64_t Dv, Part part, Out out) {
+  const int64_t P = ps.size();
+  if (P == jobs) {
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> ml(2 * rep);
+      for (int64_t i = begin; i < end; ++i) {
+        float *y = out(ps[i].job);
+        part(ps[i], y, ml.data(), ml.data() + rep);
+        for (int64_t r = 0; r < rep; ++r)
+          if (ml[rep + r] > 0.f)
+            for (int64_t j = 0; j < Dv; ++j) y[r * Dv + j] /= ml[rep + r];
+      }
+    });
+    return;
+  }
+  std::vector<float> O(P * rep * Dv), M(P * rep), L(P * rep);
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) part(ps[i], O.data() + i * rep * Dv, M.data() + i * rep, L.data() + i * rep);
+  });
+  for (int64_t i = 0; i < P;) {  // pieces [i, k) are one job's
+    int64_t k = i;
+    while (k < P && ps[k].job == ps[i].job) ++k;
+    float *y = out(ps[i].job);
+    for (int64_t r = 0; r < rep; ++r) {
+      float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+      for (int64_t p = i; p < k; ++p) mx = std::max(mx, M[p * rep + r]);
+      float *yr = y + r * Dv;
+      std::fill(yr, yr + Dv, 0.f);
+      if (mx == -std::numeric_limits<float>::infinity()) continue;
+      for (int64_t p = i; p < k; ++p) {
+        const float c = std::exp(M[p * rep + r] - mx);  // 0 for a piece that saw nothing
+        sum += c * L[p * rep + r];
+        const float *op = O.data() + (p * rep + r) * Dv;
+        for (int64_t j = 0; j < Dv; ++j) yr[j] += c * op[j];
+      }
+      for (int64_t j = 0; j < Dv; ++j) yr[j] /= sum;
+    }
+    i = k;
   }
 }
 

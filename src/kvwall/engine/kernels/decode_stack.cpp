@@ -243,26 +243,26 @@ struct Stack {
     float *py = y.data_ptr<float>();
     const QuantKV Q = kv.kind == Kind::kivi ? quant_kv(kv.kq, kv.ks, kv.kz, kv.vq, kv.vs, kv.vz, kv.k, kv.v, kv.bits)
                                             : QuantKV{};
-    const int64_t bs = kv.k.size(2);
-    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> s, buf;
-      for (int64_t job = begin; job < end; ++job) {
-        const int64_t b = job / H, j = job % H;
-        const float *qq = p + b * width + j * rep * d;
-        float *yy = py + (b * L.nq + j * rep) * dv;
-        if (kv.kind == Kind::fp32) {
-          attend_job(qq, rep, d, dv, kv.k.data_ptr<float>(), kv.v.data_ptr<float>(), tab + b * nb, H, j, bs, len[b],
-                     L.window, float(L.scale), yy, s);
-        } else if (kv.kind == Kind::fp8) {
-          attend_job_fp8(qq, rep, d, dv, static_cast<const uint8_t *>(kv.k.data_ptr()),
-                         static_cast<const uint8_t *>(kv.v.data_ptr()), tab + b * nb, H, j, bs, len[b], L.window,
-                         float(L.scale), yy, s, buf);
-        } else {  // quantized_decode's window: the query at position len - 1 sees positions > len - 1 - window
-          const int64_t lo = L.window > 0 ? std::max<int64_t>(0, len[b] - L.window) : 0;
-          attend_head_bits(kv.bits, Q, b, j, qq, rep, lo, nq[b], len[b] - nq[b], float(L.scale), yy);
-        }
-      }
-    });
+    const int64_t bs = kv.k.size(2), window = L.window;
+    const auto ps = cut_jobs(B * H, [&](int64_t job) {  // the tokens row b's queries see, at position len - 1
+      const int64_t n = len[job / H];
+      return std::pair<int64_t, int64_t>{window > 0 ? std::max<int64_t>(0, n - window) : 0, n};
+    }, kv.kind == Kind::kivi ? quant_align(Q) : FP8_TILE);
+    thread_local std::vector<float> s, buf;
+    thread_local QuantScratch sc;
+    run_pieces(ps, B * H, rep, dv, [&](const Piece &pc, float *o, float *m, float *l) {
+      const int64_t b = pc.job / H, j = pc.job % H;
+      const float *qq = p + b * width + j * rep * d;
+      if (kv.kind == Kind::fp32)
+        attend_part(qq, rep, d, dv, kv.k.data_ptr<float>(), kv.v.data_ptr<float>(), tab + b * nb, H, j, bs, pc.a,
+                    pc.e, float(L.scale), o, m, l, s);
+      else if (kv.kind == Kind::fp8)
+        attend_part_fp8(qq, rep, d, dv, static_cast<const uint8_t *>(kv.k.data_ptr()),
+                        static_cast<const uint8_t *>(kv.v.data_ptr()), tab + b * nb, H, j, bs, pc.a, pc.e,
+                        float(L.scale), o, m, l, s, buf);
+      else  // quantized_decode's window: the query at position len - 1 sees positions > len - 1 - window
+        attend_part_bits(kv.bits, Q, b, j, qq, rep, pc.a, pc.e, nq[b], float(L.scale), o, m, l, sc);
+    }, [&](int64_t job) { return py + (job / H * L.nq + job % H * rep) * dv; });
     return y;
   }
 };

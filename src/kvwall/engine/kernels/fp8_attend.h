@@ -13,37 +13,34 @@ constexpr float E4M3_MAX = 448.f;  // the largest finite e4m3fn (caches/fp8.py: 
 // then torch's cast to float8_e4m3fn (c10's round to nearest even) -> its byte
 inline uint8_t to_e4m3(float x) { return c10::Float8_e4m3fn(std::min(std::max(x, -E4M3_MAX), E4M3_MAX)).x; }
 
-// attend_job (common.h) with kp (NB, H, bs, D) and vp (NB, H, bs, Dv) holding e4m3 bytes: the rep query heads qq
-// (rep, D) over the row's n tokens, or the last `window` -> yy (rep, Dv). s: scores scratch; buf: conversions.
-inline void attend_job_fp8(const float *qq, int64_t rep, int64_t D, int64_t Dv, const uint8_t *kp, const uint8_t *vp,
-                           const int64_t *blk, int64_t H, int64_t h, int64_t bs, int64_t n, int64_t window,
-                           float scale, float *yy, std::vector<float> &s, std::vector<float> &buf) {
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0, N = n - lo;
-  if (N <= 0) return;  // a row holding nothing
+// attend_part (common.h) with kp (NB, H, bs, D) and vp (NB, H, bs, Dv) holding e4m3 bytes: the rep query heads
+// qq (rep, D) over the row's tokens [a, e) -> o, m, l unnormalised. s: scores scratch; buf: conversions.
+inline void attend_part_fp8(const float *qq, int64_t rep, int64_t D, int64_t Dv, const uint8_t *kp, const uint8_t *vp,
+                            const int64_t *blk, int64_t H, int64_t h, int64_t bs, int64_t a, int64_t e, float scale,
+                            float *o, float *m, float *l, std::vector<float> &s, std::vector<float> &buf) {
+  const int64_t N = e - a;
+  std::fill(o, o + rep * Dv, 0.f);
+  std::fill(m, m + rep, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rep, 0.f);
+  if (N <= 0) return;
   s.assign(rep * N, 0.f);  // (rep, N) scores, then weights
   buf.resize(FP8_TILE * std::max(D, Dv));
   // the runs [t0, t1) of consecutive tokens: within one block, at most FP8_TILE long
-  auto run_end = [&](int64_t t0) { return std::min({n, (t0 / bs + 1) * bs, t0 + FP8_TILE}); };
+  auto run_end = [&](int64_t t0) { return std::min({e, (t0 / bs + 1) * bs, t0 + FP8_TILE}); };
   auto at = [&](int64_t t) { return (blk[t / bs] * H + h) * bs + t % bs; };  // token t's slot in the pool
-  for (int64_t t0 = lo; t0 < n;) {
+  for (int64_t t0 = a; t0 < e;) {
     const int64_t t1 = run_end(t0);
     e4m3_to_float(kp + at(t0) * D, buf.data(), (t1 - t0) * D);  // (t1 - t0, D) keys
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t r = 0; r < rep; ++r) s[r * N + t - lo] = dot(qq + r * D, buf.data() + (t - t0) * D, D) * scale;
+      for (int64_t r = 0; r < rep; ++r) s[r * N + t - a] = dot(qq + r * D, buf.data() + (t - t0) * D, D) * scale;
     t0 = t1;
   }
-  std::vector<float> sum(rep);  // softmax sums per query head
-  for (int64_t r = 0; r < rep; ++r) {
-    sum[r] = exp_shifted(s.data() + r * N, 0, N).second;
-    std::fill(yy + r * Dv, yy + (r + 1) * Dv, 0.f);
-  }
-  for (int64_t t0 = lo; t0 < n;) {
+  for (int64_t r = 0; r < rep; ++r) std::tie(m[r], l[r]) = exp_shifted(s.data() + r * N, 0, N);
+  for (int64_t t0 = a; t0 < e;) {
     const int64_t t1 = run_end(t0);
     e4m3_to_float(vp + at(t0) * Dv, buf.data(), (t1 - t0) * Dv);  // (t1 - t0, Dv) values
     for (int64_t r = 0; r < rep; ++r)
-      dot_span(s.data() + r * N + t0 - lo, buf.data(), Dv, t1 - t0, yy + r * Dv, 0, Dv);
+      dot_span(s.data() + r * N + t0 - a, buf.data(), Dv, t1 - t0, o + r * Dv, 0, Dv);
     t0 = t1;
   }
-  for (int64_t r = 0; r < rep; ++r)
-    for (int64_t j = 0; j < Dv; ++j) yy[r * Dv + j] /= sum[r];
 }

@@ -15,20 +15,11 @@ static void check_tables(const torch::Tensor &table, const torch::Tensor &length
   }
 }
 
-// n 16-bit floats to fp32. bf16 is fp32's top half: a 16-bit shift, exact. fp16: _mm512_cvtph_ps, exact.
+// n bf16 values to fp32: bf16 is fp32's top half, a 16-bit shift, exact (fp16: quant_unpack.h's half_to_float)
 inline void bf16_to_float(const uint16_t *__restrict p, float *__restrict out, int64_t n) {
   uint32_t *o = reinterpret_cast<uint32_t *>(out);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) o[i] = uint32_t(p[i]) << 16;
-}
-
-inline void half_to_float(const at::Half *__restrict p, float *__restrict out, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p + i))));
-#endif
-  for (; i < n; ++i) out[i] = float(p[i]);
 }
 
 // One side (K or V) of a float pool of 16- or 8-bit elements: token slot i's `width` values start at p + i * width.

@@ -77,3 +77,17 @@ inline void e4m3_to_float(const uint8_t *__restrict p, float *__restrict out, in
   for (; i < n; ++i) out[i] = float(c10::Float8_e4m3fn(p[i], c10::Float8_e4m3fn::from_bits()));
 }
 
+// n fp16 values to floats, 16 (AVX-512) or 8 (F16C) at a time: a scalar at::Half -> float conversion is a
+// dozen integer instructions, and the quantized kernels convert a scale and a zero point per group.
+inline void half_to_float(const at::Half *__restrict p, float *__restrict out, int64_t n) {
+  int64_t i = 0;
+  const auto *h = reinterpret_cast<const uint16_t *>(p);
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(h + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(h + i))));
+#endif
+  for (; i < n; ++i) out[i] = float(p[i]);
+}

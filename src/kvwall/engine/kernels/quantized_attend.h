@@ -13,72 +13,186 @@ struct QuantKV {  // one layer's buffers, as QuantizedLayer allocates them (cont
 
 constexpr int64_t TILE = 128;  // tokens of values unpacked at once (TILE x Dv floats)
 
-// One (row b, KV head h): the rep query heads q (rep, D) against the row's tokens [lo, n + res): the
-// quantized ones [0, n) (token t at position t) and the full-precision residual (slot i at position n + i).
-template <int BITS>
-void attend_head(const QuantKV &L, int64_t b, int64_t h, const float *q, int64_t rep, int64_t lo, int64_t n,
-                 int64_t res, float scale, float *o_out) {
-  const int64_t D = L.D, G = L.G, Dv = L.Dv, NG = L.NG, gv = Dv / NG, N = n + res;
-  const int64_t KB = G * BITS / 8, VB = Dv * BITS / 8, bh = b * L.H + h;
-  const float sym = -float(1 << (BITS - 1));  // symmetric: z = -2^(bits-1) s
-  const float *rk = L.rk + bh * L.slots * D, *rv = L.rv + bh * L.slots * Dv;
-  std::vector<float> scores(rep * N), buf(std::max(D * G, TILE * Dv)), qs(D), zsum(rep * NG, 0.f), w(TILE);
-  std::vector<float> vsf(TILE * NG), vzf(TILE * NG);
-  // quantized keys: chunk c's bytes are (D, G) values; score[t] = Σ_d (q[d] s[d]) k[d, t] + Σ_d q[d] z[d]
-  for (int64_t c = lo / G; c < n / G; ++c) {
-    const int64_t cd = (bh * L.C + c) * D;
-    unpack<BITS>(L.kq + cd * KB, buf.data(), D * G);
-    for (int64_t r = 0; r < rep; ++r) {
-      float bias = 0.f;
-      for (int64_t d = 0; d < D; ++d) {
-        const float s = float(L.ks[cd + d]), z = L.kz ? float(L.kz[cd + d]) : sym * s;
-        qs[d] = q[r * D + d] * s;
-        bias += q[r * D + d] * z;
-      }
-      float *out = scores.data() + r * N + c * G;
-      std::fill(out, out + G, 0.f);
-      dot_span(qs.data(), buf.data(), G, D, out, 0, G);
-      for (int64_t j = 0; j < G; ++j) out[j] = (out[j] + bias) * scale;
+#if defined(__AVX512F__)
+// fma_cols for 16- or 8-byte columns (CB) and R <= 8 query heads, the accumulators in registers: each load of
+// codes widened once to 16 lanes (an 8-byte one leaves the upper 8 zero), then its 8 / BITS fields (lane l of field i: value PER l + i) multiplied into every
+// head's sums, unpacked in registers (no buffer), put back into element order once at the end.
+template <int BITS, int R>
+inline void fma16(const uint8_t *p, int64_t stride, int64_t CB, int64_t K, const float *coef, int64_t cs,
+                  float *out, int64_t os) {
+  constexpr int PER = 8 / BITS, KS = R * PER <= 4 ? 2 : 1;  // KS: two k chains where few sums hide FMA latency
+  __m512 acc[KS][R][PER];
+  for (int s = 0; s < KS; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < PER; ++i) acc[s][r][i] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  auto step = [&](int s, int64_t k) {
+    const __m128i *at = reinterpret_cast<const __m128i *>(p + k * stride);
+    const __m512i b = _mm512_cvtepu8_epi32(CB == 16 ? _mm_loadu_si128(at) : _mm_loadl_epi64(at));
+    __m512 f[PER];
+    for (int i = 0; i < PER; ++i)
+      f[i] = _mm512_cvtepi32_ps(BITS == 8 ? b : _mm512_and_si512(_mm512_srli_epi32(b, i * BITS), mask));
+    for (int r = 0; r < R; ++r) {
+      const __m512 c = _mm512_set1_ps(coef[r * cs + k]);
+      for (int i = 0; i < PER; ++i) acc[s][r][i] = _mm512_fmadd_ps(c, f[i], acc[s][r][i]);
     }
-  }
-  // residual keys, full precision
-  for (int64_t t = std::max(lo, n); t < N; ++t)
-    for (int64_t r = 0; r < rep; ++r) {
-      float a = 0.f;
-      for (int64_t d = 0; d < D; ++d) a += q[r * D + d] * rk[(t - n) * D + d];
-      scores[r * N + t] = a * scale;
+  };
+  int64_t k = 0;
+  for (; k + KS <= K; k += KS)
+    for (int s = 0; s < KS; ++s) step(s, k + s);
+  for (; k < K; ++k) step(0, k);
+  const __m512i pair_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i pair_hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const __m512i q_lo = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), q_hi = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
+  auto quads = [](__m512 x, __m512i idx, __m512 y) {
+    return _mm512_castpd_ps(_mm512_permutex2var_pd(_mm512_castps_pd(x), idx, _mm512_castps_pd(y)));
+  };
+  for (int r = 0; r < R; ++r) {
+    __m512 a[PER], e[PER];
+    for (int i = 0; i < PER; ++i) a[i] = KS == 2 ? _mm512_add_ps(acc[0][r][i], acc[KS - 1][r][i]) : acc[0][r][i];
+    if constexpr (PER == 1) e[0] = a[0];
+    else if constexpr (PER == 2) {
+      e[0] = _mm512_permutex2var_ps(a[0], pair_lo, a[1]);
+      e[1] = _mm512_permutex2var_ps(a[0], pair_hi, a[1]);
+    } else {  // interleave fields 0/1 and 2/3, then those pairs as 64-bit lanes
+      const __m512 a0 = _mm512_permutex2var_ps(a[0], pair_lo, a[1]), a1 = _mm512_permutex2var_ps(a[0], pair_hi, a[1]);
+      const __m512 b0 = _mm512_permutex2var_ps(a[2], pair_lo, a[3]), b1 = _mm512_permutex2var_ps(a[2], pair_hi, a[3]);
+      e[0] = quads(a0, q_lo, b0), e[1] = quads(a0, q_hi, b0), e[2] = quads(a1, q_lo, b1), e[3] = quads(a1, q_hi, b1);
     }
-  // softmax over [lo, N), per query head: scores become exp(score - max); l = their sum
-  std::vector<float> l(rep);
-  for (int64_t r = 0; r < rep; ++r) l[r] = exp_shifted(scores.data() + r * N, lo, N).second;
-  // quantized values, TILE tokens at a time: out[j] = Σ_t (p[t] s[t, g]) v[t, j] + Σ_t p[t] z[t, g]
-  std::fill(o_out, o_out + rep * Dv, 0.f);
-  for (int64_t t0 = lo; t0 < n; t0 += TILE) {
-    const int64_t tt = std::min(TILE, n - t0), bt = bh * L.Tq + t0;
-    unpack<BITS>(L.vq + bt * VB, buf.data(), tt * Dv);  // (tt, Dv)
-    for (int64_t i = 0; i < tt * NG; ++i) {  // the tile's scales and zero points, (tt, NG), as floats once
-      vsf[i] = float(L.vs[bt * NG + i]);
-      vzf[i] = L.vz ? float(L.vz[bt * NG + i]) : sym * vsf[i];
+    for (int64_t i = 0; i < PER && 16 * i < CB * PER; ++i) {  // CB PER values: 8 bytes of int8 fill half a vector
+      float *o = out + r * os + 16 * i;
+      const __mmask16 m = CB * PER - 16 * i >= 16 ? 0xffff : __mmask16((1u << (CB * PER - 16 * i)) - 1);
+      _mm512_mask_storeu_ps(o, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), e[i]));
     }
-    for (int64_t r = 0; r < rep; ++r)
-      for (int64_t g = 0; g < NG; ++g) {
-        float zs = 0.f;
-        for (int64_t t = 0; t < tt; ++t) {
-          const float p = scores[r * N + t0 + t];
-          zs += p * vzf[t * NG + g];
-          w[t] = p * vsf[t * NG + g];
-        }
-        zsum[r * NG + g] += zs;
-        dot_span(w.data(), buf.data(), Dv, tt, o_out + r * Dv, g * gv, (g + 1) * gv);
-      }
-  }
-  // residual values, then normalise
-  const int64_t r0 = std::max(lo, n);
-  for (int64_t r = 0; r < rep; ++r) {
-    if (r0 < N) dot_span(scores.data() + r * N + r0, rv + (r0 - n) * Dv, Dv, N - r0, o_out + r * Dv, 0, Dv);
-    for (int64_t j = 0; j < Dv; ++j) o_out[r * Dv + j] = (o_out[r * Dv + j] + zsum[r * NG + j / gv]) / l[r];
   }
 }
+#endif
+
+// out[r * os + v] += Σ_k coef[r * cs + k] code_k[v] for r < R, v < CB * 8 / BITS: code_k the values packed in
+// the CB bytes at p + k * stride (little end first). Keys: k a channel, v a chunk's token; values: k a token, v a
+// channel of one group. The dequantization's scale and zero point are folded into coef and a bias by the caller.
+template <int BITS>
+inline void fma_cols(const uint8_t *p, int64_t stride, int64_t CB, int64_t K, const float *coef, int64_t cs,
+                     int64_t R, float *out, int64_t os) {
+#if defined(__AVX512F__)
+  if (CB == 16 || CB == 8) {
+    for (int64_t r0 = 0; r0 < R; r0 += 8) {
+      const float *c = coef + r0 * cs;
+      float *o = out + r0 * os;
+      switch (std::min<int64_t>(8, R - r0)) {
+        case 1: fma16<BITS, 1>(p, stride, CB, K, c, cs, o, os); break;
+        case 2: fma16<BITS, 2>(p, stride, CB, K, c, cs, o, os); break;
+        case 3: fma16<BITS, 3>(p, stride, CB, K, c, cs, o, os); break;
+        case 4: fma16<BITS, 4>(p, stride, CB, K, c, cs, o, os); break;
+        case 5: fma16<BITS, 5>(p, stride, CB, K, c, cs, o, os); break;
+        case 6: fma16<BITS, 6>(p, stride, CB, K, c, cs, o, os); break;
+        case 7: fma16<BITS, 7>(p, stride, CB, K, c, cs, o, os); break;
+        default: fma16<BITS, 8>(p, stride, CB, K, c, cs, o, os);
+      }
+    }
+    return;
+  }
+#endif
+  const int64_t NV = CB * 8 / BITS;
+  float v[128];  // CB <= 16 bytes: at most 64 values
+  for (int64_t k = 0; k < K; ++k) {
+    unpack<BITS>(p + k * stride, v, NV);
+    for (int64_t r = 0; r < R; ++r) {
+      const float c = coef[r * cs + k];
+      float *o = out + r * os;
+#pragma omp simd
+      for (int64_t j = 0; j < NV; ++j) o[j] += c * v[j];
+    }
+  }
+}
+
+// The widest column a kernel reads at once: 16 bytes where the row (or group) of `bytes` is a multiple of it
+inline int64_t col_bytes(int64_t bytes) { return std::gcd<int64_t>(16, bytes); }
+
+struct QuantScratch {  // one thread's buffers
+  std::vector<float> s, buf, qs, ksf, kzf, vs, vz, w, zsum;
+};
+
+// One (row b, KV head h): the rep query heads q (rep, D) against the row's tokens [a, e), of which [0, n) are
+// quantized (token t at position t) and the rest the full-precision residual (slot i at position n + i); the
+// caller cuts at multiples of lcm(G, TILE), so that a span ends where a chunk does (its start may be any window's).
+// -> o (rep, Dv), m, l (rep): attend_part's unnormalised outputs (common.h). Scales and zero points are converted
+// once a chunk or tile (half_to_float), not once a query head: at::Half's scalar conversion was most of the time.
+template <int BITS>
+void attend_part_q(const QuantKV &L, int64_t b, int64_t h, const float *q, int64_t rep, int64_t a, int64_t e,
+                   int64_t n, float scale, float *o, float *m, float *l, QuantScratch &sc) {
+  const int64_t D = L.D, G = L.G, Dv = L.Dv, NG = L.NG, gv = Dv / NG, qe = std::min(e, n);
+  const int64_t KB = G * BITS / 8, VB = Dv * BITS / 8, bh = b * L.H + h;
+  const int64_t a0 = a < n ? a / G * G : a, S = e - a0;  // scores cover [a0, e): whole chunks
+  const float sym = -float(1 << (BITS - 1));  // symmetric: z = -2^(bits-1) s
+  const float *rk = L.rk + bh * L.slots * D, *rv = L.rv + bh * L.slots * Dv;
+  std::fill(o, o + rep * Dv, 0.f);
+  std::fill(m, m + rep, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rep, 0.f);
+  if (e <= a) return;
+  sc.s.assign(rep * S, 0.f);
+  sc.buf.resize(TILE * NG);  // a tile's (tt, NG) scales or zero points
+  sc.qs.resize(rep * D), sc.ksf.resize(D), sc.kzf.resize(D), sc.w.resize(rep * NG * TILE);  // w: (rep, NG, tt)
+  sc.vs.resize(TILE * NG), sc.vz.resize(TILE * NG);
+  sc.zsum.assign(rep * NG, 0.f);
+  float *s = sc.s.data(), *buf = sc.buf.data(), *qs = sc.qs.data(), *ksf = sc.ksf.data(), *kzf = sc.kzf.data();
+  // quantized keys: chunk c's bytes are (D, G) codes; score[t] = Σ_d (q[d] s[d]) k[d, t] + Σ_d q[d] z[d]
+  const int64_t CBk = col_bytes(KB), CBv = col_bytes(gv * BITS / 8);
+  for (int64_t c = a0 / G; c * G < qe; ++c) {
+    const int64_t cd = (bh * L.C + c) * D;
+    half_to_float(L.ks + cd, ksf, D);
+    if (L.kz) half_to_float(L.kz + cd, kzf, D);
+    else
+      for (int64_t d = 0; d < D; ++d) kzf[d] = sym * ksf[d];
+    for (int64_t r = 0; r < rep; ++r) {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) qs[r * D + d] = q[r * D + d] * ksf[d];
+    }
+    float *out = s + c * G - a0;  // (rep, G) of rows S apart
+    for (int64_t cb = 0; cb < KB; cb += CBk)
+      fma_cols<BITS>(L.kq + cd * KB + cb, KB, CBk, D, qs, D, rep, out + cb * 8 / BITS, S);
+    for (int64_t r = 0; r < rep; ++r) {
+      const float bias = dot(q + r * D, kzf, D);
+      for (int64_t j = 0; j < G; ++j) out[r * S + j] = (out[r * S + j] + bias) * scale;
+    }
+  }
+  for (int64_t t = std::max(a, n); t < e; ++t)  // residual keys, full precision
+    for (int64_t r = 0; r < rep; ++r) s[r * S + t - a0] = dot(q + r * D, rk + (t - n) * D, D) * scale;
+  // softmax over [a, e), per query head: scores become exp(score - m); l = their sum
+  for (int64_t r = 0; r < rep; ++r) std::tie(m[r], l[r]) = exp_shifted(s + r * S, a - a0, S);
+  // quantized values, TILE tokens at a time: out[j] = Σ_t (p[t] s[t, g]) v[t, j] + Σ_t p[t] z[t, g], g = j / gv
+  float *vs = sc.vs.data(), *vz = sc.vz.data(), *w = sc.w.data();
+  for (int64_t t0 = a; t0 < qe; t0 += TILE) {
+    const int64_t tt = std::min(TILE, qe - t0), bt = bh * L.Tq + t0;
+    half_to_float(L.vs + bt * NG, buf, tt * NG);  // (tt, NG) -> vs (NG, tt): a group's scales in a run
+    for (int64_t t = 0; t < tt; ++t)
+      for (int64_t g = 0; g < NG; ++g) vs[g * tt + t] = buf[t * NG + g];
+    if (L.vz) {
+      half_to_float(L.vz + bt * NG, buf, tt * NG);
+      for (int64_t t = 0; t < tt; ++t)
+        for (int64_t g = 0; g < NG; ++g) vz[g * tt + t] = buf[t * NG + g];
+    }
+    for (int64_t r = 0; r < rep; ++r)  // w (rep, NG, tt): each head's weights times each group's scales
+      for (int64_t g = 0; g < NG; ++g) {
+        const float *p = s + r * S + t0 - a0, *sg = vs + g * tt;
+        float *wg = w + (r * NG + g) * TILE;
+#pragma omp simd
+        for (int64_t t = 0; t < tt; ++t) wg[t] = p[t] * sg[t];
+        sc.zsum[r * NG + g] += L.vz ? dot(p, vz + g * tt, tt) : sym * std::accumulate(wg, wg + tt, 0.f);
+      }
+    for (int64_t cb = 0; cb < VB; cb += CBv)  // a column of CBv bytes lies in one group
+      fma_cols<BITS>(L.vq + bt * VB + cb, VB, CBv, tt, w + (cb * 8 / BITS / gv) * TILE, NG * TILE, rep,
+                     o + cb * 8 / BITS, Dv);
+  }
+  const int64_t r0 = std::max(a, n);  // residual values, then each group's zero-point sum
+  for (int64_t r = 0; r < rep; ++r) {
+    if (r0 < e) dot_span(s + r * S + r0 - a0, rv + (r0 - n) * Dv, Dv, e - r0, o + r * Dv, 0, Dv);
+    for (int64_t j = 0; j < Dv; ++j) o[r * Dv + j] += sc.zsum[r * NG + j / gv];
+  }
+}
+
+// The multiple of tokens a kivi job's pieces are cut at (cut_jobs): whole key chunks and value tiles
+inline int64_t quant_align(const QuantKV &L) { return std::lcm(L.G, TILE); }
 
 // The raw view of a QuantizedLayer's tensors (kz, vz undefined: a symmetric format). The caller checks shapes.
 inline QuantKV quant_kv(const torch::Tensor &kq, const torch::Tensor &ks, const torch::Tensor &kz,
@@ -90,10 +204,11 @@ inline QuantKV quant_kv(const torch::Tensor &kq, const torch::Tensor &ks, const 
           vq.size(2), vq.size(3) * 8 / bits, vs.size(3), rk.size(2)};
 }
 
-// attend_head for a format's bits (8, 4 or 2): one switch, here, for every caller
-inline void attend_head_bits(int64_t bits, const QuantKV &L, int64_t b, int64_t h, const float *q, int64_t rep,
-                             int64_t lo, int64_t n, int64_t res, float scale, float *o_out) {
-  if (bits == 8) attend_head<8>(L, b, h, q, rep, lo, n, res, scale, o_out);
-  else if (bits == 4) attend_head<4>(L, b, h, q, rep, lo, n, res, scale, o_out);
-  else attend_head<2>(L, b, h, q, rep, lo, n, res, scale, o_out);
+// attend_part_q for a format's bits (8, 4 or 2): one switch, here, for every caller
+inline void attend_part_bits(int64_t bits, const QuantKV &L, int64_t b, int64_t h, const float *q, int64_t rep,
+                             int64_t a, int64_t e, int64_t n, float scale, float *o, float *m, float *l,
+                             QuantScratch &sc) {
+  if (bits == 8) attend_part_q<8>(L, b, h, q, rep, a, e, n, scale, o, m, l, sc);
+  else if (bits == 4) attend_part_q<4>(L, b, h, q, rep, a, e, n, scale, o, m, l, sc);
+  else attend_part_q<2>(L, b, h, q, rep, a, e, n, scale, o, m, l, sc);
 }

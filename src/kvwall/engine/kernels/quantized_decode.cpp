@@ -21,19 +21,16 @@ torch::Tensor quantized_decode(torch::Tensor q, torch::Tensor kq, torch::Tensor 
   const int64_t *pn = n.data_ptr<int64_t>(), *pr = res.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
   const float *pq = q.data_ptr<float>();
   float *py = y.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / H, h = job % H, nb = pn[b], rb = pr[b], p = pp[b];
-      const int64_t lo = (window > 0 && p >= 0) ? std::max<int64_t>(0, p - window + 1) : 0;
-      const float *qq = pq + job * rep * D;
-      float *yy = py + job * rep * L.Dv;
-      if (lo >= nb + rb) {  // a row holding nothing (a padding row that never started): zeros, as over empty slots
-        std::fill(yy, yy + rep * L.Dv, 0.f);
-        continue;
-      }
-      attend_head_bits(bits, L, b, h, qq, rep, lo, nb, rb, float(scale), yy);
-    }
-  });
+  const auto ps = cut_jobs(B * H, [&](int64_t job) {  // row b's tokens [lo, n + res); nothing: a padding row
+    const int64_t b = job / H, p = pp[b];
+    const int64_t lo = (window > 0 && p >= 0) ? std::max<int64_t>(0, p - window + 1) : 0;
+    return std::pair<int64_t, int64_t>{std::min(lo, pn[b] + pr[b]), pn[b] + pr[b]};
+  }, quant_align(L));
+  thread_local QuantScratch sc;
+  run_pieces(ps, B * H, rep, L.Dv, [&](const Piece &pc, float *o, float *m, float *l) {
+    attend_part_bits(bits, L, pc.job / H, pc.job % H, pq + pc.job * rep * D, rep, pc.a, pc.e, pn[pc.job / H],
+                     float(scale), o, m, l, sc);
+  }, [&](int64_t job) { return py + job * rep * L.Dv; });  // a row holding nothing: zeros, as over empty slots
   return y;
 }
 
