@@ -279,9 +279,15 @@ def batch_for(args, spec, engine: str, setting: str, context: int, want: str) ->
 
 # -- quality from `kvwall quality --json` files ----------------------------------------------------------------
 
-def read_quality(files: str | None) -> list[dict]:
-    """The data of each `kvwall quality --json` file given."""
-    return [json.loads(Path(f).read_text()) for f in (files or "").split(",") if f]
+def read_quality(files: str | None, model: str) -> list[dict]:
+    """The data of each `kvwall quality --json` file given, or `model`'s in a file that keys them by model name (the
+    package's catalog/quality_long.json)."""
+    out = []
+    for f in (files or "").split(","):
+        if f:
+            data = json.loads(Path(f).read_text())
+            out += [data] if "text" in data else [data[model]] if model in data else []
+    return out
 
 
 def quality_of(quality: list[dict], cache: str, context: int) -> dict | str:
@@ -443,7 +449,9 @@ def setup(args, path: Path, spec, contexts: list[int], batches: list[str]) -> di
     engines = args.engines.split(",")
     caches = [cache_text(c) for c in args.caches.split(",") if c]
     ctx = {"spec": spec, "caches": caches if "kvwall" in engines else [],
-           "quality": read_quality(args.quality), "hf": None, "llms": {}, "not_run": {}}
+           "quality": read_quality(args.quality, MODELS[args.model][0]), "hf": None, "llms": {}, "not_run": {}}
+    for c in caches:  # a quality file that cannot be read fails here, before hours of runs
+        quality_of(ctx["quality"], c, 1024)
     ctx["model"] = load_model(path, weights="native") if ctx["caches"] else None
     if "transformers" in engines:
         ctx["hf"], why = load_transformers(str(path))
@@ -577,6 +585,7 @@ def main() -> None:
                       "max_tokens=new+1 less max_tokens=1",
             "new": args.new, "runs": args.runs, "threads": args.threads, "torch": torch.__version__,
             "neighbour": args.neighbour, "quality_files": args.quality,
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),  # OpenMP's barrier spin (bench_neighbour_spin.py)
             "seconds": round(time.time() - t_start, 1),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "rows": rows}, indent=1))
 

@@ -1,6 +1,7 @@
 """The fp8 and KIVI (int8 / int4 / int2) caches inside the fused decode step (engine/decode_stack.py): its logits
 equal the layer-by-layer path's over the same cache, at batch 1 and at batch 3 with prompts of different lengths,
-across the KIVI chunk flushes (the one step in G that the stack leaves to the layers); and the e4m3 conversions its
+across the KIVI chunk flushes (the chunk a step would flush quantized first: every step is the stack's, but with
+R = 0); long rows cut into pieces; and the e4m3 conversions its
 kernel reads and writes with, against torch's own float8_e4m3fn."""
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def model(model_type: str, layers: int = 7, **extra) -> Transformer:
     return m.set_eager(False)
 
 
-def decode(m: Transformer, prompts: list[torch.Tensor], steps: int, cache: str):
+def decode(m: Transformer, prompts: list[torch.Tensor], steps: int, cache: str, residual: int = RESIDUAL):
     """Right-padded prefill of `prompts` into two caches, then `steps` greedy steps, each row at its own next position:
     every step runs once through the stack over one cache and once layer by layer over the other, after the first is
     made a copy of the second (so each step starts both paths from the same state: what a step adds, not what the
@@ -48,7 +49,7 @@ def decode(m: Transformer, prompts: list[torch.Tensor], steps: int, cache: str):
     tok, pos = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
     for b, p in enumerate(prompts):
         tok[b, :len(p)], pos[b, :len(p)] = p, torch.arange(len(p))
-    stack_cache, layer_cache = (make_cache(cache, m.spec, B, T + steps + 1, residual=RESIDUAL) for _ in range(2))
+    stack_cache, layer_cache = (make_cache(cache, m.spec, B, T + steps + 1, residual=residual) for _ in range(2))
     m.stack = False
     with torch.inference_mode():
         nxt = m(tok, pos, layer_cache, last_only=True)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
@@ -109,15 +110,15 @@ CASES = [("int8", 128), ("int4", 32), ("int2", 32), ("int4:g64", 64), ("int4:sym
 @pytest.mark.parametrize("lengths", [[7], [5, 40, 19]])
 @pytest.mark.parametrize("fmt,group", CASES)
 def test_kivi_in_the_stack_equals_the_layers(kernel, stacked, model_type, lengths, fmt, group):
-    """2G + 3 steps: two flushes per row, each left to the layers; every other step in the stack."""
+    """2G + 3 steps: two flushes per row, each chunk quantized before the stack's step; every step in the stack."""
     assert get_format(fmt).group == group
     m = model(model_type, layers=6 if model_type == "gemma3_text" else 3)  # Gemma 3: layer 5 is its global one
     g = torch.Generator().manual_seed(len(lengths))
     prompts = [torch.randint(0, 40, (n,), generator=g) for n in lengths]
     steps = 2 * group + 3
     got, expected, c_stack, c_layers = decode(m, prompts, steps, fmt)
-    assert stacked == [not any(flushes(n + i + 1, group) for n in lengths) for i in range(steps)]  # the stack's steps
-    assert sum(not s for s in stacked) >= 2 * len(lengths) - 1
+    assert stacked == [True] * steps
+    assert sum(flushes(n + i + 1, group) for n in lengths for i in range(steps)) >= 2 * len(lengths)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert got.abs().max() > 1  # not a degenerate model
     assert isinstance(c_stack, QuantizedCache)
@@ -138,6 +139,17 @@ def test_fp8_in_the_stack_equals_the_layers(kernel, stacked, model_type, lengths
     assert stacked == [True] * 12
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert got.abs().max() > 1
+
+
+def test_with_no_residual_a_flushing_step_is_left_to_the_layers(kernel, stacked):
+    """R = 0: the chunk a step flushes holds that step's own token, which only the layers have (int4, G = 32: a
+    prompt of 30 tokens flushes at the 32nd token, the second step)."""
+    m = model("llama", layers=2)
+    prompt = torch.randint(0, 40, (30,), generator=torch.Generator().manual_seed(3))
+    got, expected, c_stack, _ = decode(m, [prompt], 4, "int4", residual=0)
+    assert stacked == [True, False, True, True]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert c_stack.layers[0].chunks == [1] and c_stack.layers[0].res == [2]
 
 
 LONG = [("llama", [1100], {}), ("llama", [700, 1030], {}),

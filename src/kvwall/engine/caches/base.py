@@ -84,6 +84,15 @@ class KVCache:
     name = "base"
     _mask_pos: torch.Tensor | None = None  # the pos object the memoised masks belong to (KVCache.mask)
     _masks: dict = {}
+    views: KVViews | bool | None = None  # layer_views: made once, or False when some layer has none
+
+    def layer_views(self, make) -> KVViews | None:
+        """The fused decode step's views of this cache's layers: make() -> one KVView (or None) per layer, called once
+        and kept as long as the cache (the buffers they view are); None when some layer has no view."""
+        if self.views is None:
+            views = list(make())
+            self.views = KVViews(views) if all(views) else False
+        return self.views or None
 
     @classmethod
     def create(cls, choice, spec: ModelSpec, batch: int, max_len: int, dtype, device, **knobs) -> KVCache:

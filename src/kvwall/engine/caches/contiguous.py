@@ -13,7 +13,6 @@ from kvwall.engine.caches.base import (
     DecodeBlocks,
     KVCache,
     KVView,
-    KVViews,
     attention_specs,
     check_length,
     valid_tokens,
@@ -67,7 +66,6 @@ class ContiguousCache(KVCache):
         self.rows = torch.arange(batch, device=device)[:, None]  # (B, 1): row b is "block" b (attend's kernel)
         self.lengths = None  # (B,) at + 1 when `at` is set: the tokens every row holds
         self.ends = None  # (B,) each row's one new position + 1 at a decode step without padding rows, else None
-        self.views = None  # decode_blocks: every layer's KVView, or False when some layer has none
         self.layers = [self._layer(a, batch, max_len, dtype, device) if a else None for a in attention_specs(spec)]
         slots = torch.arange(max_len, device=device)[None]  # (1, max_len)
         for layer in self.layers:  # one slot table for all: KVCache.mask then works once per forward pass
@@ -117,10 +115,9 @@ class ContiguousCache(KVCache):
         0 .. pos[b], as the layers' mask (k_pos <= pos) sees them."""
         if self.ends is None:
             return None
-        if self.views is None:
-            views = [layer.view() if isinstance(layer, ContiguousLayer) else None for layer in self.layers]  # rings: no
-            self.views = KVViews(views) if all(views) else False
-        return DecodeBlocks(self.views, self.rows[:batch], self.ends) if self.views else None
+        views = self.layer_views(lambda: [layer.view() if isinstance(layer, ContiguousLayer) else None  # rings: none
+                                          for layer in self.layers])
+        return DecodeBlocks(views, self.rows[:batch], self.ends) if views else None
 
     def attend_rows(self, kernel, q, store, lengths, window, scale):
         """q (B, Hq, 1, D) over the first lengths[b] slots of each row of `store` -> (B, Hq, 1, Dv)."""

@@ -19,7 +19,7 @@ from collections import deque
 
 import torch
 
-from kvwall.engine.caches.base import DecodeBlocks, KVCache, KVView, KVViews, attention_specs, valid_tokens
+from kvwall.engine.caches.base import DecodeBlocks, KVCache, KVView, attention_specs, valid_tokens
 from kvwall.engine.caches.paged_kernel import attend_blocks, in_place_kernel
 from kvwall.errors import KvwallError
 from kvwall.spec.model import ModelSpec
@@ -97,7 +97,6 @@ class PagedCache(KVCache):
         self.device = device
         self.table = self.k_pos = self.lengths = None
         self.decoding = False  # this forward: one new token per row, each its row's last (step())
-        self.views = None  # decode_blocks: the pools as the fused decode step's KVViews, made once
 
     def step(self, pos):
         """Allocate blocks for the new tokens; rebuild the (B, blocks) table and the slot positions."""
@@ -157,9 +156,8 @@ class PagedCache(KVCache):
         kind = STACK_KINDS.get(self.pools[0][0].dtype)
         if kind is None:
             return None
-        if self.views is None:  # the pools live as long as the cache: their views too
-            self.views = KVViews(KVView(kind, k, v) for k, v in self.pools)
-        return DecodeBlocks(self.views, self.table, self.lengths)
+        return DecodeBlocks(self.layer_views(lambda: [KVView(kind, k, v) for k, v in self.pools]), self.table,
+                            self.lengths)
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
         B, nb = self.table.shape

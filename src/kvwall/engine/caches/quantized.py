@@ -21,7 +21,7 @@ Decode (one token per row) attends straight from the packed bytes (quant_kernel.
 kernel builds; prefill, soft-capped attention and machines without a compiler read dequantized
 copies (``read``). Both compute the same attention over the same rounded values. Inside the fused decode
 step (engine/decode_stack.py) the same attention runs from C++ (kernels/quantized_attend.h), the new token
-written to the residual there (decode_blocks), except on the one step in G that flushes a chunk.
+written to the residual there (decode_blocks; the step that would flush a chunk flushes it first).
 
 Error: attention sees rounded K/V; each element is off by at most scale / 2 of its group
 (int8: range / 510, int4: range / 30, int2: range / 6). tests/engine/test_caches.py states and
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from kvwall.engine.caches.base import DecodeBlocks, KVCache, KVView, KVViews, attention_specs, check_length
+from kvwall.engine.caches.base import DecodeBlocks, KVCache, KVView, attention_specs, check_length
 from kvwall.engine.caches.quant import dequantize, group_size, quantize
 from kvwall.engine.caches.quant_kernel import quantized_decode
 from kvwall.engine.caches.registry import RESIDUAL
@@ -92,6 +92,15 @@ class QuantizedLayer:
         if zero is not None:
             self.vz[b, :, t0:t0 + n] = zero
         self.chunks[b] += c
+
+    def flush_oldest(self, b: int) -> None:
+        """Row b's oldest G residual tokens quantized into a chunk now, the rest moved up: the chunk and residual
+        append() leaves when the next token arrives, with that token still to write (QuantizedCache.decode_blocks)."""
+        G, r = self.G, self.res[b]
+        self._store(b, self.rk[b, :, :G], self.rv[b, :, :G])  # (H, G, D), (H, G, Dv)
+        self.rk[b, :, :r - G] = self.rk[b, :, G:r].clone()  # (H, r - G, D)
+        self.rv[b, :, :r - G] = self.rv[b, :, G:r].clone()
+        self.res[b] = r - G
 
     def read(self, dtype):
         """All held tokens: dequantized chunks then the residual -> k (B, H, S, D), v, k_pos (B, S)."""
@@ -170,7 +179,6 @@ class QuantizedCache(KVCache):
         self.layers = [QuantizedLayer(a, batch, max_len, fmt, residual, dtype, device) if a else None
                        for a in attention_specs(spec)]
         self.new = None  # step(): each row's one new position at a decode step without padding rows, else None
-        self.views = None  # decode_blocks: every layer's KVView, or False when some layer has none
 
     def step(self, pos):
         check_length(pos, self.max_len, self.name)
@@ -178,27 +186,33 @@ class QuantizedCache(KVCache):
 
     def decode_blocks(self, batch: int) -> DecodeBlocks | None:
         """A decode step the fused step can take: every row adds one token right after the ones it holds (none is
-        padding) and none of them flushes a chunk, i.e. each row's residual grows from res to res + 1 < R + G slots
-        (QuantizedLayer.append). The step in G that flushes is declined: the layers quantize that chunk, in torch,
-        exactly as they always do. The fused step writes the residual slot res of every layer; `done` then counts it.
+        padding). The fused step writes the new token to residual slot res of every layer (`done` then counts it).
+        A row whose residual is full (R + G - 1: this token's append would flush a chunk, QuantizedLayer.append) has
+        that chunk, its oldest G residual tokens, flushed first (flush_oldest): the chunks and residual the layers
+        would leave, so every step is the stack's (the flushing one in G used to run layer by layer: 4 steps in 128
+        at int4). With R = 0 the chunk would hold the new token itself: that step is left to the layers.
         """
         new, first = self.new, self.layers[0]
         if new is None or len(new) != batch or first is None:
             return None
         G, chunks, res = first.G, first.chunks, first.res
-        if any(p != c * G + r or r + 1 >= first.R + G for p, c, r in zip(new, chunks, res)):
-            return None  # padding (-1), a gap, or a flush
+        if any(p != c * G + r for p, c, r in zip(new, chunks, res)):
+            return None  # padding (-1) or a gap
         if any(layer is None or layer.chunks != chunks or layer.res != res for layer in self.layers):
             return None  # every layer must hold the same tokens: one count per row for all of them
-        if self.views is None:
-            views = [layer.view() for layer in self.layers]
-            self.views = KVViews(views) if all(views) else False
-        if not self.views:
+        full = [b for b in range(batch) if res[b] + 1 >= first.R + G]
+        if full and first.R == 0:
             return None
+        views = self.layer_views(lambda: [layer.view() for layer in self.layers])
+        if views is None:
+            return None
+        for b in full:
+            for layer in self.layers:
+                layer.flush_oldest(b)
         lengths = torch.tensor(new[:batch]) + 1  # (B,)
-        quantized = torch.tensor(chunks[:batch]) * G  # (B,)
+        quantized = torch.tensor(first.chunks[:batch]) * G  # (B,)
         no_table = torch.empty(batch, 0, dtype=torch.int64)  # (B, 0): kivi views read no block table
-        return DecodeBlocks(self.views, no_table, lengths, quantized, lambda: self._advance(batch))
+        return DecodeBlocks(views, no_table, lengths, quantized, lambda: self._advance(batch))
 
     def _advance(self, batch: int) -> None:
         """The fused step wrote each row's new token to residual slot res of every layer: count it."""

@@ -7,25 +7,13 @@
 // Included by packed_linear.cpp (PackedLinear's kernel) and decode_stack.cpp (a whole decode step).
 #pragma once
 #include "common.h"
+#include "quant_unpack.h"  // half_to_float: a row's scales or zeros, once per row, not once per group
 
 constexpr int64_t R = 4;  // output rows dequantized and multiplied together
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-
-// n float16 values -> floats (a row's scales or zeros: once per row, not once per group)
-inline void halves_to_float(const at::Half *h, int64_t n, float *out) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(h + i))));
-#elif defined(__F16C__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(h + i))));
-#endif
-  for (; i < n; ++i) out[i] = float(h[i]);
-}
 
 // o[j] = d code(p[j]) + c for j < n, where code is the byte (BITS 8), its low nibble (SHIFT 0) or its high
 // one (SHIFT 4): 16 (AVX-512) or 8 (AVX2) bytes widened to int32 lanes per step. (A plain loop, which gcc
@@ -194,8 +182,8 @@ torch::Tensor run_one(const torch::Tensor &x, const torch::Tensor &q, const torc
     std::vector<float> sf(R * NG), cf(R * NG);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * R, rows = std::min(R, N - n0);
-      halves_to_float(sp + n0 * NG, rows * NG, sf.data());  // rows n0.. are contiguous: one conversion
-      if (zp) halves_to_float(zp + n0 * NG, rows * NG, cf.data());
+      half_to_float(sp + n0 * NG, sf.data(), rows * NG);  // rows n0.. are contiguous: one conversion
+      if (zp) half_to_float(zp + n0 * NG, cf.data(), rows * NG);
       else
         for (int64_t i = 0; i < rows * NG; ++i) cf[i] = -OFF * sf[i];
       if (rows == R) {
@@ -228,8 +216,8 @@ torch::Tensor run(const torch::Tensor &x, const torch::Tensor &q, const torch::T
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * R, rows = std::min(R, N - n0);
       for (int64_t r = 0; r < rows; ++r) {
-        halves_to_float(sp + (n0 + r) * NG, NG, sf.data());
-        if (zp) halves_to_float(zp + (n0 + r) * NG, NG, zf.data());
+        half_to_float(sp + (n0 + r) * NG, sf.data(), NG);
+        if (zp) half_to_float(zp + (n0 + r) * NG, zf.data(), NG);
         dequant_row<BITS>(qp + (n0 + r) * QB, sf.data(), zp ? zf.data() : nullptr, K, G, w.data() + r * K);
       }
       if (rows == R) {
@@ -268,8 +256,8 @@ inline void dequant_rows(const uint8_t *qp, const at::Half *sp, const at::Half *
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K)), [&](int64_t r0, int64_t r1) {
     std::vector<float> sf(NG), zf(NG);
     for (int64_t r = r0; r < r1; ++r) {
-      halves_to_float(sp + (n0 + r) * NG, NG, sf.data());
-      if (zp) halves_to_float(zp + (n0 + r) * NG, NG, zf.data());
+      half_to_float(sp + (n0 + r) * NG, sf.data(), NG);
+      if (zp) half_to_float(zp + (n0 + r) * NG, zf.data(), NG);
       dequant_row<BITS>(qp + (n0 + r) * QB, sf.data(), zp ? zf.data() : nullptr, K, G, w + r * K);
     }
   });
