@@ -111,6 +111,13 @@ inline float dot(const float *a, const float *b, int64_t n) {  // Σ a[i] b[i]
   return s;
 }
 
+// attend_part's outputs over an empty span, where every part starts: o = 0, m = -inf, l = 0
+inline void clear_part(float *o, float *m, float *l, int64_t rep, int64_t Dv) {
+  std::fill(o, o + rep * Dv, 0.f);
+  std::fill(m, m + rep, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rep, 0.f);
+}
+
 // One (row, KV head) job of decode attention over the span [a, e) of a row's tokens, unnormalised: token t's key
 // is kp[((blk[t / bs] * H + h) * bs + t % bs) * D] (blk: the row's block table; a contiguous cache is one block of
 // bs = max_len slots) and its value likewise in vp (Dv wide); qq (rep, D) are the query heads that read KV head h.
@@ -120,9 +127,7 @@ inline void attend_part(const float *qq, int64_t rep, int64_t D, int64_t Dv, con
                         const int64_t *blk, int64_t H, int64_t h, int64_t bs, int64_t a, int64_t e, float scale,
                         float *o, float *m, float *l, std::vector<float> &s) {
   const int64_t N = e - a;
-  std::fill(o, o + rep * Dv, 0.f);
-  std::fill(m, m + rep, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + rep, 0.f);
+  clear_part(o, m, l, rep, Dv);
   if (N <= 0) return;
   s.assign(rep * N, 0.f);  // (rep, N) scores, then weights
   for (int64_t t = a; t < e; ++t) {  // key t, read where it lies in its block

@@ -19,9 +19,7 @@ inline void attend_part_fp8(const float *qq, int64_t rep, int64_t D, int64_t Dv,
                             const int64_t *blk, int64_t H, int64_t h, int64_t bs, int64_t a, int64_t e, float scale,
                             float *o, float *m, float *l, std::vector<float> &s, std::vector<float> &buf) {
   const int64_t N = e - a;
-  std::fill(o, o + rep * Dv, 0.f);
-  std::fill(m, m + rep, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + rep, 0.f);
+  clear_part(o, m, l, rep, Dv);
   if (N <= 0) return;
   s.assign(rep * N, 0.f);  // (rep, N) scores, then weights
   buf.resize(FP8_TILE * std::max(D, Dv));

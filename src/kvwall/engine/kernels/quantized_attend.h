@@ -126,9 +126,7 @@ void attend_part_q(const QuantKV &L, int64_t b, int64_t h, const float *q, int64
   const int64_t a0 = a < n ? a / G * G : a, S = e - a0;  // scores cover [a0, e): whole chunks
   const float sym = -float(1 << (BITS - 1));  // symmetric: z = -2^(bits-1) s
   const float *rk = L.rk + bh * L.slots * D, *rv = L.rv + bh * L.slots * Dv;
-  std::fill(o, o + rep * Dv, 0.f);
-  std::fill(m, m + rep, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + rep, 0.f);
+  clear_part(o, m, l, rep, Dv);
   if (e <= a) return;
   sc.s.assign(rep * S, 0.f);
   sc.buf.resize(TILE * NG);  // a tile's (tt, NG) scales or zero points
