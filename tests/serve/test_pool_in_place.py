@@ -1,7 +1,7 @@
 """serve's paged pools read in place at a decode step (kernels/paged_decode.cpp): integer pools (int8 / int4 / int2,
 with and without :sym) through paged_decode_int, bf16 / fp16 / fp8 pools through paged_decode, each equal to the
-gather-and-dequantize path over the same pool (KVCache.attend: caches/quant.py's dequantize, then SDPA), and a
-served stream's greedy tokens the same with the kernel on and off."""
+gather-and-dequantize path over the same pool (KVCache.attend: caches/quant.py's dequantize, then SDPA), also where a
+long row alone is cut along its tokens, and a served stream's greedy tokens the same with the kernel on and off."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def spec(n_q: int, n_kv: int, d: int, window=None):
     """One attention layer: n_q query heads over n_kv KV heads of d channels."""
     cfg = {"model_type": "llama", "hidden_size": n_q * d, "num_hidden_layers": 1, "num_attention_heads": n_q,
            "num_key_value_heads": n_kv, "head_dim": d, "intermediate_size": 64, "vocab_size": 32,
-           "max_position_embeddings": 1024}
+           "max_position_embeddings": 4096}
     if window:
         cfg.update(model_type="mistral", sliding_window=window)
     return spec_from_config(cfg, name="tiny")
@@ -103,6 +103,17 @@ def test_float_pools_in_place_equal_the_gather(kernels, kv, window):
     (bf16 a 16-bit shift, fp16 cvtph, fp8 e4m3_to_float), so it equals the gather that converts with torch."""
     got, expected = decode_step(kv, 6, 2, 40, [1, 17, 33, 200], window, seed=11 + (window or 0))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8", "int8", "int4"])
+@pytest.mark.parametrize("window", [None, 700])
+def test_a_long_row_alone_is_cut_along_its_tokens(kernels, kv, window):
+    """Batch 1, one KV head read by 3 query heads, 1,500 tokens (or the last 700): a single (row, KV head) job, which
+    the kernel cuts into pieces of at least 256 tokens (common.h's cut_jobs) and whose softmax sums it merges: equal
+    to the gather's attention over the whole row."""
+    got, expected = decode_step(kv, 3, 1, 64, [1500], window, seed=3 + (window or 0))
+    assert got.shape == (1, 3, 1, 64)
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
 
 
 def test_the_kernel_reads_the_codes_the_gather_dequantizes(kernels):

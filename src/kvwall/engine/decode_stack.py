@@ -14,7 +14,7 @@ When: Transformer.forward takes it for one new token per row, outside autograd, 
   - the cache hands over each layer's K/V (KVCache.decode_blocks, a KVView per layer) for a step where each row adds
     one token at its end (rows at different positions too; a padding row at -1 is never written, so its steps run
     layer by layer): fp32 pools (contiguous and paged caches), fp8 pools (the fp8 cache: e4m3 bytes read in
-    place and converted in registers, kernels/fp8_attend.h), or the KIVI buffers (int8 / int4 / int2: the new token
+    place and converted in registers, kernels/pool_rows.h), or the KIVI buffers (int8 / int4 / int2: the new token
     appended to the full-precision residual, attention by kernels/quantized_attend.h's attend_part_q, as
     quantized_decode.cpp's), the chunk a step would flush quantized first (QuantizedCache.decode_blocks).
 Each (row, KV head) attention job is cut along its tokens where the jobs are fewer than ~8 a thread (common.h's

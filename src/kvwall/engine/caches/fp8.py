@@ -29,7 +29,7 @@ class Fp8Layer(ContiguousLayer):
 
     def view(self) -> KVView:
         """The fused decode step reads these bytes in place and writes the new token rounded as update() does
-        (kernels/fp8_attend.h); the layer-by-layer path upcasts the whole cache to fp32 for SDPA every step."""
+        (kernels/pool_rows.h); the layer-by-layer path upcasts the whole cache to fp32 for SDPA every step."""
         return KVView("fp8", self.k, self.v)
 
 

@@ -4,7 +4,7 @@
 //     a = o(attend(q, cache));  [a = post1(a)];  x += a
 //     h = norm2(x);  m = down(act(gate(h)) * up(h));  [m = post2(m)];  x += m
 // the same ops, in the same order, as engine/model.py's Block over layers/attention.py and layers/mlp.py.
-#include "fp8_attend.h"
+#include "pool_rows.h"
 #include "packed.h"
 #include "quantized_attend.h"
 
@@ -247,8 +247,9 @@ struct Stack {
     const auto ps = cut_jobs(B * H, [&](int64_t job) {  // the tokens row b's queries see, at position len - 1
       const int64_t n = len[job / H];
       return std::pair<int64_t, int64_t>{window > 0 ? std::max<int64_t>(0, n - window) : 0, n};
-    }, kv.kind == Kind::kivi ? quant_align(Q) : FP8_TILE);
-    thread_local std::vector<float> s, buf;
+    }, kv.kind == Kind::kivi ? quant_align(Q) : ROW_TILE);
+    thread_local std::vector<float> s;
+    thread_local RowScratch rs;
     thread_local QuantScratch sc;
     run_pieces(ps, B * H, rep, dv, [&](const Piece &pc, float *o, float *m, float *l) {
       const int64_t b = pc.job / H, j = pc.job % H;
@@ -257,9 +258,9 @@ struct Stack {
         attend_part(qq, rep, d, dv, kv.k.data_ptr<float>(), kv.v.data_ptr<float>(), tab + b * nb, H, j, bs, pc.a,
                     pc.e, float(L.scale), o, m, l, s);
       else if (kv.kind == Kind::fp8)
-        attend_part_fp8(qq, rep, d, dv, static_cast<const uint8_t *>(kv.k.data_ptr()),
-                        static_cast<const uint8_t *>(kv.v.data_ptr()), tab + b * nb, H, j, bs, pc.a, pc.e,
-                        float(L.scale), o, m, l, s, buf);
+        attend_rows_part(qq, rep, d, dv, FloatRows<uint8_t>{static_cast<const uint8_t *>(kv.k.data_ptr()), d},
+                         FloatRows<uint8_t>{static_cast<const uint8_t *>(kv.v.data_ptr()), dv}, tab + b * nb, H, j,
+                         bs, pc.a, pc.e, float(L.scale), o, m, l, rs);
       else  // quantized_decode's window: the query at position len - 1 sees positions > len - 1 - window
         attend_part_bits(kv.bits, Q, b, j, qq, rep, pc.a, pc.e, nq[b], float(L.scale), o, m, l, sc);
     }, [&](int64_t job) { return py + (job / H * L.nq + job % H * rep) * dv; });
