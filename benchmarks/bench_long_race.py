@@ -43,8 +43,8 @@ row gets the Δ perplexity of its cache from the file whose row_tokens equal its
 that length, else "not measured". --neighbour on: a competing process (one thread, a fixed fp32 matmul loop) runs
 through every run, started before the first and stopped after the last; `both`: every context is raced quiet and
 then again with the neighbour, each row labelled. --requality RESULTS.json: the kvwall rows of an earlier race
-take their quality from --quality, measured since (nothing is run). Prints a time estimate first (--estimate: only that), progress
-per run on stderr, and a markdown table; --json writes every run's seconds.
+take their quality from --quality, measured since (nothing is run). Prints a time estimate first (--estimate: only
+that), progress per run on stderr, and a markdown table; --json writes every run's seconds.
 """
 
 from __future__ import annotations

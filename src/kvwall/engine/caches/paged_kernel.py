@@ -18,9 +18,10 @@ reads each block's codes once and dequantizes a block's run of tokens in L1 (key
 values: the scales folded into the softmax weights, the zero points summed apart, as quantized_decode.cpp does).
 Where the (row, KV head) jobs are fewer than about 8 a thread (a long prompt served alone: SmolLM2 has 3 KV
 heads), each job is cut along its tokens and the pieces merged exactly (kernels/common.h's cut_jobs, as in the fused
-decode step), so both threads work. Prefill chunks stay on the gather: there the copy is 1 / (chunk x rep) of the attention's own work. A contiguous
-cache is the same thing with one block per row (ContiguousCache.attend, when every row's new token is at one
-position): there it replaces SDPA over a strided slice plus the mask, 29 us a layer at batch 1 on SmolLM2.
+decode step), so both threads work. Prefill chunks stay on the gather: there the copy is 1 / (chunk x rep) of the
+attention's own work. A contiguous cache is the same thing with one block per row (ContiguousCache.attend, when
+every row's new token is at one position): there it replaces SDPA over a strided slice plus the mask, 29 us a
+layer at batch 1 on SmolLM2.
 """
 
 from __future__ import annotations
