@@ -146,20 +146,6 @@ inline void attend_part(const float *qq, int64_t rep, int64_t D, int64_t Dv, con
   }
 }
 
-// attend_part over the n tokens a row holds (its new one written: the queries are at position n - 1), or the
-// last `window` of them (window 0: all), normalised -> yy (rep, Dv): softmax(q k * scale) v, left as it was for a
-// row holding nothing. s: scratch.
-inline void attend_job(const float *qq, int64_t rep, int64_t D, int64_t Dv, const float *kp, const float *vp,
-                       const int64_t *blk, int64_t H, int64_t h, int64_t bs, int64_t n, int64_t window, float scale,
-                       float *yy, std::vector<float> &s) {
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-  if (n <= lo) return;  // a row holding nothing
-  std::vector<float> ml(2 * rep);
-  attend_part(qq, rep, D, Dv, kp, vp, blk, H, h, bs, lo, n, scale, yy, ml.data(), ml.data() + rep, s);
-  for (int64_t r = 0; r < rep; ++r)
-    for (int64_t j = 0; j < Dv; ++j) yy[r * Dv + j] /= ml[rep + r];
-}
-
 // A piece of a decode attention job: job `job`'s tokens [a, e)
 struct Piece {
   int64_t job, a, e;
