@@ -183,7 +183,10 @@ def test_engine_weight_bytes_equal_the_predictor(checkpoint, name):
 
 # -- GGUF blocks ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+HELD_AS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q8_0"}  # Q5_0's 5-bit codes fit a Q8_0 byte
+
+
+@pytest.mark.parametrize("qtype", sorted(HELD_AS))
 def test_gguf_blocks_repack_bit_for_bit(tmp_path, qtype):
     """Every projection of a tiny .gguf, repacked, dequantizes to exactly what the gguf package's dequantizer
     gives (GGUFCheckpoint.get, Q/K rows put back); the model logits equal the dequantized load's."""
@@ -201,7 +204,7 @@ def test_gguf_blocks_repack_bit_for_bit(tmp_path, qtype):
         if got is None or "layers" not in name:
             continue
         q, d, m, fmt = got
-        assert fmt.name == qtype.lower()
+        assert fmt.name == HELD_AS[qtype]
         K = ckpt.shapes[name][1]
         mine = dequantize(q, d, m, fmt.bits, K, fmt.group)
         torch.testing.assert_close(mine, ckpt.get(name), rtol=0, atol=1e-6)
@@ -216,6 +219,55 @@ def test_gguf_blocks_repack_bit_for_bit(tmp_path, qtype):
     tokens = ids(1, 16)
     with torch.no_grad():
         torch.testing.assert_close(native(tokens), plain(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_q5_0_blocks_repack_as_q8_0_bit_for_bit():
+    """Random Q5_0 blocks (any bytes are a block once d is finite), the fifth bits included, repacked as Q8_0
+    dequantize to exactly what the gguf package's own dequantizer gives."""
+    gg = pytest.importorskip("gguf")
+    from types import SimpleNamespace
+
+    import numpy as np
+    from gguf.quants import dequantize as reference
+
+    from kvwall.engine.gguf import repack
+
+    N, K, rng = 6, 256, np.random.default_rng(1)
+    raw = rng.integers(0, 256, (N, K // 32, 22), dtype=np.uint8)  # (rows, blocks, block bytes)
+    d = rng.uniform(1e-3, 2e-2, (N, K // 32)).astype(np.float16)
+    raw[..., 0:2] = np.frombuffer(d.tobytes(), np.uint8).reshape(N, K // 32, 2)
+    tensor = SimpleNamespace(tensor_type=gg.GGMLQuantizationType.Q5_0, shape=np.array([K, N]), data=raw.reshape(N, -1))
+    q, s, m, fmt = repack(tensor)
+    assert fmt.name == "q8_0" and m is None and q.shape == (N, K) and s.shape == (N, K // 32)
+    want = torch.from_numpy(reference(raw.reshape(N, -1), gg.GGMLQuantizationType.Q5_0).reshape(N, K).copy())
+    assert torch.equal(dequantize(q, s, m, 8, K, 32), want)
+    assert want.abs().max() > 15 * float(d.min())  # codes past 15: the fifth bits are in
+
+
+def test_q6_k_repacks_as_int8_g16_within_fp16_rounding():
+    """Random Q6_K blocks repacked as symmetric int8 groups of 16 dequantize to what the gguf package's own
+    dequantizer gives, within the fp16 rounding of each group's d sc: 2^-11 of 32 |d'| per weight (|q - 32| <= 32)."""
+    gg = pytest.importorskip("gguf")
+    from types import SimpleNamespace
+
+    import numpy as np
+    from gguf.quants import dequantize as reference
+
+    from kvwall.engine.gguf import repack
+
+    N, K, rng = 6, 512, np.random.default_rng(2)
+    raw = rng.integers(0, 256, (N, K // 256, 210), dtype=np.uint8)  # (rows, blocks, block bytes)
+    d = rng.uniform(1e-4, 2e-3, (N, K // 256)).astype(np.float16)
+    raw[..., 208:210] = np.frombuffer(d.tobytes(), np.uint8).reshape(N, K // 256, 2)
+    tensor = SimpleNamespace(tensor_type=gg.GGMLQuantizationType.Q6_K, shape=np.array([K, N]), data=raw.reshape(N, -1))
+    q, s, m, fmt = repack(tensor)
+    assert (fmt.name, fmt.bits, fmt.group, fmt.zero_bytes) == ("int8", 8, 16, 0) and m is None
+    assert q.shape == (N, K) and s.shape == (N, K // 16)
+    mine = dequantize(q, s, m, 8, K, 16)  # (N, K)
+    want = torch.from_numpy(reference(raw.reshape(N, -1), gg.GGMLQuantizationType.Q6_K).reshape(N, K).copy())
+    bound = 32 * s.float().abs().repeat_interleave(16, 1) * 2.0 ** -11
+    assert ((mine - want).abs() <= bound + 1e-9).all()
+    assert (mine - want).abs().max() > 0 and (want < 0).any() and (want > 0).any()  # rounded; both signs
 
 
 def test_q4_k_repacks_as_q4_1_within_fp16_rounding():
@@ -246,9 +298,10 @@ def test_q4_k_repacks_as_q4_1_within_fp16_rounding():
 
 @pytest.mark.slow
 @pytest.mark.real
-def test_gemma3_q4_k_matrices_are_held_packed():
-    """The real Gemma 3 270M file (Q4_K_M): its Q4_K projections are held as Q4_1 blocks (its Q8_0 token table as
-    Q8_0, the Q6_K ones dequantized), and the logits stay those of the dequantized load up to the scales' fp16
+def test_gemma3_q4_k_m_matrices_are_all_held_packed():
+    """The real Gemma 3 270M file (Q4_K_M: Q5_0, Q8_0, Q4_K and Q6_K tensors): every engine matrix is held packed,
+    in the layout its file type repacks into (Q5_0 and Q8_0 as Q8_0, Q4_K as Q4_1, Q6_K as int8 groups of 16), the
+    Q8_0 token table too, and the logits stay those of the dequantized load up to the K-quant scales' fp16
     rounding."""
     from kvwall.spec.gguf_meta import packaged_path
 
@@ -259,10 +312,19 @@ def test_gemma3_q4_k_matrices_are_held_packed():
     native, plain = load_model(path, weights="native"), load_model(path)
     gg = pytest.importorskip("gguf")
     kinds = {t.name: t.tensor_type.name for t in gg.GGUFReader(path).tensors}
-    parts = [("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)]
-    want = sum(all(kinds[f"blk.{i}.{p}.weight"] == "Q4_K" for p in group) for i in range(18) for group in parts)
-    held = [m.fmt.name for m in native.modules() if isinstance(m, PackedLinear)]
-    assert want > 0 and held.count("q4_1") == want and set(held) <= {"q4_1", "q8_0"}  # an engine matrix: all Q4_K
+    held_as = {"Q5_0": "q8_0", "Q8_0": "q8_0", "Q4_K": "q4_1", "Q6_K": "int8:g16:sym"}
+    parts = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w13": ("ffn_gate", "ffn_up"),
+             "w2": ("ffn_down",)}
+    want = {}
+    for i in range(18):
+        for mine, theirs in parts.items():
+            (label,) = {held_as[kinds[f"blk.{i}.{p}.weight"]] for p in theirs}  # one layout per engine matrix
+            want[f"{i}.{mine}"] = label
+    held = {n.replace("layers.", "").replace("mixer.", "").replace("ffn.", ""): m.fmt.label
+            for n, m in native.named_modules() if isinstance(m, PackedLinear) and n.startswith("layers.")}
+    assert held == want and {"q8_0", "q4_1", "int8:g16:sym"} == set(want.values())
+    assert native.embed.head.fmt.label == "q8_0"
+    assert not any(type(m).__name__ == "OneDnnLinear" for m in native.modules())  # nothing left dequantized
     tokens = ids(1, 12)
     with torch.no_grad():
         a, b = native(tokens), plain(tokens)

@@ -98,9 +98,9 @@ class GGUFCheckpoint:
         return self._fix(name, _dequantize(self.weight_map[name]))
 
     def packed(self, name: str):
-        """(q, scale, zero, Format) of a Q4_0 / Q4_1 / Q8_0 tensor in PackedLinear's layout, the file's own bits, or
-        of a Q4_K one as Q4_1 blocks (repack_q4_k) (Q/K rows put back in HF order like get's); None for any other
-        type (it stays dequantized)."""
+        """(q, scale, zero, Format) of a tensor in PackedLinear's layout (repack: Q4_0 / Q4_1 / Q8_0 / Q5_0 bit for
+        bit, Q4_K and Q6_K with their sub-block scales rounded to fp16) (Q/K rows put back in HF order like get's);
+        None for any other type (it stays dequantized)."""
         got = repack(self.weight_map[name])
         return None if got is None else (*(self._fix(name, t) if t is not None else None for t in got[:3]), got[3])
 
@@ -141,10 +141,11 @@ def repack(tensor):
     """A Q4_0 / Q4_1 / Q8_0 tensor's blocks (ggml-common.h: fp16 d, [fp16 m,] 16 nibble bytes or 32 int8) as
     PackedLinear's (q, scale, zero, Format), bit for bit: Q4_1 w = d q + m is int4 g32 with zero m; Q4_0
     w = d (q - 8) is int4 g32 symmetric; Q8_0 w = d q (signed) is int8 g32 symmetric with codes q + 128.
-    Nibble order is already PackedLinear's (low nibble element j, high nibble j + 16). Q4_K: repack_q4_k.
-    None for other types."""
-    if tensor.tensor_type.name == "Q4_K":
-        return repack_q4_k(tensor)
+    Nibble order is already PackedLinear's (low nibble element j, high nibble j + 16). Q5_0, Q4_K, Q6_K: their
+    own repack_ functions. None for other types."""
+    own = _REPACK.get(tensor.tensor_type.name)
+    if own is not None:
+        return own(tensor)
     kind = _BLOCKS.get(tensor.tensor_type.name)
     if kind is None:
         return None
@@ -181,6 +182,48 @@ def repack_q4_k(tensor):
     zero = (-(dmin * mn)).astype(np.float16).reshape(N, K // 32)
     return (torch.from_numpy(np.ascontiguousarray(q.reshape(N, K // 2))), torch.from_numpy(scale),
             torch.from_numpy(zero), get_format("q4_1"))
+
+
+def repack_q5_0(tensor):
+    """A Q5_0 tensor (ggml-common.h block_q5_0: fp16 d, 32 fifth bits in qh, 16 nibble bytes; w = d (q - 16),
+    q in 0..31) as Q8_0 blocks, bit for bit: q - 16 fits a signed byte under the same d, so the codes are
+    q - 16 + 128 with Q8_0's symmetric offset. 8.5 bits a weight where the file holds 5.5, read 8 bits at a time
+    by the kernels' byte path (a 5-bit path would need its own unpacking in every kernel). Element j < 16 is
+    qs[j]'s low nibble with bit j of qh; element j + 16 its high nibble with bit j + 16."""
+    N, K = _torch_shape(tensor)
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(N, K // 32, 22)  # (N, blocks, block bytes)
+    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16).reshape(N, K // 32))  # (N, blocks)
+    qh = raw[..., 2:6].copy().view("<u4")  # (N, blocks, 1): the fifth bits, element j at bit j
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # (N, blocks, 32)
+    qs = raw[..., 6:]  # (N, blocks, 16)
+    q = np.concatenate([qs & 15, qs >> 4], -1) | high  # (N, blocks, 32): 0..31 in weight order
+    codes = (q.astype(np.int16) - 16 + 128).astype(np.uint8).reshape(N, K)  # (N, K)
+    return torch.from_numpy(np.ascontiguousarray(codes)), d, None, get_format("q8_0")
+
+
+def repack_q6_k(tensor):
+    """A Q6_K tensor (ggml-common.h block_q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales,
+    fp16 d; w = d sc_j (q - 32) over 16-weight sub-blocks j, q in 0..63) as symmetric int8 groups of 16: codes
+    q - 32 + 128 exactly, each group's scale d sc_j rounded to fp16 (the only loss: at most 2^-11 of it,
+    relative, as repack_q4_k's). 9 bits a weight where the file holds 6.5625. In each half block of 128
+    weights, element 32 i + l (i < 4, l < 32) takes ql[l + 32 (i & 1)]'s low (i < 2) or high nibble and bits
+    2 i, 2 i + 1 of qh[l]; scale j covers elements 16 j .. 16 j + 15 of the block, in order."""
+    N, K = _torch_shape(tensor)
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(N, K // 256, 210)  # (N, blocks, block bytes)
+    ql = raw[..., :128].reshape(N, K // 256, 2, 2, 32)  # (N, blocks, half, i & 1, l)
+    qh = raw[..., 128:192].reshape(N, K // 256, 2, 1, 32)  # (N, blocks, half, 1, l)
+    sc = raw[..., 192:208].view(np.int8).astype(np.float32)  # (N, blocks, 16)
+    d = raw[..., 208:210].copy().view(np.float16).astype(np.float32)  # (N, blocks, 1)
+    low = np.concatenate([ql & 15, ql >> 4], 3)  # (N, blocks, half, i, l): i = 0, 1 low nibbles, 2, 3 high
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3  # (N, blocks, half, i, l)
+    q = (low | (high << 4)).reshape(N, K)  # (N, K): 0..63 in weight order
+    codes = (q.astype(np.int16) - 32 + 128).astype(np.uint8)  # (N, K)
+    scale = (d * sc).astype(np.float16).reshape(N, K // 16)  # (N, K / 16)
+    return (torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale), None,
+            get_format("int8:g16:sym"))
+
+
+_REPACK = {"Q5_0": repack_q5_0, "Q4_K": repack_q4_k, "Q6_K": repack_q6_k}  # repack's own types
 
 
 def gguf_spec(ckpt: GGUFCheckpoint):

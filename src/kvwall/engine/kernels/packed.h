@@ -80,7 +80,11 @@ inline void dot_rows_x(const float *x, int64_t M, int64_t K, const float *w, flo
 
 // Batch 1 without the L1 buffer: Σ_k x_k (d q_k + c) = d Σ_k x_k q_k + c Σ_k x_k per group, so each code is
 // converted and multiplied by x once (one FMA) and the group's scale is applied to a vector of partial sums;
-// Σ_k x_k per group (xs) is shared by every row. R rows at a time share each load of x.
+// Σ_k x_k per group (xs) is shared by every row. 4-bit rows go R at a time, sharing each load of x; 8-bit rows one
+// at a time, read front to back (ONE_ROW): R 8-bit rows side by side ran Gemma 3 270M's Q8_0 head (262144 x 640,
+// 178 MB, out of cache) at 12 GB/s on this machine's 2 threads, one at a time at 18-24 GB/s (14-15 -> 7.4-9.9 ms
+// a step); 4-bit rows lost by it (q4_1 1536 x 576: 10-12 -> 8 GB/s). Two accumulators take alternate groups, so
+// the group scales' FMAs do not chain (a 16-weight int8 group is one vector).
 #if defined(__AVX512F__)
 using VF = __m512;
 constexpr int64_t L = 16;  // floats per vector; bytes of codes widened per step
@@ -134,8 +138,8 @@ inline bool fused_fits(int bits, int64_t K, int64_t G) {
 template <int BITS, int RR>
 inline void fused_rows(const float *x, const float *xs, const uint8_t *q, int64_t QB, const float *sf,
                        const float *cf, int64_t NG, int64_t K, int64_t G, float *y) {
-  VF acc[RR];
-  for (int r = 0; r < RR; ++r) acc[r] = vzero();
+  VF acc[RR][2];
+  for (int r = 0; r < RR; ++r) acc[r][0] = acc[r][1] = vzero();
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
     const int64_t len = std::min(G, K - k0);
     VF part[RR];
@@ -156,10 +160,10 @@ inline void fused_rows(const float *x, const float *xs, const uint8_t *q, int64_
         }
       }
     }
-    for (int r = 0; r < RR; ++r) acc[r] = vfma(vset(sf[r * NG + g]), part[r], acc[r]);
+    for (int r = 0; r < RR; ++r) acc[r][g & 1] = vfma(vset(sf[r * NG + g]), part[r], acc[r][g & 1]);
   }
   for (int r = 0; r < RR; ++r) {
-    float t = vsum(acc[r]);
+    float t = vsum(acc[r][0] + acc[r][1]);
     for (int64_t g = 0; g < NG; ++g) t += cf[r * NG + g] * xs[g];
     y[r] = t;
   }
@@ -186,7 +190,11 @@ torch::Tensor run_one(const torch::Tensor &x, const torch::Tensor &q, const torc
       if (zp) half_to_float(zp + n0 * NG, cf.data(), rows * NG);
       else
         for (int64_t i = 0; i < rows * NG; ++i) cf[i] = -OFF * sf[i];
-      if (rows == R) {
+      if (BITS == 8) {  // ONE_ROW (above)
+        for (int64_t r = 0; r < rows; ++r)
+          fused_rows<BITS, 1>(xp, xs.data(), qp + (n0 + r) * QB, QB, sf.data() + r * NG, cf.data() + r * NG, NG, K,
+                              G, yp + n0 + r);
+      } else if (rows == R) {
         fused_rows<BITS, R>(xp, xs.data(), qp + n0 * QB, QB, sf.data(), cf.data(), NG, K, G, yp + n0);
       } else {
         for (int64_t r = 0; r < rows; ++r)
