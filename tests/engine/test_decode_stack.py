@@ -95,6 +95,51 @@ def test_packed_weights_equal_the_layers(kernel, stacked, fmt):
     assert torch.equal(tokens, layer_tokens)
 
 
+@pytest.mark.parametrize("model_type, cache", [("gemma3_text", "sliding"), ("gemma3_text", "sliding:20"),
+                                               ("gemma3_text", "sliding:4:sink2"), ("llama", "sliding:6"),
+                                               ("llama", "sliding:3:sink2")])
+def test_sliding_caches_in_the_stack(kernel, stacked, model_type, cache):
+    """Rings (the model's own window, a what-if one, with sinks) are written and read in place by the stack, equal to
+    the layers and to the reference, their slots' positions kept as the layers keep them. sliding:20 covers
+    max_len (15), so every layer is contiguous and sees every token: the stack once used Gemma's own window (4)
+    there, 6.3 away in the logits from the layers."""
+    m = model(model_type)
+    prompt = torch.randint(0, 40, (3, 5), generator=torch.Generator().manual_seed(7))
+    got, tokens = decode(m, prompt, 9, cache)
+    assert stacked and all(stacked)
+    stacked.clear()
+    layers, layer_tokens = decode(m, prompt, 9, cache, "layers")
+    eager, _ = decode(m, prompt, 9, cache, "eager")
+    assert not any(stacked)
+    torch.testing.assert_close(got, layers, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+    assert torch.equal(tokens, layer_tokens)
+    if cache == "sliding":  # the model's own windows: exact, so equal to a full forward without a cache
+        with torch.inference_mode():
+            full = m(torch.cat([prompt, tokens], 1))  # (B, 14, V)
+        torch.testing.assert_close(got, full[:, 5:], rtol=1e-4, atol=1e-4)
+
+
+def test_a_ring_keeps_its_slot_positions(kernel, stacked):
+    """After stack steps the ring's positions per slot are those the layers write: a later step taken layer by layer
+    (a padding row, a prefill chunk) masks by them."""
+    m = model("llama", layers=2)
+    prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(8))
+    caches = {}
+    for mode in ("stack", "layers"):
+        m.stack = None if mode == "stack" else False
+        c = caches[mode] = make_cache("sliding:3:sink2", m.spec, 2, 16)
+        with torch.inference_mode():
+            m(prompt, None, c)
+            for i in range(6):
+                m(torch.tensor([[1], [2]]), torch.full((2, 1), 5 + i), c)
+    m.stack = None
+    assert stacked.count(True) == 6
+    for a, b in zip(caches["stack"].layers, caches["layers"].layers, strict=True):
+        assert torch.equal(a.pos, b.pos) and a.pos[0].tolist() == [0, 1, 8, 9, 10]  # sinks 0, 1; ring 8..10
+        torch.testing.assert_close(a.k, b.k, rtol=1e-5, atol=1e-5)
+
+
 def test_the_stack_follows_changed_weights(kernel, stacked):
     """Built at the first step, the stack is built again after packing or a load: it never runs stale weights."""
     m = model("llama", layers=2)

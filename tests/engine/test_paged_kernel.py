@@ -144,6 +144,7 @@ def test_sliding_ring_decode_in_place_equals_sdpa(kernel, monkeypatch, two_threa
     torch.manual_seed(2)
     s = spec(window=5)
     model = Transformer(s).eval()
+    model.stack = False  # the layer-by-layer step (the fused one's rings: test_decode_stack.py)
     seq = torch.randint(0, 32, (3, 20))  # (B, T)
     calls = []
 

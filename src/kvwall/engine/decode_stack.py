@@ -13,10 +13,12 @@ When: Transformer.forward takes it for one new token per row, outside autograd, 
     biases; fp32 or packed projections (PackedLinear, nn.Linear, OneDnnLinear: its forward called back);
   - the cache hands over each layer's K/V (KVCache.decode_blocks, a KVView per layer) for a step where each row adds
     one token at its end (rows at different positions too; a padding row at -1 is never written, so its steps run
-    layer by layer): fp32 pools (contiguous and paged caches), fp8 pools (the fp8 cache: e4m3 bytes read in
-    place and converted in registers, kernels/pool_rows.h), or the KIVI buffers (int8 / int4 / int2: the new token
-    appended to the full-precision residual, attention by kernels/quantized_attend.h's attend_part_q, as
-    quantized_decode.cpp's), the chunk a step would flush quantized first (QuantizedCache.decode_blocks).
+    layer by layer): fp32 pools (contiguous and paged caches, and the sliding cache's rings: position p written to
+    slot S + (p - S) % W after S sinks, every slot held read, since each is in the window), fp8 pools (the fp8
+    cache: e4m3 bytes read in place and converted in registers, kernels/pool_rows.h), or the KIVI buffers (int8 /
+    int4 / int2: the new token appended to the full-precision residual, attention by kernels/quantized_attend.h's
+    attend_part_q, as quantized_decode.cpp's), the chunk a step would flush quantized first
+    (QuantizedCache.decode_blocks).
 Each (row, KV head) attention job is cut along its tokens where the jobs are fewer than ~8 a thread (common.h's
 cut_jobs, merged exactly by run_pieces), so one KV head at batch 1 (Gemma 3 270M) keeps every thread busy: the
 stack no longer waits for a job per thread.
@@ -166,5 +168,8 @@ def native_view(mod, view: KVView):
         t = getattr(view, name)
         if t is not None:
             setattr(kv, name, t)
-    kv.bits = view.bits
+    kv.bits, kv.ring, kv.sink = view.bits, view.ring, view.sink
+    if view.pos is not None:
+        kv.pos = view.pos
+    kv.window = -1 if view.window is None else view.window
     return kv

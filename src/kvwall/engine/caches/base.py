@@ -61,6 +61,10 @@ class KVView:
     vs: torch.Tensor | None = None
     vz: torch.Tensor | None = None
     bits: int = 0  # kivi: 8, 4 or 2
+    ring: int = 0  # fp32 ring (caches/sliding.py's RingLayer): its window's slots, after `sink` slots; 0: not a ring
+    sink: int = 0
+    pos: torch.Tensor | None = None  # a ring's (rows, sink + ring) positions per slot, which the step keeps up to date
+    window: int | None = None  # the window attention uses, when not the layer's own (0: none)
 
 
 class KVViews(list):

@@ -115,9 +115,12 @@ class ContiguousCache(KVCache):
         0 .. pos[b], as the layers' mask (k_pos <= pos) sees them."""
         if self.ends is None:
             return None
-        views = self.layer_views(lambda: [layer.view() if isinstance(layer, ContiguousLayer) else None  # rings: none
-                                          for layer in self.layers])
+        views = self.layer_views(self.views_of_layers)
         return DecodeBlocks(views, self.rows[:batch], self.ends) if views else None
+
+    def views_of_layers(self) -> list:
+        """Each layer's KVView (None where it has none), made once (layer_views)."""
+        return [None if layer is None else layer.view() for layer in self.layers]
 
     def attend_rows(self, kernel, q, store, lengths, window, scale):
         """q (B, Hq, 1, D) over the first lengths[b] slots of each row of `store` -> (B, Hq, 1, Dv)."""

@@ -23,17 +23,19 @@ nbytes() = predict.memory(spec with window W + S on its windowed layers, batch, 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from kvwall.engine.caches.base import attention_specs
+from kvwall.engine.caches.base import KVView, attention_specs
 from kvwall.engine.caches.contiguous import ContiguousCache, ContiguousLayer
 from kvwall.engine.caches.registry import sliding_spec
 from kvwall.spec.model import Attention, ModelSpec
 
 
 class RingLayer:
-    def __init__(self, attn: Attention, batch: int, window: int, dtype, device, sink: int = 0):
-        self.window, self.sink = window, sink
+    def __init__(self, attn: Attention, batch: int, window: int, dtype, device, sink: int = 0, chunked: bool = False):
+        self.window, self.sink, self.chunked = window, sink, chunked  # chunked: a query sees only its chunk's slots
         slots = sink + window
         self.k = torch.zeros(batch, attn.n_kv_heads, slots, attn.head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(batch, attn.n_kv_heads, slots, attn.v_head_dim, dtype=dtype, device=device)
@@ -67,6 +69,11 @@ class RingLayer:
         self.write(k, v, pos)
         return out
 
+    def view(self) -> KVView | None:
+        """The ring as the fused decode step writes and reads it (kernels/decode_stack.cpp's KV: ring, sink, pos)."""
+        ok = self.k.dtype == self.v.dtype == torch.float32 and not self.chunked
+        return KVView("fp32", self.k, self.v, ring=self.window, sink=self.sink, pos=self.pos) if ok else None
+
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
@@ -93,8 +100,16 @@ class SlidingCache(ContiguousCache):
         if a.window and a.window + self.sink < max_len:
             return RingLayer(a, batch, a.window, dtype, device, self.sink)
         if a.chunk and a.chunk < max_len:  # a query at p sees p // C * C .. p: at most C positions, the last C
-            return RingLayer(a, batch, a.chunk, dtype, device)
+            return RingLayer(a, batch, a.chunk, dtype, device, chunked=True)
         return ContiguousLayer(a, batch, max_len, dtype, device)
+
+    def views_of_layers(self) -> list:
+        """Rings as rings; a contiguous layer here sees every token it holds (window 0), whatever the model's layer
+        says: it has no window, or the cache's window + sinks cover max_len (else it would be a ring), and this
+        cache's window, not the layer's own, is what attention uses (sliding:W on Gemma 3 at W >= max_len)."""
+        views = super().views_of_layers()
+        return [replace(v, window=0) if isinstance(layer, ContiguousLayer) and v is not None else v
+                for layer, v in zip(self.layers, views, strict=True)]
 
     def attend_masked(self, layer, q, k, v, pos, scale, window, chunk, sinks):
         """With this cache's window, chunk and sinks for the layer (sliding:W replaces a chunk with its window)."""

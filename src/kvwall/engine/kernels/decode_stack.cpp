@@ -81,7 +81,26 @@ struct KV {
   // values vq (Bc, H, C G, Dv bits / 8) uint8, vs, vz (Bc, H, C G, Dv / gv) fp16; kz, vz absent: a symmetric format
   torch::Tensor kq, ks, kz, vq, vs, vz;
   int64_t bits = 0;  // kivi: 8, 4 or 2
+  // fp32 ring (caches/sliding.py's RingLayer, row b = block b): sink slots 0 .. sink - 1 hold positions < sink, slot
+  // sink + (p - sink) % ring position p past them; a row holding n tokens holds min(n, sink + ring) slots, each one
+  // a position its query sees, so attention reads them all. pos (rows, sink + ring) int64: the position in each slot,
+  // kept for the steps that run layer by layer. ring 0: not a ring.
+  int64_t ring = 0, sink = 0;
+  torch::Tensor pos;
+  int64_t window = -1;  // the window attention uses here: -1 the layer's own, 0 none (a sliding:W cache's own choice)
 };
+
+// The slots row b's queries read: a ring's held slots, else positions a .. len - 1 with a window's start
+inline std::pair<int64_t, int64_t> seen(const Layer &L, const KV &kv, int64_t len) {
+  if (kv.ring) return {0, std::min(len, kv.sink + kv.ring)};
+  const int64_t window = kv.window >= 0 ? kv.window : L.window;
+  return {window > 0 ? std::max<int64_t>(0, len - window) : 0, len};
+}
+
+// The slot position t goes to: a ring's (see KV), else t itself
+inline int64_t slot_of(const KV &kv, int64_t t) {
+  return kv.ring == 0 || t < kv.sink ? t : kv.sink + (t - kv.sink) % kv.ring;
+}
 
 struct Stack {
   std::vector<Layer> layers;
@@ -151,9 +170,17 @@ struct Stack {
     const auto dtype = kv.kind == Kind::fp8 ? at::kFloat8_e4m3fn : at::kFloat;
     TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "K/V pools: fp32 (fp8 views: float8_e4m3fn)");
     const int64_t NB = k.size(0), bs = k.size(2);
+    if (kv.ring) {
+      TORCH_CHECK(kv.kind == Kind::fp32 && kv.ring > 0 && kv.sink >= 0 && bs == kv.sink + kv.ring,
+                  "a ring: fp32, sink + ring slots");
+      TORCH_CHECK(kv.pos.defined() && kv.pos.scalar_type() == at::kLong && kv.pos.is_contiguous() &&
+                      kv.pos.dim() == 2 && kv.pos.size(0) == NB && kv.pos.size(1) == bs,
+                  "a ring's positions: contiguous int64 (rows, slots)");
+    }
     for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(len[b] <= nb * bs, "a row's length lies outside its block table");
-      for (int64_t j = 0; j < (len[b] + bs - 1) / bs; ++j)
+      const int64_t held = seen(L, kv, len[b]).second;
+      TORCH_CHECK(held <= nb * bs, "a row's length lies outside its block table");
+      for (int64_t j = 0; j < (held + bs - 1) / bs; ++j)
         TORCH_CHECK(tab[b * nb + j] >= 0 && tab[b * nb + j] < NB, "a block table entry lies outside the pool");
     }
   }
@@ -222,7 +249,8 @@ struct Stack {
       std::copy_n(val, dv, kv.v.data_ptr<float>() + ((b * H + j) * slots + slot) * dv);
       return;
     }
-    const int64_t bs = kv.k.size(2), at = (blk[t / bs] * H + j) * bs + t % bs;  // the slot in the pool
+    const int64_t bs = kv.k.size(2), u = slot_of(kv, t), at = (blk[u / bs] * H + j) * bs + u % bs;  // pool slot
+    if (kv.ring && j == 0) kv.pos.data_ptr<int64_t>()[blk[0] * bs + u] = t;
     if (kv.kind == Kind::fp32) {
       std::copy_n(key, d, kv.k.data_ptr<float>() + at * d);
       std::copy_n(val, dv, kv.v.data_ptr<float>() + at * dv);
@@ -243,11 +271,9 @@ struct Stack {
     float *py = y.data_ptr<float>();
     const QuantKV Q = kv.kind == Kind::kivi ? quant_kv(kv.kq, kv.ks, kv.kz, kv.vq, kv.vs, kv.vz, kv.k, kv.v, kv.bits)
                                             : QuantKV{};
-    const int64_t bs = kv.k.size(2), window = L.window;
-    const auto ps = cut_jobs(B * H, [&](int64_t job) {  // the tokens row b's queries see, at position len - 1
-      const int64_t n = len[job / H];
-      return std::pair<int64_t, int64_t>{window > 0 ? std::max<int64_t>(0, n - window) : 0, n};
-    }, kv.kind == Kind::kivi ? quant_align(Q) : ROW_TILE);
+    const int64_t bs = kv.k.size(2);
+    const auto ps = cut_jobs(B * H, [&](int64_t job) { return seen(L, kv, len[job / H]); },  // at position len - 1
+                             kv.kind == Kind::kivi ? quant_align(Q) : ROW_TILE);
     thread_local std::vector<float> s;
     thread_local RowScratch rs;
     thread_local QuantScratch sc;
@@ -309,7 +335,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("kind", &KV::kind).def_readwrite("k", &KV::k).def_readwrite("v", &KV::v)
       .def_readwrite("kq", &KV::kq).def_readwrite("ks", &KV::ks).def_readwrite("kz", &KV::kz)
       .def_readwrite("vq", &KV::vq).def_readwrite("vs", &KV::vs).def_readwrite("vz", &KV::vz)
-      .def_readwrite("bits", &KV::bits);
+      .def_readwrite("bits", &KV::bits).def_readwrite("ring", &KV::ring).def_readwrite("sink", &KV::sink)
+      .def_readwrite("pos", &KV::pos).def_readwrite("window", &KV::window);
   m.def("e4m3_read", &e4m3_read, "uint8 e4m3 codes -> fp32, as the fp8 view's attention converts them");
   m.def("e4m3_write", &e4m3_write, "fp32 -> uint8 e4m3 codes, as the fp8 view's write rounds them");
   py::class_<Stack>(m, "Stack")
