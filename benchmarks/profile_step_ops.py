@@ -88,7 +88,10 @@ def measure(path: str, weights: str, batch: int, steps: int) -> tuple[float, flo
             {g: statistics.median(v) for g, v in per.items()}, fused)
 
 
-def predicted(arch, weights: str, batch: int, context: int) -> tuple[float, dict[str, float]]:
+def predicted(arch, weights: str, batch: int, context: int) -> tuple[float | None, dict[str, float]]:
+    """The roofline's step and its op groups, or (None, {}) where the weights have no single format to predict
+    with (a native file of mixed block types, Gemma 3's Q4_K_M: the measured side is still printed)."""
+    from kvwall.errors import KvwallError
     from kvwall.measure.real_bench import held_format, kv_format
     from kvwall.predict.devices import local_device
     from kvwall.predict.memory import Formats
@@ -98,7 +101,10 @@ def predicted(arch, weights: str, batch: int, context: int) -> tuple[float, dict
 
     spec = spec_from_config(arch.config, name=arch.name, where=arch.checkpoint).with_window(None)
     fp32 = get_format("fp32")
-    fm = Formats(held_format(arch, weights), get_format(kv_format("contiguous")), fp32)
+    try:
+        fm = Formats(held_format(arch, weights), get_format(kv_format("contiguous")), fp32)
+    except KvwallError:
+        return None, {}
     d = decode(spec, context, batch, fm, Roof(local_device(), dtype="fp32"))
     groups = collections.Counter()
     for op in d.per_op:
@@ -124,8 +130,10 @@ def main() -> None:
             got["rest"] = got.pop("(step, timed)") - sum(got.values())
             p_step, want = predicted(arch, w, b, 16 + 3 * a.steps // 2)
             how = "the fused decode stack" if fused else "no fused decode stack for this model"
+            said = (f"predicted {p_step * 1e3:.2f} ms ({p_step / step - 1:+.0%})" if p_step is not None
+                    else "not predicted: the file mixes weight types")
             print(f"\n{a.model} --weights {w}, batch {b}: measured {step * 1e3:.2f} ms/step (bare median, {how}; "
-                  f"layer by layer {layers * 1e3:.2f}), predicted {p_step * 1e3:.2f} ms ({p_step / step - 1:+.0%})")
+                  f"layer by layer {layers * 1e3:.2f}), {said}")
             print(f"  {'op group':<12}{'layer by layer ms':>18}{'predicted ms':>14}")
             for g in sorted(set(got) | set(want), key=lambda g: -got.get(g, 0)):
                 print(f"  {g:<12}{got.get(g, 0) * 1e3:>18.2f}{want.get(g, 0) * 1e3:>14.2f}")

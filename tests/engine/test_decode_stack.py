@@ -70,6 +70,13 @@ def decode(m: Transformer, prompt: torch.Tensor, steps: int, cache: str = "conti
 def test_stack_equals_the_layers_and_the_reference(kernel, stacked, model_type, cache, batch):
     m = model(model_type)
     prompt = torch.randint(0, 40, (batch, 5), generator=torch.Generator().manual_seed(batch))
+    got = three_ways(m, prompt, cache, stacked)[0]
+    assert got.abs().max() > 1  # not a degenerate model
+
+
+def three_ways(m: Transformer, prompt: torch.Tensor, cache: str, stacked: list):
+    """9 greedy steps through the stack (every one of them), layer by layer and eager: equal logits (1e-5 to the
+    layers, 1e-4 to the reference) and tokens -> the stack's (logits, tokens)."""
     got, tokens = decode(m, prompt, 9, cache)
     assert stacked and all(stacked), "every decode step went through the stack"
     stacked.clear()
@@ -79,7 +86,7 @@ def test_stack_equals_the_layers_and_the_reference(kernel, stacked, model_type, 
     torch.testing.assert_close(got, layers, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
     assert torch.equal(tokens, layer_tokens) and torch.equal(tokens, eager_tokens)
-    assert got.abs().max() > 1  # not a degenerate model
+    return got, tokens
 
 
 @pytest.mark.slow
@@ -105,15 +112,7 @@ def test_sliding_caches_in_the_stack(kernel, stacked, model_type, cache):
     there, 6.3 away in the logits from the layers."""
     m = model(model_type)
     prompt = torch.randint(0, 40, (3, 5), generator=torch.Generator().manual_seed(7))
-    got, tokens = decode(m, prompt, 9, cache)
-    assert stacked and all(stacked)
-    stacked.clear()
-    layers, layer_tokens = decode(m, prompt, 9, cache, "layers")
-    eager, _ = decode(m, prompt, 9, cache, "eager")
-    assert not any(stacked)
-    torch.testing.assert_close(got, layers, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
-    assert torch.equal(tokens, layer_tokens)
+    got, tokens = three_ways(m, prompt, cache, stacked)
     if cache == "sliding":  # the model's own windows: exact, so equal to a full forward without a cache
         with torch.inference_mode():
             full = m(torch.cat([prompt, tokens], 1))  # (B, 14, V)

@@ -221,9 +221,10 @@ def test_gguf_blocks_repack_bit_for_bit(tmp_path, qtype):
         torch.testing.assert_close(native(tokens), plain(tokens), rtol=1e-4, atol=1e-4)
 
 
-def test_q5_0_blocks_repack_as_q8_0_bit_for_bit():
-    """Random Q5_0 blocks (any bytes are a block once d is finite), the fifth bits included, repacked as Q8_0
-    dequantize to exactly what the gguf package's own dequantizer gives."""
+def random_blocks(kind: str, N: int, K: int, elems: int, nbytes: int, d_at: int, d_range, seed: int):
+    """N rows of K weights as random blocks of a GGUF type (`elems` weights in `nbytes` bytes, its fp16 d at byte
+    d_at drawn from d_range, so every block is finite), as the gguf reader gives a tensor -> (repack's (q, s, m, fmt),
+    the gguf package's own dequantization (N, K), the d drawn)."""
     gg = pytest.importorskip("gguf")
     from types import SimpleNamespace
 
@@ -232,14 +233,21 @@ def test_q5_0_blocks_repack_as_q8_0_bit_for_bit():
 
     from kvwall.engine.gguf import repack
 
-    N, K, rng = 6, 256, np.random.default_rng(1)
-    raw = rng.integers(0, 256, (N, K // 32, 22), dtype=np.uint8)  # (rows, blocks, block bytes)
-    d = rng.uniform(1e-3, 2e-2, (N, K // 32)).astype(np.float16)
-    raw[..., 0:2] = np.frombuffer(d.tobytes(), np.uint8).reshape(N, K // 32, 2)
-    tensor = SimpleNamespace(tensor_type=gg.GGMLQuantizationType.Q5_0, shape=np.array([K, N]), data=raw.reshape(N, -1))
-    q, s, m, fmt = repack(tensor)
+    rng, qt = np.random.default_rng(seed), getattr(gg.GGMLQuantizationType, kind)
+    raw = rng.integers(0, 256, (N, K // elems, nbytes), dtype=np.uint8)  # (rows, blocks, block bytes)
+    d = rng.uniform(*d_range, (N, K // elems)).astype(np.float16)
+    raw[..., d_at:d_at + 2] = np.frombuffer(d.tobytes(), np.uint8).reshape(N, K // elems, 2)
+    tensor = SimpleNamespace(tensor_type=qt, shape=np.array([K, N]), data=raw.reshape(N, -1))
+    want = torch.from_numpy(reference(raw.reshape(N, -1), qt).reshape(N, K).copy())
+    return repack(tensor), want, d
+
+
+def test_q5_0_blocks_repack_as_q8_0_bit_for_bit():
+    """Random Q5_0 blocks (any bytes are a block once d is finite), the fifth bits included, repacked as Q8_0
+    dequantize to exactly what the gguf package's own dequantizer gives."""
+    N, K = 6, 256
+    (q, s, m, fmt), want, d = random_blocks("Q5_0", N, K, 32, 22, 0, (1e-3, 2e-2), 1)
     assert fmt.name == "q8_0" and m is None and q.shape == (N, K) and s.shape == (N, K // 32)
-    want = torch.from_numpy(reference(raw.reshape(N, -1), gg.GGMLQuantizationType.Q5_0).reshape(N, K).copy())
     assert torch.equal(dequantize(q, s, m, 8, K, 32), want)
     assert want.abs().max() > 15 * float(d.min())  # codes past 15: the fifth bits are in
 
@@ -247,24 +255,11 @@ def test_q5_0_blocks_repack_as_q8_0_bit_for_bit():
 def test_q6_k_repacks_as_int8_g16_within_fp16_rounding():
     """Random Q6_K blocks repacked as symmetric int8 groups of 16 dequantize to what the gguf package's own
     dequantizer gives, within the fp16 rounding of each group's d sc: 2^-11 of 32 |d'| per weight (|q - 32| <= 32)."""
-    gg = pytest.importorskip("gguf")
-    from types import SimpleNamespace
-
-    import numpy as np
-    from gguf.quants import dequantize as reference
-
-    from kvwall.engine.gguf import repack
-
-    N, K, rng = 6, 512, np.random.default_rng(2)
-    raw = rng.integers(0, 256, (N, K // 256, 210), dtype=np.uint8)  # (rows, blocks, block bytes)
-    d = rng.uniform(1e-4, 2e-3, (N, K // 256)).astype(np.float16)
-    raw[..., 208:210] = np.frombuffer(d.tobytes(), np.uint8).reshape(N, K // 256, 2)
-    tensor = SimpleNamespace(tensor_type=gg.GGMLQuantizationType.Q6_K, shape=np.array([K, N]), data=raw.reshape(N, -1))
-    q, s, m, fmt = repack(tensor)
+    N, K = 6, 512
+    (q, s, m, fmt), want, _ = random_blocks("Q6_K", N, K, 256, 210, 208, (1e-4, 2e-3), 2)
     assert (fmt.name, fmt.bits, fmt.group, fmt.zero_bytes) == ("int8", 8, 16, 0) and m is None
     assert q.shape == (N, K) and s.shape == (N, K // 16)
     mine = dequantize(q, s, m, 8, K, 16)  # (N, K)
-    want = torch.from_numpy(reference(raw.reshape(N, -1), gg.GGMLQuantizationType.Q6_K).reshape(N, K).copy())
     bound = 32 * s.float().abs().repeat_interleave(16, 1) * 2.0 ** -11
     assert ((mine - want).abs() <= bound + 1e-9).all()
     assert (mine - want).abs().max() > 0 and (want < 0).any() and (want > 0).any()  # rounded; both signs
