@@ -265,6 +265,15 @@ def test_q6_k_repacks_as_int8_g16_within_fp16_rounding():
     assert (mine - want).abs().max() > 0 and (want < 0).any() and (want > 0).any()  # rounded; both signs
 
 
+def test_k_quant_scales_outside_fp16_stay_dequantized():
+    """A Q6_K tensor whose d sc falls below fp16's normal range (2^-14) would lose more than 2^-11 of a scale as a
+    subnormal: repack declines it (None: the checkpoint dequantizes it instead), as it does past 65504."""
+    got, _, _ = random_blocks("Q6_K", 2, 256, 256, 210, 208, (1e-7, 2e-7), 3)
+    assert got is None
+    got, _, _ = random_blocks("Q6_K", 2, 256, 256, 210, 208, (1e3, 2e3), 3)
+    assert got is None
+
+
 def test_q4_k_repacks_as_q4_1_within_fp16_rounding():
     """Random Q4_K blocks (any bytes are a block once d and dmin are finite) repacked as Q4_1 dequantize to what the
     gguf package's own dequantizer gives, within the fp16 rounding of each sub-block's d sc and dmin m: 2^-11 of

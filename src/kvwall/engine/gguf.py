@@ -164,8 +164,9 @@ def repack_q4_k(tensor):
     """A Q4_K tensor (ggml-common.h block_q4_K: 256 weights as fp16 d and dmin, 8 six-bit scales and mins in 12
     bytes, 128 nibble bytes) as Q4_1 blocks, one per 32-weight sub-block j: w = d sc_j q - dmin m_j is Q4_1's
     d' q + m' with d' = d sc_j and m' = -dmin m_j, each rounded to fp16 (the only loss: at most 2^-11 of each,
-    relative). 5.0 bits a weight where the file holds 4.5. A chunk of 64 weights keeps sub-block 2c in its 32
-    bytes' low nibbles and 2c + 1 in their high ones; Q4_1 wants element i of a block low and i + 16 high."""
+    relative; None where one leaves fp16's normal range: as_half). 5.0 bits a weight where the file holds 4.5.
+    A chunk of 64 weights keeps sub-block 2c in its 32 bytes' low nibbles and 2c + 1 in their high ones; Q4_1
+    wants element i of a block low and i + 16 high."""
     N, K = _torch_shape(tensor)
     raw = np.asarray(tensor.data, dtype=np.uint8).reshape(N, K // 256, 144)  # (N, blocks, block bytes)
     d, dmin = (raw[..., at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))  # (N, blocks, 1)
@@ -178,10 +179,21 @@ def repack_q4_k(tensor):
     qs = raw[..., 16:].reshape(N, K // 256, 4, 1, 32)  # (N, blocks, chunk, 1, byte)
     codes = np.concatenate([qs & 15, qs >> 4], 3).reshape(N, K // 32, 32)  # (N, sub-blocks, 32) in weight order
     q = codes[..., :16] | (codes[..., 16:] << 4)  # (N, sub-blocks, 16): Q4_1's order
-    scale = (d * sc).astype(np.float16).reshape(N, K // 32)
-    zero = (-(dmin * mn)).astype(np.float16).reshape(N, K // 32)
-    return (torch.from_numpy(np.ascontiguousarray(q.reshape(N, K // 2))), torch.from_numpy(scale),
-            torch.from_numpy(zero), get_format("q4_1"))
+    scale, zero = as_half(d * sc), as_half(-(dmin * mn))
+    if scale is None or zero is None:
+        return None
+    return (torch.from_numpy(np.ascontiguousarray(q.reshape(N, K // 2))), torch.from_numpy(scale.reshape(N, K // 32)),
+            torch.from_numpy(zero.reshape(N, K // 32)), get_format("q4_1"))
+
+
+def as_half(x: np.ndarray) -> np.ndarray | None:
+    """x rounded to fp16, or None where that loses more than 2^-11 of some value (a non-zero below fp16's smallest
+    normal 2^-14, or past 65504): a K-quant's products of two scales can leave fp16's range, and the tensor then
+    stays dequantized rather than silently off."""
+    a = np.abs(x)
+    if ((a > 0) & (a < 2.0 ** -14)).any() or (a > 65504).any():
+        return None
+    return x.astype(np.float16)
 
 
 def repack_q5_0(tensor):
@@ -205,9 +217,10 @@ def repack_q6_k(tensor):
     """A Q6_K tensor (ggml-common.h block_q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales,
     fp16 d; w = d sc_j (q - 32) over 16-weight sub-blocks j, q in 0..63) as symmetric int8 groups of 16: codes
     q - 32 + 128 exactly, each group's scale d sc_j rounded to fp16 (the only loss: at most 2^-11 of it,
-    relative, as repack_q4_k's). 9 bits a weight where the file holds 6.5625. In each half block of 128
-    weights, element 32 i + l (i < 4, l < 32) takes ql[l + 32 (i & 1)]'s low (i < 2) or high nibble and bits
-    2 i, 2 i + 1 of qh[l]; scale j covers elements 16 j .. 16 j + 15 of the block, in order."""
+    relative, as repack_q4_k's; None where a scale leaves fp16's normal range: as_half). 9 bits a weight where
+    the file holds 6.5625. In each half block of 128 weights, element 32 i + l (i < 4, l < 32) takes
+    ql[l + 32 (i & 1)]'s low (i < 2) or high nibble and bits 2 i, 2 i + 1 of qh[l]; scale j covers elements
+    16 j .. 16 j + 15 of the block, in order."""
     N, K = _torch_shape(tensor)
     raw = np.asarray(tensor.data, dtype=np.uint8).reshape(N, K // 256, 210)  # (N, blocks, block bytes)
     ql = raw[..., :128].reshape(N, K // 256, 2, 2, 32)  # (N, blocks, half, i & 1, l)
@@ -218,8 +231,10 @@ def repack_q6_k(tensor):
     high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3  # (N, blocks, half, i, l)
     q = (low | (high << 4)).reshape(N, K)  # (N, K): 0..63 in weight order
     codes = (q.astype(np.int16) - 32 + 128).astype(np.uint8)  # (N, K)
-    scale = (d * sc).astype(np.float16).reshape(N, K // 16)  # (N, K / 16)
-    return (torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale), None,
+    scale = as_half(d * sc)  # (N, blocks, 16)
+    if scale is None:
+        return None
+    return (torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale.reshape(N, K // 16)), None,
             get_format("int8:g16:sym"))
 
 
