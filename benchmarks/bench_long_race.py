@@ -614,7 +614,7 @@ def main() -> None:
             "new": args.new, "runs": args.runs, "threads": args.threads, "torch": torch.__version__,
             "neighbour": args.neighbour, "quality_files": args.quality,
             "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),  # OpenMP's barrier spin (bench_neighbour_spin.py)
-            "llama_cpp": llama_cpp_build() if ctx["llms"] else None,
+            "llama_cpp": llama_cpp_build() if kvs and "llama.cpp" not in ctx["not_run"] else None,
             "seconds": round(time.time() - t_start, 1),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "rows": rows}, indent=1))
 
