@@ -190,11 +190,7 @@ torch::Tensor run_one(const torch::Tensor &x, const torch::Tensor &q, const torc
       if (zp) half_to_float(zp + n0 * NG, cf.data(), rows * NG);
       else
         for (int64_t i = 0; i < rows * NG; ++i) cf[i] = -OFF * sf[i];
-      if (BITS == 8) {  // ONE_ROW (above)
-        for (int64_t r = 0; r < rows; ++r)
-          fused_rows<BITS, 1>(xp, xs.data(), qp + (n0 + r) * QB, QB, sf.data() + r * NG, cf.data() + r * NG, NG, K,
-                              G, yp + n0 + r);
-      } else if (rows == R) {
+      if (BITS != 8 && rows == R) {  // 8-bit rows one at a time: ONE_ROW (above)
         fused_rows<BITS, R>(xp, xs.data(), qp + n0 * QB, QB, sf.data(), cf.data(), NG, K, G, yp + n0);
       } else {
         for (int64_t r = 0; r < rows; ++r)
