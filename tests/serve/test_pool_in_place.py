@@ -145,21 +145,22 @@ def test_the_kernel_reads_the_codes_the_gather_dequantizes(kernels):
 
 def test_steps_the_kernel_does_not_take_gather(kernels, monkeypatch):
     """in_place False (the reference), a softcap, or a prefill chunk: the gather, never the kernel; and the fused
-    decode step is never handed an integer pool."""
+    decode step is handed the pool at a decode step only, and never with in_place False."""
     monkeypatch.setattr(runner_mod, "attend_int_blocks", lambda *a: pytest.fail("the kernel ran"))
     pool = make_pool(spec(2, 2, 64), BS, 4, "int8", "cpu")
     pool.plan([[0, 1]], [20])
     pool.step(torch.arange(20)[None])
-    assert not pool.decoding  # a prefill chunk
+    assert not pool.decoding and pool.decode_blocks(1) is None  # a prefill chunk
     q, k = torch.randn(1, 2, 20, 64), torch.randn(1, 2, 20, 64)
     assert pool.attend(0, q, k, k, torch.arange(20)[None], 0.125, None, None).shape == (1, 2, 20, 64)
     pool.plan([[0, 1]], [21])
     pos = torch.tensor([[20]])
     pool.step(pos)
-    assert pool.decoding and pool.decode_blocks(1) is None
+    assert pool.decoding and pool.decode_blocks(1) is not None
     q, k = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
     pool.attend(0, q, k, k, pos, 0.125, None, 30.0)  # a softcap
     pool.in_place = False
+    assert pool.decode_blocks(1) is None
     pool.attend(0, q, k, k, pos, 0.125, None, None)
 
 

@@ -18,7 +18,9 @@ When: Transformer.forward takes it for one new token per row, outside autograd, 
     cache: e4m3 bytes read in place and converted in registers, kernels/pool_rows.h), or the KIVI buffers (int8 /
     int4 / int2: the new token appended to the full-precision residual, attention by kernels/quantized_attend.h's
     attend_part_q, as quantized_decode.cpp's), the chunk a step would flush quantized first
-    (QuantizedCache.decode_blocks).
+    (QuantizedCache.decode_blocks), or serve's integer pools (int8 / int4 / int2 codes per token: the new token
+    quantized in C++ bit for bit as QuantizedPages.write does, the codes read in place as paged_decode_int reads
+    them; serve/runner.py's QuantizedPages.decode_blocks).
 Each (row, KV head) attention job is cut along its tokens where the jobs are fewer than ~8 a thread (common.h's
 cut_jobs, merged exactly by run_pieces), so one KV head at batch 1 (Gemma 3 270M) keeps every thread busy: the
 stack no longer waits for a job per thread.

@@ -49,7 +49,10 @@ class KVView:
 
     kind "fp32" / "fp8": k (NB, H, bs, D), v (NB, H, bs, Dv) pools of blocks, fp32 or float8_e4m3fn (written as
     caches/fp8.py writes), read through DecodeBlocks.table; "kivi": a QuantizedLayer's buffers (caches/quantized.py),
-    k, v its full-precision residual (rows, H, slots, D|Dv) fp32, the new token going to the residual's next slot."""
+    k, v its full-precision residual (rows, H, slots, D|Dv) fp32, the new token going to the residual's next slot;
+    "int": an integer pool of serve's (serve/runner.py's QuantizedPages), k, v its codes (NB, H, bs, D|Dv * bits / 8)
+    uint8, ks, kz, vs, vz each token's fp16 scales and zero points (NB, H, bs, groups), the new token quantized as
+    QuantizedPages.write quantizes it, read through DecodeBlocks.table."""
 
     kind: str
     k: torch.Tensor
@@ -60,7 +63,7 @@ class KVView:
     vq: torch.Tensor | None = None  # kivi: packed values per token, scales, zero points
     vs: torch.Tensor | None = None
     vz: torch.Tensor | None = None
-    bits: int = 0  # kivi: 8, 4 or 2
+    bits: int = 0  # kivi, int: 8, 4 or 2
     ring: int = 0  # fp32 ring (caches/sliding.py's RingLayer): its window's slots, after `sink` slots; 0: not a ring
     sink: int = 0
     pos: torch.Tensor | None = None  # a ring's (rows, sink + ring) positions per slot, which the step keeps up to date

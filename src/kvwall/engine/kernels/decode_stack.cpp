@@ -70,17 +70,19 @@ inline void add_into(float *x, const float *y, int64_t n) {
 }
 
 // One layer's cache as a step writes and reads it in place (caches/base.py's KVView says which cache hands over which)
-enum class Kind : int64_t { fp32, fp8, kivi };
+enum class Kind : int64_t { fp32, fp8, kivi, ints };
 
 struct KV {
   Kind kind = Kind::fp32;
   // fp32, fp8: pools (NB, H, bs, D) and (NB, H, bs, Dv), fp32 or float8_e4m3fn, read through the step's block table;
-  // kivi: the full-precision residual rk (Bc, H, slots, D) and rv (Bc, H, slots, Dv) fp32 (Bc >= B rows)
+  // kivi: the full-precision residual rk (Bc, H, slots, D) and rv (Bc, H, slots, Dv) fp32 (Bc >= B rows);
+  // ints (serve's integer pools, QuantizedPages): the codes (NB, H, bs, D bits / 8) and (NB, H, bs, Dv bits / 8) uint8
   torch::Tensor k, v;
   // kivi: QuantizedLayer's packed key chunks kq (Bc, H, C, D, G bits / 8) uint8, ks, kz (Bc, H, C, D, 1) fp16, packed
   // values vq (Bc, H, C G, Dv bits / 8) uint8, vs, vz (Bc, H, C G, Dv / gv) fp16; kz, vz absent: a symmetric format
+  // ints: ks, kz (NB, H, bs, D / gk) and vs, vz (NB, H, bs, Dv / gv) fp16: each token's scales and zero points
   torch::Tensor kq, ks, kz, vq, vs, vz;
-  int64_t bits = 0;  // kivi: 8, 4 or 2
+  int64_t bits = 0;  // kivi, ints: 8, 4 or 2
   // fp32 ring (caches/sliding.py's RingLayer, row b = block b): sink slots 0 .. sink - 1 hold positions < sink, slot
   // sink + (p - sink) % ring position p past them; a row holding n tokens holds min(n, sink + ring) slots, each one
   // a position its query sees, so attention reads them all. pos (rows, sink + ring) int64: the position in each slot,
@@ -161,11 +163,12 @@ struct Stack {
     TORCH_CHECK(L.norm1.numel() == D && L.norm2.numel() == D, "norm weights must be (D,)");
     TORCH_CHECK(L.rope < int64_t(cos.size()) && (L.rope < 0 || cos[L.rope].size(1) == L.d),
                 "a layer's rotary table is missing or not head-wide");
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(len[b] >= 1, "a row holds no token");
+    if (kv.kind == Kind::ints) return check_ints(L, kv, B, tab, nb, len);
     TORCH_CHECK(k.defined() && v.defined() && k.is_contiguous() && v.is_contiguous() && k.dim() == 4 &&
                     v.dim() == 4 && k.size(1) == L.nkv && k.size(3) == L.d && v.size(0) == k.size(0) &&
                     v.size(1) == L.nkv && v.size(2) == k.size(2) && v.size(3) == L.dv,
                 "the cache's K/V do not match the layer");
-    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(len[b] >= 1, "a row holds no token");
     if (kv.kind == Kind::kivi) return check_kivi(kv, B, len, nq);
     const auto dtype = kv.kind == Kind::fp8 ? at::kFloat8_e4m3fn : at::kFloat;
     TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "K/V pools: fp32 (fp8 views: float8_e4m3fn)");
@@ -177,12 +180,39 @@ struct Stack {
                       kv.pos.dim() == 2 && kv.pos.size(0) == NB && kv.pos.size(1) == bs,
                   "a ring's positions: contiguous int64 (rows, slots)");
     }
+    check_blocks(L, kv, B, NB, bs, tab, nb, len);
+  }
+
+  // Every block a row's queries read lies in the pool and its tokens fit its block table
+  static void check_blocks(const Layer &L, const KV &kv, int64_t B, int64_t NB, int64_t bs, const int64_t *tab,
+                           int64_t nb, const int64_t *len) {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t held = seen(L, kv, len[b]).second;
       TORCH_CHECK(held <= nb * bs, "a row's length lies outside its block table");
       for (int64_t j = 0; j < (held + bs - 1) / bs; ++j)
         TORCH_CHECK(tab[b * nb + j] >= 0 && tab[b * nb + j] < NB, "a block table entry lies outside the pool");
     }
+  }
+
+  // An integer pool's view: codes, scales and zero points shaped as QuantizedPages allocates them, K and V alike
+  static void check_ints(const Layer &L, const KV &kv, int64_t B, const int64_t *tab, int64_t nb, const int64_t *len) {
+    TORCH_CHECK(kv.bits == 8 || kv.bits == 4 || kv.bits == 2, "int pool bits must be 8, 4 or 2");
+    TORCH_CHECK(kv.ring == 0, "an int pool is not a ring");
+    const int64_t NB = kv.k.defined() ? kv.k.size(0) : 0, bs = kv.k.defined() && kv.k.dim() == 4 ? kv.k.size(2) : 0;
+    auto side = [&](const torch::Tensor &q, const torch::Tensor &s, const torch::Tensor &z, int64_t width) {
+      TORCH_CHECK(q.defined() && s.defined() && q.is_contiguous() && s.is_contiguous() && q.dim() == 4 &&
+                      s.dim() == 4 && q.scalar_type() == at::kByte && s.scalar_type() == at::kHalf,
+                  "int pools: contiguous (NB, H, bs, .) uint8 codes and fp16 scales");
+      TORCH_CHECK(q.size(0) == NB && q.size(1) == L.nkv && q.size(2) == bs && q.size(3) * 8 == width * kv.bits,
+                  "an int pool's codes do not match the layer");
+      TORCH_CHECK(s.size(0) == NB && s.size(1) == L.nkv && s.size(2) == bs && s.size(3) > 0 && width % s.size(3) == 0,
+                  "an int pool's scales do not match its codes");
+      TORCH_CHECK(!z.defined() || (z.is_contiguous() && z.scalar_type() == at::kHalf && z.sizes() == s.sizes()),
+                  "zero points: fp16, shaped as the scales");
+    };
+    side(kv.k, kv.ks, kv.kz, L.d);
+    side(kv.v, kv.vs, kv.vz, L.dv);
+    check_blocks(L, kv, B, NB, bs, tab, nb, len);
   }
 
   // A kivi view (caches/quantized.py's buffers): dtypes and shapes as QuantizedLayer allocates them, and each row's
@@ -238,8 +268,9 @@ struct Stack {
   }
 
   // Row b's new key (d) and value (dv) of KV head j into the cache, at position len - 1: a pool's slot through the
-  // row's block table (fp8: rounded as caches/fp8.py writes), or the kivi residual's slot len - 1 - nq (as
-  // QuantizedLayer.append puts it there when no chunk is flushed: decode_blocks declines a step that flushes one)
+  // row's block table (fp8: rounded as caches/fp8.py writes; ints: quantized as QuantizedPages.write does), or the
+  // kivi residual's slot len - 1 - nq (as QuantizedLayer.append puts it there when no chunk is flushed:
+  // decode_blocks declines a step that flushes one)
   static void write(const Layer &L, const KV &kv, int64_t b, int64_t j, const float *key, const float *val,
                     const int64_t *blk, int64_t len, int64_t nq) {
     const int64_t H = L.nkv, d = L.d, dv = L.dv, t = len - 1;
@@ -251,6 +282,19 @@ struct Stack {
     }
     const int64_t bs = kv.k.size(2), u = slot_of(kv, t), at = (blk[u / bs] * H + j) * bs + u % bs;  // pool slot
     if (kv.ring && j == 0) kv.pos.data_ptr<int64_t>()[blk[0] * bs + u] = t;
+    if (kv.kind == Kind::ints) {
+      with_bits(kv.bits, [&](auto tag) {
+        constexpr int BITS = decltype(tag)::value;
+        const int64_t NGk = kv.ks.size(3), NGv = kv.vs.size(3);
+        quantize_token<BITS>(key, d, d / NGk, kv.k.data_ptr<uint8_t>() + at * d * BITS / 8,
+                             kv.ks.data_ptr<at::Half>() + at * NGk,
+                             kv.kz.defined() ? kv.kz.data_ptr<at::Half>() + at * NGk : nullptr);
+        quantize_token<BITS>(val, dv, dv / NGv, kv.v.data_ptr<uint8_t>() + at * dv * BITS / 8,
+                             kv.vs.data_ptr<at::Half>() + at * NGv,
+                             kv.vz.defined() ? kv.vz.data_ptr<at::Half>() + at * NGv : nullptr);
+      });
+      return;
+    }
     if (kv.kind == Kind::fp32) {
       std::copy_n(key, d, kv.k.data_ptr<float>() + at * d);
       std::copy_n(val, dv, kv.v.data_ptr<float>() + at * dv);
@@ -287,6 +331,13 @@ struct Stack {
         attend_rows_part(qq, rep, d, dv, FloatRows<uint8_t>{static_cast<const uint8_t *>(kv.k.data_ptr()), d},
                          FloatRows<uint8_t>{static_cast<const uint8_t *>(kv.v.data_ptr()), dv}, tab + b * nb, H, j,
                          bs, pc.a, pc.e, float(L.scale), o, m, l, rs);
+      else if (kv.kind == Kind::ints)
+        with_bits(kv.bits, [&](auto tag) {
+          constexpr int BITS = decltype(tag)::value;
+          const auto K = int_rows<BITS>(kv.k, kv.ks, kv.kz, d);
+          const auto V = int_rows<BITS>(kv.v, kv.vs, kv.vz, dv);
+          attend_rows_part(qq, rep, d, dv, K, V, tab + b * nb, H, j, bs, pc.a, pc.e, float(L.scale), o, m, l, rs);
+        });
       else  // quantized_decode's window: the query at position len - 1 sees positions > len - 1 - window
         attend_part_bits(kv.bits, Q, b, j, qq, rep, pc.a, pc.e, nq[b], float(L.scale), o, m, l, sc);
     }, [&](int64_t job) { return py + (job / H * L.nq + job % H * rep) * dv; });
@@ -312,6 +363,25 @@ torch::Tensor e4m3_write(torch::Tensor x) {
   return out;
 }
 
+// x (N, width) fp32 quantized token by token as an int pool's write does (quantize_token, groups of width / G) ->
+// (codes (N, width bits / 8) uint8, scales (N, G) fp16, zero points (N, G) fp16, empty when symmetric), for tests
+std::vector<torch::Tensor> int_write(torch::Tensor x, int64_t bits, int64_t G, bool zero) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2, "x: contiguous (N, width) fp32");
+  TORCH_CHECK((bits == 8 || bits == 4 || bits == 2) && G > 0 && x.size(1) % G == 0 && x.size(1) * bits % 8 == 0,
+              "bits 8, 4 or 2, and G groups that divide the width");
+  const int64_t N = x.size(0), width = x.size(1);
+  auto q = torch::empty({N, width * bits / 8}, x.options().dtype(at::kByte));
+  auto s = torch::empty({N, G}, x.options().dtype(at::kHalf));
+  auto z = zero ? torch::empty({N, G}, x.options().dtype(at::kHalf)) : torch::empty({0}, x.options().dtype(at::kHalf));
+  with_bits(bits, [&](auto tag) {
+    constexpr int BITS = decltype(tag)::value;
+    for (int64_t i = 0; i < N; ++i)
+      quantize_token<BITS>(x.data_ptr<float>() + i * width, width, width / G,
+                           q.data_ptr<uint8_t>() + i * width * BITS / 8, s.data_ptr<at::Half>() + i * G, zero ? z.data_ptr<at::Half>() + i * G : nullptr);
+  });
+  return {q, s, z};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Proj>(m, "Proj")
       .def(py::init<>())
@@ -329,7 +399,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("nq", &Layer::nq).def_readwrite("nkv", &Layer::nkv).def_readwrite("d", &Layer::d)
       .def_readwrite("dv", &Layer::dv).def_readwrite("window", &Layer::window).def_readwrite("rope", &Layer::rope)
       .def_readwrite("scale", &Layer::scale).def_readwrite("gelu", &Layer::gelu);
-  py::enum_<Kind>(m, "Kind").value("fp32", Kind::fp32).value("fp8", Kind::fp8).value("kivi", Kind::kivi);
+  py::enum_<Kind>(m, "Kind").value("fp32", Kind::fp32).value("fp8", Kind::fp8).value("kivi", Kind::kivi)
+      .value("int", Kind::ints);
   py::class_<KV>(m, "KV")
       .def(py::init<>())
       .def_readwrite("kind", &KV::kind).def_readwrite("k", &KV::k).def_readwrite("v", &KV::v)
@@ -339,6 +410,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("pos", &KV::pos).def_readwrite("window", &KV::window);
   m.def("e4m3_read", &e4m3_read, "uint8 e4m3 codes -> fp32, as the fp8 view's attention converts them");
   m.def("e4m3_write", &e4m3_write, "fp32 -> uint8 e4m3 codes, as the fp8 view's write rounds them");
+  m.def("int_write", &int_write, "fp32 (N, width) -> an int pool's codes, scales, zero points, as a step writes them");
   py::class_<Stack>(m, "Stack")
       .def(py::init<double, double>())
       .def("add", &Stack::add)

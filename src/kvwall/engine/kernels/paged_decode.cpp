@@ -117,17 +117,12 @@ torch::Tensor paged_decode_int(torch::Tensor q, torch::Tensor kq, torch::Tensor 
               Dv % NGv == 0, "the scales do not match the codes");
   check_tables(table, lengths, B, NB, bs);
   auto y = torch::zeros({B, H, rep, Dv}, q.options());
-  auto run = [&](auto tag) {
+  with_bits(bits, [&](auto tag) {
     constexpr int BITS = decltype(tag)::value;
-    const IntRows<BITS> K{kq.data_ptr<uint8_t>(), ks.data_ptr<at::Half>(), kz ? kz->data_ptr<at::Half>() : nullptr,
-                          D, D / NGk, NGk};
-    const IntRows<BITS> V{vq.data_ptr<uint8_t>(), vs.data_ptr<at::Half>(), vz ? vz->data_ptr<at::Half>() : nullptr,
-                          Dv, Dv / NGv, NGv};
+    const auto K = int_rows<BITS>(kq, ks, kz ? *kz : torch::Tensor(), D);
+    const auto V = int_rows<BITS>(vq, vs, vz ? *vz : torch::Tensor(), Dv);
     attend_rows(q, K, V, table, lengths, bs, Dv, window, scale, y);
-  };
-  if (bits == 8) run(std::integral_constant<int, 8>{});
-  else if (bits == 4) run(std::integral_constant<int, 4>{});
-  else run(std::integral_constant<int, 2>{});
+  });
   return y;
 }
 

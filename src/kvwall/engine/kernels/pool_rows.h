@@ -61,6 +61,58 @@ struct IntRows {
   }
 };
 
+// f(std::integral_constant<int, BITS>) for a format's bits (8, 4 or 2): one switch for the integer pools' callers
+template <class F>
+void with_bits(int64_t bits, F f) {
+  if (bits == 8) f(std::integral_constant<int, 8>{});
+  else if (bits == 4) f(std::integral_constant<int, 4>{});
+  else f(std::integral_constant<int, 2>{});
+}
+
+// IntRows over one side of a pool: codes (NB, H, bs, width BITS / 8) uint8, scales s and zero points z (NB, H, bs, G)
+// fp16 (z undefined: symmetric)
+template <int BITS>
+IntRows<BITS> int_rows(const torch::Tensor &codes, const torch::Tensor &s, const torch::Tensor &z, int64_t width) {
+  const int64_t NG = s.size(3);
+  return {codes.data_ptr<uint8_t>(), s.data_ptr<at::Half>(), z.defined() ? z.data_ptr<at::Half>() : nullptr, width,
+          width / NG, NG};
+}
+
+// One token's `width` values x written as IntRows reads them, bit for bit what caches/quant.py's quantize writes:
+// the same fp32 operations in the same order, fp16 rounding by c10::Half (to nearest even, as torch's .half()),
+// torch.round's ties to even by nearbyint. Per group of gs values: asymmetric (z given) s = fp16(max((hi - lo) /
+// (2^BITS - 1), 1e-8)), z = fp16(lo), c = clamp(round((x - z) / s), 0, 2^BITS - 1); symmetric s = fp16(max(max|x| /
+// (2^(BITS-1) - 1), 1e-8)), c = clamp(round(x / s), 1 - 2^(BITS-1), 2^(BITS-1) - 1) + 2^(BITS-1). Codes packed
+// little end first. Over a constant group s rounds to 0 (1e-8 is below fp16's smallest subnormal) and 0 / 0 is NaN:
+// that code is stored as 0, as torch's cast stores it, and read back as z + 0 c either way.
+template <int BITS>
+void quantize_token(const float *x, int64_t width, int64_t gs, uint8_t *q, at::Half *s, at::Half *z) {
+  constexpr int levels = (1 << BITS) - 1, half = 1 << (BITS - 1), per = 8 / BITS;
+  std::fill_n(q, width * BITS / 8, uint8_t(0));
+  for (int64_t g = 0; g < width / gs; ++g) {
+    const float *xg = x + g * gs;
+    float lo = xg[0], hi = xg[0], amax = 0.f;
+    for (int64_t i = 0; i < gs; ++i) {
+      lo = std::min(lo, xg[i]), hi = std::max(hi, xg[i]), amax = std::max(amax, std::abs(xg[i]));
+    }
+    float zf = 0.f, cmin = float(1 - half), cmax = float(half - 1), shift = float(half);
+    if (z) {
+      s[g] = at::Half(std::max((hi - lo) / float(levels), 1e-8f));
+      z[g] = at::Half(lo);
+      zf = float(z[g]), cmin = 0.f, cmax = float(levels), shift = 0.f;
+    } else {
+      s[g] = at::Half(std::max(amax / float(half - 1), 1e-8f));
+    }
+    const float sf = float(s[g]);
+    for (int64_t i = 0; i < gs; ++i) {
+      const float r = std::nearbyint((z ? xg[i] - zf : xg[i]) / sf);
+      const int code = r == r ? int(std::min(std::max(r, cmin), cmax) + shift) : 0;
+      const int64_t at = g * gs + i;
+      q[at / per] |= uint8_t(code << (at % per * BITS));
+    }
+  }
+}
+
 struct RowScratch {  // one thread's buffers
   std::vector<float> s, buf, w, vs, vz, zsum;
 };
