@@ -13,8 +13,10 @@ decoding requests saw), the largest number of requests running at once, and the 
 The pool is given in fp32 blocks (--blocks); a smaller format gets the same bytes, so more blocks:
 int8 (with its fp16 scale per 32 values) holds about 3.6 times the tokens of fp32, int4 about 6.4 times.
 A decode step reads every pool in place (fp32 in the fused decode step; bf16, fp16, fp8 and the integer pools
-through kernels/paged_decode.cpp); a format written FMT/gather (``int8/gather``) runs that pool with in-place
-reading off (the gather-and-dequantize path the integer pools had before), to measure what the kernel is worth.
+through kernels/paged_decode.cpp, the integer pools inside the fused decode step too); a format written FMT/gather
+(``int8/gather``) runs that pool with in-place reading off (the gather-and-dequantize path the integer pools had
+before), to measure what the kernel is worth, and FMT/layers (``int8/layers``) reads it in place layer by layer
+(the fused step declines it, as it did the integer pools before), to measure what the fused step is worth.
 --repeats N runs every (pool, format) N times, rounds interleaved (each round runs every pair once, in order), and
 keeps the median run's row (by tokens/s) with every run's tokens/s in ``tok_s_runs``.
 
@@ -49,6 +51,17 @@ def model_path(name: str):
     return gguf_file(name) or name
 
 
+def reading(runner, path: str) -> None:
+    """How the runner's pool is read at a decode step, by the format's /PATH: "" in place inside the fused decode
+    step (where the model has one), "layers" in place but layer by layer (the step declines the pool), "gather" the
+    gather and dequantize."""
+    if path not in ("", "layers", "gather"):
+        raise SystemExit(f"--formats: {path!r} after the '/' is not layers or gather")
+    runner.cache.in_place = path != "gather"
+    if path == "layers":
+        runner.cache.decode_blocks = lambda batch: None  # the fused step gets no view: every layer on its own
+
+
 def run(model, kv_memory: int, fmt: str, args) -> dict:
     import torch
 
@@ -58,7 +71,7 @@ def run(model, kv_memory: int, fmt: str, args) -> dict:
     kv, _, path = fmt.partition("/")
     runner = Runner(model, kv_memory=kv_memory, block_size=16, chunk=args.chunk, max_batch=args.max_batch,
                     kv_dtype=kv)
-    runner.cache.in_place = path != "gather"
+    reading(runner, path)
     runner.warm_up()
     watch = machine.OthersWatch()
     g = torch.Generator().manual_seed(0)
@@ -277,7 +290,7 @@ def decode_steps(model, fp32_block: int, args) -> None:
         for fmt in args.formats.split(","):
             kv, _, path = fmt.partition("/")
             runner = Runner(model, kv_memory=n * fp32_block, block_size=16, max_batch=args.max_batch, kv_dtype=kv)
-            runner.cache.in_place = path != "gather"
+            reading(runner, path)
             batch = min(args.max_batch, runner.sched.pool.n_blocks // need)
             if batch == 0:
                 continue

@@ -133,3 +133,37 @@ def test_int_pools_in_the_stack_equal_the_layers(mod, model_type, name):
             nxt = expected[:, -1].argmax(-1, keepdim=True)
     assert len(ran) == steps  # one stack call a step, each taken
     assert exact >= steps - 2  # most steps wrote every code as the layers did, and were held to 1e-5
+
+
+def test_the_stack_checks_an_int_pool_before_writing(mod):
+    """A block table entry outside the pool, codes of another width, or 3 bits: an error, and nothing written."""
+    from kvwall.engine import decode_stack
+    from kvwall.engine.caches.base import KVView
+
+    m = model("llama")
+    pool = make_pool(m.spec, BS, 4, "int4", "cpu")
+    with torch.inference_mode():
+        pool.plan([[0, 1]], [5])
+        m.stack = False
+        m(torch.tensor([[1, 2, 3, 4, 5]]), None, pool)
+        pool.plan([[0, 1]], [6])
+        pool.step(torch.tensor([[5]]))
+        blocks = pool.decode_blocks(1)
+        before = [t.clone() for t in parts(pool)]
+        tables = [rot(torch.tensor([[5]]), torch.float32) for rot in m.rotary]
+        cos, sin = [t.cos.reshape(1, -1) for t in tables], [t.sin_swapped.reshape(1, -1) for t in tables]
+        built = DecodeStack.build(m)
+        native = [decode_stack.native_view(built.mod, v) for v in blocks.views]
+
+        def changed(**kw):
+            return [decode_stack.native_view(built.mod, KVView(**{**v.__dict__, **kw})) for v in blocks.views]
+
+        x, none = torch.randn(1, 64), decode_stack.NO_COUNTS
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            built.stack.step(x.clone(), cos, sin, native, torch.tensor([[0, 9]]), blocks.lengths, none)
+        with pytest.raises(RuntimeError, match="codes do not match"):
+            built.stack.step(x.clone(), cos, sin, changed(bits=8), blocks.table, blocks.lengths, none)
+        with pytest.raises(RuntimeError, match="8, 4 or 2"):
+            built.stack.step(x.clone(), cos, sin, changed(bits=3), blocks.table, blocks.lengths, none)
+        assert all(torch.equal(a, b) for a, b in zip(parts(pool), before))
+        m.stack = None
