@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from kvwall.engine.caches.base import DecodeBlocks, KVCache, KVView, attention_specs, valid_tokens
+from kvwall.engine.caches.base import KVCache, KVView, attention_specs, valid_tokens
 from kvwall.engine.caches.fp8 import E4M3_MAX
 from kvwall.engine.caches.paged import PagedCache
 from kvwall.engine.caches.paged_kernel import attend_int_blocks, int_kernel
@@ -71,7 +71,7 @@ class QuantizedPages(ScheduledPages):
     """A paged pool of integer K/V: every token's head vector quantized on write, in groups of the format's
     group along head_dim with an fp16 scale (and zero point), as caches/quant.py lays them out. A decode step
     reads the codes in place (paged_kernel.attend_int_blocks: dequantized in registers), inside the fused decode
-    step where the model has one (decode_blocks); a prefill chunk, or a step the kernel cannot take (no compiler,
+    step where the model has one (stack_views); a prefill chunk, or a step the kernel cannot take (no compiler,
     a softcap, sinks; in_place False), gathers and dequantizes. Each
     token is quantized alone, so a block needs no full-precision residual and is never
     re-quantized; the price is that keys are grouped per token, not per channel as KIVI does (worse at 2-4
@@ -126,18 +126,16 @@ class QuantizedPages(ScheduledPages):
         return attend_int_blocks(kernel, q, kparts, vparts, self.fmt.bits, self.table, self.lengths, window,
                                  scale)  # (B, Hq, 1, Dv)
 
-    def decode_blocks(self, batch: int) -> DecodeBlocks | None:
-        """The pools as they are, at a decode step that every layer has (and in_place): the fused decode step
-        quantizes each new token as write() does (kernels/pool_rows.h's quantize_token, the same arithmetic) and
-        reads the codes in place as attend() does."""
-        if not (self.in_place and self.decoding) or not all(self.pools):
-            return None
-        return DecodeBlocks(self.layer_views(self._views), self.table, self.lengths)
-
-    def _views(self):
+    def stack_views(self) -> list[KVView]:
+        """Each layer's codes, scales and zero points: the fused decode step quantizes each new token as write()
+        does (kernels/pool_rows.h's quantize_token, the same arithmetic) and reads the codes in place as attend()
+        does."""
+        views = []
         for (_, kparts), (_, vparts) in self.pools:
             kz, vz = (parts[2] if len(parts) == 3 else None for parts in (kparts, vparts))
-            yield KVView("int", kparts[0], vparts[0], ks=kparts[1], kz=kz, vs=vparts[1], vz=vz, bits=self.fmt.bits)
+            views.append(KVView("int", kparts[0], vparts[0], ks=kparts[1], kz=kz, vs=vparts[1], vz=vz,
+                                bits=self.fmt.bits))
+        return views
 
     def _gather_dequantized(self, g: int, parts: list[torch.Tensor]) -> torch.Tensor:
         rows = [self._gather(part) for part in parts]  # each (B, H, S, .)

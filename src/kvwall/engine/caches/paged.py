@@ -149,15 +149,18 @@ class PagedCache(KVCache):
         return attend_blocks(kernel, q, kp, vp, self.table, self.lengths, window, scale)  # (B, Hq, 1, Dv)
 
     def decode_blocks(self, batch: int) -> DecodeBlocks | None:
-        """The pools as they are, at a decode step over fp32 or fp8 blocks that every layer has (the fused step
-        writes fp8 rounded as caches/fp8.py does, the rounding ScheduledPages.write uses too)."""
+        """The pools as they are, at a decode step that every layer has, when the fused step writes their format
+        (stack_views)."""
         if not (self.in_place and self.decoding) or not all(self.pools):
             return None
+        views = self.layer_views(self.stack_views)
+        return DecodeBlocks(views, self.table, self.lengths) if views else None
+
+    def stack_views(self) -> list[KVView | None]:
+        """Each layer's KVView: fp32 or fp8 blocks (the fused step writes fp8 rounded as caches/fp8.py does, the
+        rounding ScheduledPages.write uses too); None for any other dtype, which the step does not write."""
         kind = STACK_KINDS.get(self.pools[0][0].dtype)
-        if kind is None:
-            return None
-        return DecodeBlocks(self.layer_views(lambda: [KVView(kind, k, v) for k, v in self.pools]), self.table,
-                            self.lengths)
+        return [KVView(kind, k, v) if kind else None for k, v in self.pools]
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
         B, nb = self.table.shape
