@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvwall.engine.generate import Sampling, generate, pick  # noqa: E402
+from kvwall.engine.generate import Sampling, generate, greedy, pick  # noqa: E402
 from kvwall.engine.load import load_model  # noqa: E402
 from kvwall.errors import KvwallError  # noqa: E402
 
@@ -67,3 +67,21 @@ def test_bad_requests_are_errors(model):
         generate(model, [PROMPT], 4, sampling=Sampling(1.0, top_p=1.5))
     with pytest.raises(KvwallError, match="unknown cache"):
         generate(model, [PROMPT], 4, cache="fancy")
+
+
+def test_greedy_is_torch_argmax():
+    """numpy's argmax behind greedy() answers as torch.argmax does: the first of tied maxima, a NaN as the largest
+    (its first), an all -inf row's index 0, strided views and leading dims, other dtypes through torch."""
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))  # (5, 300)
+    x[0, 17] = x[0, 40] = 50.0  # a tie: 17
+    x[1, 8] = x[1, 90] = float("nan")  # NaN: 8
+    x[2] = float("-inf")  # 0
+    x[3, 299] = float("inf")  # 299
+    assert greedy(x).tolist() == [17, 8, 0, 299, int(x[4].argmax())]
+    for view in (x[:, ::3], x.t().contiguous().t(), x.reshape(5, 3, 100)):
+        got = greedy(view)
+        assert got.dtype == torch.int64 and torch.equal(got, view.argmax(-1))
+    with torch.inference_mode():
+        y = torch.randn(2, 4, 50)  # (B, T, V) as a model returns it
+        assert torch.equal(greedy(y[:, -1]), y[:, -1].argmax(-1))
+    assert torch.equal(greedy(x.bfloat16()), x.bfloat16().argmax(-1))

@@ -22,7 +22,8 @@ from kvwall.errors import KvwallError  # noqa: E402
 from kvwall.predict.memory import total_weight_bytes  # noqa: E402
 from kvwall.spec.formats import engine_weights, get_format  # noqa: E402
 
-FORMATS = ["int8", "int8:sym", "int8:g64", "int4", "int4:sym", "int4:g128", "int4:g128:sym", "q4_0", "q4_1", "q8_0"]
+FORMATS = ["int8", "int8:sym", "int8:g64", "int8:g16", "int4", "int4:sym", "int4:g128", "int4:g128:sym", "q4_0", "q4_1",
+           "q8_0"]
 
 
 def random_linear(n: int, k: int, seed: int = 0, bias: bool = False) -> torch.nn.Linear:
@@ -73,9 +74,10 @@ def test_each_format_within_its_error_bound(name):
 # -- the kernel against the reference ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("rows,k", [(1, 200), (1, 256), (5, 200), (17, 256)])
+@pytest.mark.parametrize("rows,k", [(1, 200), (1, 256), (1, 640), (1, 2048), (5, 200), (17, 256)])
 def test_kernel_equals_reference(name, rows, k):
-    """Batch 1 with whole-vector groups (K = 256) takes the fused path, the rest the row-buffer path."""
+    """Batch 1 with whole-vector groups (K = 256, 640, 2048: fewer groups a row than a vector holds, more, and a
+    whole number of vectors of them) takes the fused path, the rest the row-buffer path."""
     built(packed_kernel, "packed_linear")
     p = PackedLinear.from_linear(random_linear(37, k, bias=True), get_format(name))  # N not a multiple of 4
     x = torch.randn(rows, 1 if rows == 1 else 3, k)
@@ -394,3 +396,17 @@ def test_native_on_safetensors_is_one_line(checkpoint, capsys):
 def test_float_weights_set_the_dtype(checkpoint):
     path, _ = checkpoint("llama")
     assert load_module.load_model(path, weights="bf16").embed.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["q8_0", "int8:g16", "q4_1", "int4:g128:sym"])
+def test_packed_embedding_rows_are_the_tables_dequantized_rows(name):
+    """The looked-up rows, through the compiled dequantize and through torch's (eager), are bit for bit the rows of
+    the dequantized table; token ids in any shape, repeated ids too."""
+    built(packed_kernel, "packed_linear")
+    head = PackedLinear.from_linear(random_linear(50, 256), get_format(name))
+    emb = packed.PackedEmbedding(head, torch.float32)
+    tokens = torch.tensor([[3, 49, 3], [0, 17, 8]])  # (2, 3)
+    want = head.dequantized()[tokens]  # (2, 3, 256)
+    assert torch.equal(emb(tokens), want)
+    head.eager = True
+    assert torch.equal(emb(tokens), want)

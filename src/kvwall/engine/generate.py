@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvwall.engine.caches import CacheChoice, KVCache, make_cache
@@ -63,10 +64,20 @@ class Generation:
         return n / self.decode_s if self.decode_s > 0 else float("nan")
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits (..., V) -> the index of each row's largest (...,) int64: torch.argmax's answer (the first of equal
+    maxima; a NaN counts as the largest), through numpy's argmax for float32 on the CPU. Why: torch's took 225 us
+    over Gemma 3's 262,144 logits on the dev box's 2 threads and numpy's 19 us (2026-12-06), 1.5 % of a decode step
+    that took 15 ms."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad or logits.dim() == 0:
+        return logits.argmax(-1)
+    return torch.from_numpy(np.asarray(logits.numpy().argmax(-1), dtype=np.int64))
+
+
 def pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
     """logits (B, V) -> next token (B,)."""
     if s.greedy:
-        return logits.argmax(-1)
+        return greedy(logits)
     logits = logits.float()
     # less the top logit first: logits / t overflowed float32 once |logit| / t passed 3.4e38 (a logit of 30 at
     # t = 1e-37), and softmax's inf - inf is NaN; (logit - max) / t is at most 0, and -inf at worst

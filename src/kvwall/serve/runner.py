@@ -34,7 +34,7 @@ from kvwall.engine.caches.paged_kernel import attend_int_blocks, int_kernel
 from kvwall.engine.caches.quant import dequantize, group_size, quantize
 from kvwall.engine.caches.registry import predicted_bytes
 from kvwall.engine.caches.state import has_state
-from kvwall.engine.generate import Sampling, check_logits, pick
+from kvwall.engine.generate import Sampling, check_logits, greedy, pick
 from kvwall.errors import KvwallError
 from kvwall.serve import logits as rules_
 from kvwall.serve.scheduler import Chunk, Request, Scheduler, Step, forward_groups
@@ -322,7 +322,7 @@ class Runner:
         sampling raises goes into `failed` (request -> message) instead: one request's settings must not fail the
         others of the step (temperature 1e-300 once cut every stream in flight)."""
         rows = [i for i, c in enumerate(chunks) if c.sample]
-        greedy = logits.argmax(-1).tolist()  # (B,)
+        tops = greedy(logits).tolist()  # (B,)
         out = {}
         for i in rows:
             r = chunks[i].request
@@ -330,7 +330,7 @@ class Runner:
             try:
                 row = rules_.apply(rules, logits[i], r.prompt, r.out)[None] if rules.shapes else logits[i:i + 1]
                 if s.greedy:
-                    out[r] = int(row.argmax()) if rules.shapes else greedy[i]
+                    out[r] = int(greedy(row)[0]) if rules.shapes else tops[i]
                 else:
                     out[r] = int(pick(row, s, gen)[0])
                 if rules.logprobs is not None:  # the model's own distribution at this row (rules_: why)

@@ -83,13 +83,15 @@ inline void dot_rows_x(const float *x, int64_t M, int64_t K, const float *w, flo
 // Σ_k x_k per group (xs) is shared by every row. 4-bit rows go R at a time, sharing each load of x; 8-bit rows one
 // at a time, read front to back (ONE_ROW): R 8-bit rows side by side ran Gemma 3 270M's Q8_0 head (262144 x 640,
 // 178 MB, out of cache) at 12 GB/s on this machine's 2 threads, one at a time at 18-24 GB/s (14-15 -> 7.4-9.9 ms
-// a step); 4-bit rows lost by it (q4_1 1536 x 576: 10-12 -> 8 GB/s). Two accumulators take alternate groups, so
-// the group scales' FMAs do not chain (a 16-weight int8 group is one vector).
+// a step); 4-bit rows lost by it (q4_1 1536 x 576: 10-12 -> 8 GB/s). Accumulators take groups in turn (four at one
+// row, two at R), so the group scales' FMAs do not chain: a 16-weight int8 group is one vector, and Gemma 3's ffn_down
+// (Q6_K as int8 g16, 128 groups a row) waited on one FMA's latency per group with two.
 #if defined(__AVX512F__)
 using VF = __m512;
 constexpr int64_t L = 16;  // floats per vector; bytes of codes widened per step
 inline VF vzero() { return _mm512_setzero_ps(); }
 inline VF vload(const float *p) { return _mm512_loadu_ps(p); }
+inline VF vload_first(const float *p, int64_t n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
 inline VF vset(float v) { return _mm512_set1_ps(v); }
 inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(VF v) { return _mm512_reduce_add_ps(v); }
@@ -108,6 +110,10 @@ using VF = __m256;
 constexpr int64_t L = 8;
 inline VF vzero() { return _mm256_setzero_ps(); }
 inline VF vload(const float *p) { return _mm256_loadu_ps(p); }
+inline VF vload_first(const float *p, int64_t n) {  // n < 8 floats, the rest 0
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lanes));
+}
 inline VF vset(float v) { return _mm256_set1_ps(v); }
 inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(VF v) {
@@ -134,12 +140,25 @@ inline bool fused_fits(int bits, int64_t K, int64_t G) {
   return G % per == 0 && (K % G) % per == 0;
 }
 
-// y[n0 + r] for r < RR: one row of x (K) against RR packed rows (sf, cf: their scales and c per group)
+// Σ_g a_g b_g over n groups, lane by lane (the caller sums the lanes)
+inline VF dot_groups(const float *a, const float *b, int64_t n) {
+  VF t = vzero();
+  int64_t g = 0;
+  for (; g + L <= n; g += L) t = vfma(vload(a + g), vload(b + g), t);
+  if (g < n) t = vfma(vload_first(a + g, n - g), vload_first(b + g, n - g), t);
+  return t;
+}
+
+// y[n0 + r] for r < RR: one row of x (K) against RR packed rows (sf: their scales per group; cf: their zeros per
+// group, asymmetric formats; null: symmetric, c = -OFF d)
 template <int BITS, int RR>
 inline void fused_rows(const float *x, const float *xs, const uint8_t *q, int64_t QB, const float *sf,
                        const float *cf, int64_t NG, int64_t K, int64_t G, float *y) {
-  VF acc[RR][2];
-  for (int r = 0; r < RR; ++r) acc[r][0] = acc[r][1] = vzero();
+  constexpr float OFF = float(1 << (BITS - 1));
+  constexpr int NA = RR == 1 ? 4 : 2;  // accumulators a row, taking groups in turn (ONE_ROW: why 4 at one row)
+  VF acc[RR][NA];
+  for (int r = 0; r < RR; ++r)
+    for (int a = 0; a < NA; ++a) acc[r][a] = vzero();
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
     const int64_t len = std::min(G, K - k0);
     VF part[RR];
@@ -160,19 +179,21 @@ inline void fused_rows(const float *x, const float *xs, const uint8_t *q, int64_
         }
       }
     }
-    for (int r = 0; r < RR; ++r) acc[r][g & 1] = vfma(vset(sf[r * NG + g]), part[r], acc[r][g & 1]);
+    for (int r = 0; r < RR; ++r) acc[r][g % NA] = vfma(vset(sf[r * NG + g]), part[r], acc[r][g % NA]);
   }
   for (int r = 0; r < RR; ++r) {
-    float t = vsum(acc[r][0] + acc[r][1]);
-    for (int64_t g = 0; g < NG; ++g) t += cf[r * NG + g] * xs[g];
-    y[r] = t;
+    // Σ_g c_g xs_g: symmetric c_g = -OFF d_g (cf null), so -OFF Σ_g d_g xs_g; as vectors (a scalar chain of NG
+    // FMAs a row was a third of the uops of Gemma 3's 640-wide rows, 128 groups a row at int8 g16)
+    const VF c = cf ? dot_groups(cf + r * NG, xs, NG) : dot_groups(sf + r * NG, xs, NG) * vset(-OFF);
+    VF t = c;
+    for (int a = 0; a < NA; ++a) t = t + acc[r][a];
+    y[r] = vsum(t);
   }
 }
 
 template <int BITS>
 torch::Tensor run_one(const torch::Tensor &x, const torch::Tensor &q, const torch::Tensor &s, const torch::Tensor &z,
                       int64_t G) {
-  constexpr float OFF = float(1 << (BITS - 1));
   const int64_t K = x.size(1), N = q.size(0), NG = s.size(1), QB = q.size(1);
   auto y = torch::empty({1, N}, x.options());
   const float *xp = x.data_ptr<float>();
@@ -180,7 +201,8 @@ torch::Tensor run_one(const torch::Tensor &x, const torch::Tensor &q, const torc
   const at::Half *sp = s.data_ptr<at::Half>(), *zp = z.defined() ? z.data_ptr<at::Half>() : nullptr;
   float *yp = y.data_ptr<float>();
   std::vector<float> xs(NG, 0.f);  // Σ x over each group
-  for (int64_t k = 0; k < K; ++k) xs[k / G] += xp[k];
+  for (int64_t g = 0; g < NG; ++g)
+    for (int64_t k = g * G; k < std::min(K, (g + 1) * G); ++k) xs[g] += xp[k];
   const int64_t tiles = (N + R - 1) / R;
   at::parallel_for(0, tiles, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * R)), [&](int64_t t0, int64_t t1) {
     std::vector<float> sf(R * NG), cf(R * NG);
@@ -188,14 +210,13 @@ torch::Tensor run_one(const torch::Tensor &x, const torch::Tensor &q, const torc
       const int64_t n0 = t * R, rows = std::min(R, N - n0);
       half_to_float(sp + n0 * NG, sf.data(), rows * NG);  // rows n0.. are contiguous: one conversion
       if (zp) half_to_float(zp + n0 * NG, cf.data(), rows * NG);
-      else
-        for (int64_t i = 0; i < rows * NG; ++i) cf[i] = -OFF * sf[i];
+      const float *c = zp ? cf.data() : nullptr;
       if (BITS != 8 && rows == R) {  // 8-bit rows one at a time: ONE_ROW (above)
-        fused_rows<BITS, R>(xp, xs.data(), qp + n0 * QB, QB, sf.data(), cf.data(), NG, K, G, yp + n0);
+        fused_rows<BITS, R>(xp, xs.data(), qp + n0 * QB, QB, sf.data(), c, NG, K, G, yp + n0);
       } else {
         for (int64_t r = 0; r < rows; ++r)
-          fused_rows<BITS, 1>(xp, xs.data(), qp + (n0 + r) * QB, QB, sf.data() + r * NG, cf.data() + r * NG, NG, K,
-                              G, yp + n0 + r);
+          fused_rows<BITS, 1>(xp, xs.data(), qp + (n0 + r) * QB, QB, sf.data() + r * NG, c ? c + r * NG : nullptr,
+                              NG, K, G, yp + n0 + r);
       }
     }
   });
