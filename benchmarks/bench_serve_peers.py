@@ -141,9 +141,11 @@ def prompt_lengths(args) -> list[int]:
 
 def context_len(args) -> int:
     """The context vLLM and llama.cpp are started with: the longest request (prompt words ~ tokens, + output) and
-    PROMPT_MARGIN of it (a word can be two tokens), at least the 2048 the short-prompt runs used."""
+    PROMPT_MARGIN of it (a word can be two tokens; no margin with --token-ids: the prompt is that many tokens), at
+    least the 2048 the short-prompt runs used."""
     longest = max(prompt_lengths(args)) + getattr(args, "output_tokens", DEFAULT_OUTPUT)
-    return max(2048, longest + max(64, int(longest * PROMPT_MARGIN)))
+    margin = 0 if getattr(args, "token_ids", None) else max(64, int(longest * PROMPT_MARGIN))
+    return max(2048, longest + margin)
 
 
 PROMPT_MARGIN = 0.25  # SmolLM2's tokenizer on loadtest's words: about one token a word; a quarter more is room
@@ -204,7 +206,8 @@ def loadtest(args, url: str, concurrency: int, requests: int | None = None, seed
     the throughput)."""
     argv = [*KVWALL, "loadtest", url, "--model", args.model, "--concurrency", str(concurrency), "--requests",
             str(requests or args.requests), "--prompt-tokens", str(prompt), "--output-tokens",
-            str(args.output_tokens), "--seed", str(seed_for(concurrency, prompt) if seed is None else seed), "--json"]
+            str(args.output_tokens), "--seed", str(seed_for(concurrency, prompt) if seed is None else seed), "--json",
+            *(["--token-ids", str(args.token_ids)] if getattr(args, "token_ids", None) else [])]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise SystemExit(f"kvwall loadtest failed: {out.stderr.strip()[-500:]}")
@@ -442,6 +445,9 @@ def main() -> None:
     p.add_argument("--prompt-tokens", default=str(DEFAULT_PROMPT), metavar="WORDS[,WORDS]",
                    help="prompt length(s), words of about one token each, e.g. 2048,4096,8192 (default 128)")
     p.add_argument("--output-tokens", type=int, default=DEFAULT_OUTPUT)
+    p.add_argument("--token-ids", type=int, metavar="VOCAB", help="prompts of exactly --prompt-tokens random token "
+                   "ids below VOCAB (loadtest --token-ids) instead of words, so a prompt and its output can fill the "
+                   "model's whole context (8064 + 64 = SmolLM2's 8192)")
     p.add_argument("--kv-memory", default="1GiB")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=fair.THREADS,

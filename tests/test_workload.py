@@ -105,6 +105,18 @@ def test_loadtest_prompts_share_their_first_words():
     assert [len(p.split()) for p in plain] == [5, 5, 5]
 
 
+def test_loadtest_token_id_prompts_are_exactly_that_long():
+    """--token-ids: each prompt is exactly prompt_tokens ids (after shared_prefix shared ones), all below the
+    vocabulary given, the same for the same seed and another for another."""
+    from kvwall.measure.loadtest import Load, prompts
+
+    got = prompts(Load("http://x", "m", 3, prompt_tokens=7, shared_prefix=2, token_ids=50))
+    assert [len(p) for p in got] == [9, 9, 9] and all(0 <= t < 50 for p in got for t in p)
+    assert got[0][:2] == got[1][:2] == got[2][:2] and len({tuple(p[2:]) for p in got}) == 3
+    assert got == prompts(Load("http://x", "m", 3, prompt_tokens=7, shared_prefix=2, token_ids=50))
+    assert got != prompts(Load("http://x", "m", 3, prompt_tokens=7, shared_prefix=2, token_ids=50, seed=1))
+
+
 def test_dataset_shared_tokens(tmp_path):
     from kvwall.workload import with_shared_prefix
 

@@ -298,6 +298,22 @@ def test_loadtest_against_the_server(server, capsys, mode):
     assert "HTTP 404" in capsys.readouterr().err  # an unknown model: OpenAI's 404
 
 
+def test_loadtest_token_ids_send_exact_prompt_lengths(server, capsys):
+    """--token-ids VOCAB: 3 prompts of exactly 37 token ids each; the server's usage counts 37 a prompt (words
+    would count whatever the tokenizer makes of them), and a --dataset beside it is refused."""
+    from kvwall.cli import main
+
+    base, _, _, _ = server
+    args = ["loadtest", base, "--model", NAME, "--concurrency", "2", "--requests", "3", "--prompt-tokens", "37",
+            "--output-tokens", "2", "--token-ids", str(VOCAB), "--json"]
+    assert main(args) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["completed"], d["prompts"]) == (3, f"token ids below {VOCAB}")
+    assert [s["prompt_tokens"] for s in d["samples"]] == [37, 37, 37]
+    assert main([*args, "--dataset", "d.jsonl"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_loadtest_shared_prefix_hits_the_prefix_cache(server, tmp_path, capsys):
     """4 requests one after another, each its own 3 known words (distinct: nothing to share), then the same with 8
     shared words before them (unknown words: one token each, w0; blocks of 4 tokens): the later requests take the

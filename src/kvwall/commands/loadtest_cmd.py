@@ -47,7 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-prefix", type=whole(0, 1 << 20), default=0, metavar="WORDS",
                    help="every prompt begins with the same WORDS random words (a system prompt), before its own "
                         "(default 0)")
-    p.add_argument("--dataset", metavar="JSONL", help='prompts, one {"prompt": "..."} per line, sent in turn')
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--dataset", metavar="JSONL", help='prompts, one {"prompt": "..."} per line, sent in turn')
+    what.add_argument("--token-ids", type=whole(1, 1 << 24), metavar="VOCAB",
+                      help="send each prompt as exactly --prompt-tokens random token ids below VOCAB (the model's "
+                           "vocabulary size or less) instead of words: a token-exact length, e.g. a prompt that "
+                           "with its output fills the whole context")
     p.add_argument("--plot", metavar="PNG", help="latency CDFs (TTFT, TPOT, end to end)")
     p.add_argument("--api-key", metavar="KEY")
     common.add_json(p)
@@ -68,7 +73,8 @@ def cmd_loadtest(args) -> int:
     plot = check_output(args.plot, PLOT_EXTS, option="--plot") if args.plot is not None else None
     dataset = loadtest.read_dataset(args.dataset) if args.dataset else None
     load = loadtest.Load(args.url, args.model, args.requests, args.rate, args.concurrency, args.prompt_tokens,
-                         args.output_tokens, args.seed, args.timeout, args.api_key, dataset, args.shared_prefix)
+                         args.output_tokens, args.seed, args.timeout, args.api_key, dataset, args.shared_prefix,
+                         args.token_ids or 0)
     if args.sweep:
         return _sweep(args, load, plot)
     data = _one(args, load)

@@ -9,7 +9,9 @@ Arrivals are Poisson at `rate` requests/s (exponential gaps, seeded) or a fixed 
 
 Output tokens come from the server's usage (stream_options.include_usage), else one per text chunk.
 Prompts are `prompt_tokens` words drawn from a fixed list (about one token each; the usage gives the
-true count), or a dataset's prompts in turn (JSON lines, {"prompt": ...}); ignore_eos (vLLM, kvwall) and
+true count), or (`token_ids`) exactly that many random token ids, which OpenAI's completions API takes as a
+prompt (a long prompt sized to the model's whole context needs the exact count: a word can be two tokens), or a
+dataset's prompts in turn (JSON lines, {"prompt": ...}); ignore_eos (vLLM, kvwall) and
 min_tokens (vLLM, llama-cpp-python, which has no ignore_eos) ask the server to run to `output_tokens`.
 Every loop is bounded: N requests, each with a timeout.
 """
@@ -48,6 +50,7 @@ class Load:
     api_key: str | None = None
     dataset: list[str] | None = None  # prompts to send in turn instead of random words
     shared_prefix: int = 0  # words every prompt begins with (a system prompt), before its own
+    token_ids: int = 0  # > 0: prompts (and the shared prefix) as token ids drawn from [0, token_ids); 0: words
 
 
 @dataclass
@@ -70,10 +73,15 @@ class Sample:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-def prompts(load: Load) -> list[str]:
-    """The dataset's prompts in turn (repeated as needed), else `prompt_tokens` seeded random words each; after
-    the same `shared_prefix` seeded words, when asked (as `kvwall simulate --shared-prefix`)."""
+def prompts(load: Load) -> list[str] | list[list[int]]:
+    """The dataset's prompts in turn (repeated as needed), else `prompt_tokens` seeded random words each (token
+    ids, with `token_ids`); after the same `shared_prefix` seeded words or ids, when asked (as `kvwall simulate
+    --shared-prefix`)."""
     rng = random.Random(load.seed)
+    if load.token_ids:
+        prefix = [rng.randrange(load.token_ids) for _ in range(load.shared_prefix)]
+        return [prefix + [rng.randrange(load.token_ids) for _ in range(load.prompt_tokens)]
+                for _ in range(load.requests)]
     prefix = [rng.choice(WORDS) for _ in range(load.shared_prefix)]
     if load.dataset:
         own = [load.dataset[i % len(load.dataset)] for i in range(load.requests)]
@@ -132,7 +140,7 @@ def base_url(url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
-async def one(client, load: Load, prompt: str, t0: float) -> Sample:
+async def one(client, load: Load, prompt: str | list[int], t0: float) -> Sample:
     """One streamed completion, timed; an HTTP or stream error becomes the sample's error."""
     s = Sample(time.perf_counter() - t0)
     body = {"model": load.model, "prompt": prompt, "max_tokens": load.output_tokens, "temperature": 0,
@@ -277,6 +285,8 @@ def summarize(load: Load, samples: list[Sample], wall: float, slo_ttft: float | 
             "request_throughput": len(ok) / wall, "output_token_throughput": out_tokens / wall,
             "prompt_tokens": sum(s.prompt_tokens for s in ok), "output_tokens": out_tokens,
             "cached_prompt_tokens": sum(s.cached_tokens for s in ok),
+            "prompts": ("dataset" if load.dataset else f"token ids below {load.token_ids}" if load.token_ids
+                        else "words"),
             "goodput": len(good) / wall, "slo_ttft_s": slo_ttft, "slo_tpot_s": slo_tpot,
             "ttft_s": percentiles([s.ttft for s in ok]), "tpot_s": percentiles(tpots),
             "itl_s": percentiles([g for s in ok for g in s.itl]), "e2e_s": percentiles([s.e2e for s in ok]),

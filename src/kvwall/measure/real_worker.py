@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from kvwall.engine.generate import greedy  # every engine's pick: the same argmax, numpy's on the CPU
+
 
 class Engine:
     """A model mid-generation: its cache (when it keeps one outside), the last token of each row, the step count."""
@@ -38,20 +40,18 @@ class Engine:
 class KvwallEngine(Engine):
     def __init__(self, model, cache: str, prompt: torch.Tensor, max_len: int, weights: str = "fp32"):
         from kvwall.engine.caches import make_cache
-        from kvwall.engine.generate import greedy
 
         self.name, self.model, self.weights = f"kvwall:{cache}", model, weights
         self.key = f"{self.name}@{weights}"  # the name twice under two weight formats
         self.cache = make_cache(cache, model.spec, prompt.shape[0], max_len)
         self.cache_name = cache
         logits = model(prompt, None, self.cache, last_only=True)  # (B, 1, V)
-        self.greedy = greedy  # the engine's greedy pick, as generate() and serve take it
         self.tok = greedy(logits[:, -1])[:, None]  # (B, 1)
         self.pos, self.tokens = prompt.shape[1], [self.tok]
 
     def step(self) -> None:
         pos = torch.full((self.tok.shape[0], 1), self.pos, dtype=torch.long)  # (B, 1)
-        self.tok = self.greedy(self.model(self.tok, pos, self.cache)[:, -1])[:, None]  # (B, 1)
+        self.tok = greedy(self.model(self.tok, pos, self.cache)[:, -1])[:, None]  # (B, 1)
         self.pos += 1
         self.tokens.append(self.tok)
 
@@ -62,13 +62,13 @@ class TransformersEngine(Engine):
     def __init__(self, model, prompt: torch.Tensor):
         out = model(input_ids=prompt, use_cache=True)
         self.model, self.past = model, out.cache
-        self.tok = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        self.tok = greedy(out.logits[:, -1])[:, None]  # (B, 1)
         self.tokens = [self.tok]
 
     def step(self) -> None:
         out = self.model(input_ids=self.tok, cache=self.past, use_cache=True)
         self.past = out.cache
-        self.tok = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        self.tok = greedy(out.logits[:, -1])[:, None]  # (B, 1)
         self.tokens.append(self.tok)
 
 
