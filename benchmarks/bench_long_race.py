@@ -217,7 +217,8 @@ for line in sys.stdin:
 def transformers_engine(model, prompt):
     """real_worker's TransformersEngine, prefilled with logits for the last position only (logits_to_keep=1): the
     whole (B, T, V) logits would be 34 GB for Gemma 3's 262,144-token vocabulary at 32k in fp32."""
-    from kvwall.measure.real_worker import TransformersEngine, greedy
+    from kvwall.engine.generate import greedy
+    from kvwall.measure.real_worker import TransformersEngine
 
     e = object.__new__(TransformersEngine)
     out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)

@@ -285,8 +285,8 @@ def summarize(load: Load, samples: list[Sample], wall: float, slo_ttft: float | 
             "request_throughput": len(ok) / wall, "output_token_throughput": out_tokens / wall,
             "prompt_tokens": sum(s.prompt_tokens for s in ok), "output_tokens": out_tokens,
             "cached_prompt_tokens": sum(s.cached_tokens for s in ok),
-            "prompts": ("dataset" if load.dataset else f"token ids below {load.token_ids}" if load.token_ids
-                        else "words"),
+            "prompts": (f"token ids below {load.token_ids}" if load.token_ids else "dataset" if load.dataset
+                        else "words"),  # in prompts()'s order: token ids before a dataset
             "goodput": len(good) / wall, "slo_ttft_s": slo_ttft, "slo_tpot_s": slo_tpot,
             "ttft_s": percentiles([s.ttft for s in ok]), "tpot_s": percentiles(tpots),
             "itl_s": percentiles([g for s in ok for g in s.itl]), "e2e_s": percentiles([s.e2e for s in ok]),
