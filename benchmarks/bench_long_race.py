@@ -60,6 +60,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from kvwall.measure import machine
+
 import fair  # benchmarks/fair.py: the same threads for every engine, runs in turns
 
 MODELS = {  # --model: (kvwall's packaged short name, default contexts, default caches)
@@ -613,6 +615,7 @@ def main() -> None:
             "window": "prefill timed as TTFT; then `new` decode steps and argmax, one run; vLLM: generate "
                       "max_tokens=new+1 less max_tokens=1",
             "new": args.new, "runs": args.runs, "threads": args.threads, "torch": torch.__version__,
+            "cpu": machine.cpu_facts(),
             "neighbour": args.neighbour, "quality_files": args.quality,
             "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),  # OpenMP's barrier spin (bench_neighbour_spin.py)
             "llama_cpp": llama_cpp_build() if kvs and "llama.cpp" not in ctx["not_run"] else None,

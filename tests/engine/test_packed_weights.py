@@ -88,6 +88,23 @@ def test_kernel_equals_reference(name, rows, k):
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 8, 11])
+@pytest.mark.parametrize("k", [256, 640, 2048])
+def test_batch_kernel_equals_reference(name, m, k):
+    """A few rows of x (a batched decode step, under the GEMM path's rows): the batch tiles take four rows of x at a
+    time and the rest (m = 2, 3, 5, 11 leave 2, 3, 1, 3), two packed rows at a time and 37's last one alone."""
+    built(packed_kernel, "packed_linear")
+    p = PackedLinear.from_linear(random_linear(37, k, seed=m), get_format(name))
+    x = torch.randn(m, k)
+    fast = p(x)
+    p.eager = True
+    torch.testing.assert_close(fast, p(x), rtol=1e-5, atol=1e-5)
+    for i in range(m):  # each row of the batch as it would come alone (the batch-1 path)
+        p.eager = False
+        torch.testing.assert_close(fast[i], p(x[i:i + 1])[0], rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_takes_bf16_activations():
     built(packed_kernel, "packed_linear")
     p = PackedLinear.from_linear(random_linear(16, 64), get_format("int4"))

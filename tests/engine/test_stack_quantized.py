@@ -137,7 +137,10 @@ def test_fp8_in_the_stack_equals_the_layers(kernel, stacked, model_type, lengths
     prompts = [torch.randint(0, 40, (n,), generator=g) for n in lengths]
     got, expected, _, _ = decode(m, prompts, 12, "fp8")
     assert stacked == [True] * 12
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # 1e-4, not 1e-5: the step's new K/V is rounded to e4m3 on both paths, and a value within an fp32 rounding of a
+    # boundary can take the neighbouring code on one of them (writes_close allows it); the step then reads that value
+    # one e4m3 step off. On an AVX2-only host (2026-12-07: 8-lane sums) that moved a logit of [6]-llama by 5.6e-5.
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert got.abs().max() > 1
 
 

@@ -169,6 +169,21 @@ def test_cache_sizes_parse():
     assert machine._parse_size("") == 0
 
 
+def test_cpu_facts_name_the_vector_isa_the_kernels_build_for():
+    """A results file's "cpu": the ISA is what engine/native.py compiles the kernels for (AVX-512 or AVX2 flags),
+    read from /proc/cpuinfo's own flags here, not from the code under test."""
+    torch = pytest.importorskip("torch")
+    facts = machine.cpu_facts()
+    assert facts["cpus"] >= 1 and facts["cpu_model"]
+    flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("flags")), None) if Path("/proc/cpuinfo").exists() else None
+    assert facts["simd"] == torch.backends.cpu.get_cpu_capability()
+    if flags is not None and "avx2" not in flags:
+        assert facts["simd"] not in ("AVX2", "AVX512")
+    if flags is not None and "avx512f" not in flags:
+        assert facts["simd"] != "AVX512"
+
+
 @pytest.mark.slow
 def test_engine_layer_overhead_measured(calibrated, monkeypatch):
     """The profile predicts a decode step of a depth calibrate never timed (4 GQA blocks of width 768):

@@ -39,6 +39,20 @@ def cpu_vendor() -> str:
     return ""
 
 
+def cpu_facts() -> dict:
+    """The CPU a timing ran on, as a benchmark's results file records it: the model name, the CPUs this process may
+    use and the vector ISA torch dispatches to (the one kvwall's kernels compile for: engine/native.py's
+    simd_flags). The machine behind this project's runs changed under the same name: until 2026-12-07 it had
+    AVX-512, that day's had AVX2 only, and a packed matmul's speed depends on which."""
+    try:
+        import torch
+
+        simd = torch.backends.cpu.get_cpu_capability()
+    except ImportError:
+        simd = None
+    return {"cpu_model": cpu_model(), "cpus": cpu_count(), "simd": simd}
+
+
 def memory_bytes() -> int:
     """Installed memory: MemTotal from /proc/meminfo, else sysconf pages x page size."""
     kib = _meminfo().get("MemTotal")

@@ -161,12 +161,22 @@ inline void fused_rows(const float *x, const float *xs, const uint8_t *q, int64_
     for (int a = 0; a < NA; ++a) acc[r][a] = vzero();
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
     const int64_t len = std::min(G, K - k0);
-    VF part[RR];
-    for (int r = 0; r < RR; ++r) part[r] = vzero();
+    // two partial sums a row, each vector of the group into the other: a group's FMAs chained one after another
+    // (four at AVX2's 8 lanes and G = 32) made batch 1 latency-bound, ~4 cycles a vector instead of ~1.5
+    VF p0[RR], p1[RR];
+    for (int r = 0; r < RR; ++r) p0[r] = p1[r] = vzero();
     if constexpr (BITS == 8) {
-      for (int64_t j = 0; j < len; j += L) {
-        const VF xv = vload(x + k0 + j);
-        for (int r = 0; r < RR; ++r) part[r] = vfma(xv, codes8(q + r * QB + k0 + j), part[r]);
+      int64_t j = 0;
+      for (; j + 2 * L <= len; j += 2 * L) {
+        const VF x0 = vload(x + k0 + j), x1 = vload(x + k0 + j + L);
+        for (int r = 0; r < RR; ++r) {
+          p0[r] = vfma(x0, codes8(q + r * QB + k0 + j), p0[r]);
+          p1[r] = vfma(x1, codes8(q + r * QB + k0 + j + L), p1[r]);
+        }
+      }
+      if (j < len) {
+        const VF x0 = vload(x + k0 + j);
+        for (int r = 0; r < RR; ++r) p0[r] = vfma(x0, codes8(q + r * QB + k0 + j), p0[r]);
       }
     } else {
       const int64_t h = len / 2;
@@ -175,11 +185,22 @@ inline void fused_rows(const float *x, const float *xs, const uint8_t *q, int64_
         for (int r = 0; r < RR; ++r) {
           VF lo, hi;
           codes4(q + r * QB + k0 / 2 + j, lo, hi);
-          part[r] = vfma(xhi, hi, vfma(xlo, lo, part[r]));
+          if constexpr (RR == 1) {
+            p0[r] = vfma(xlo, lo, p0[r]);
+            p1[r] = vfma(xhi, hi, p1[r]);
+          } else {  // R rows are R chains already, and a second partial each spilled AVX2's 16 registers
+            p0[r] = vfma(xhi, hi, vfma(xlo, lo, p0[r]));
+          }
         }
       }
     }
-    for (int r = 0; r < RR; ++r) acc[r][g % NA] = vfma(vset(sf[r * NG + g]), part[r], acc[r][g % NA]);
+    // the group's scale into the row's first accumulator, then the accumulators rotate (named, not indexed by
+    // g % NA: an index the compiler cannot resolve kept them in memory, a store and a load a group)
+    for (int r = 0; r < RR; ++r) {
+      const VF t = vfma(vset(sf[r * NG + g]), RR == 1 ? p0[r] + p1[r] : p0[r], acc[r][0]);
+      for (int a = 0; a + 1 < NA; ++a) acc[r][a] = acc[r][a + 1];
+      acc[r][NA - 1] = t;
+    }
   }
   for (int r = 0; r < RR; ++r) {
     // Σ_g c_g xs_g: symmetric c_g = -OFF d_g (cf null), so -OFF Σ_g d_g xs_g; as vectors (a scalar chain of NG
@@ -218,6 +239,102 @@ torch::Tensor run_one(const torch::Tensor &x, const torch::Tensor &q, const torc
           fused_rows<BITS, 1>(xp, xs.data(), qp + (n0 + r) * QB, QB, sf.data() + r * NG, c ? c + r * NG : nullptr,
                               NG, K, G, yp + n0 + r);
       }
+    }
+  });
+  return y;
+}
+
+// -- a few rows (a batched decode step): each weight dequantized once, in a register -----------------------------
+// y[m, r] for m < MM, r < RR: MM rows of x (stride ldx) against RR packed rows. Each L weights of a row are
+// dequantized in a register (w = d q + c: one FMA, the GEMM path's values bit for bit) and multiplied into MM rows
+// of x: 1 + MM FMAs per L weights, MM x RR independent accumulators. run<> (below), which writes R dequantized rows
+// to an L1 buffer and then runs each row of x over them, kept its four accumulators in memory on AVX2 (gcc stored
+// them every step) and ran Gemma 3 270M's Q8_0 head at 13 G multiply-adds/s at 4 rows where torch's sgemm reaches
+// ~70 on the same 2 cores (49 ms against 14 ms at 1 row, 2026-12-07, AMD EPYC with AVX2 only).
+template <int BITS, int RR, int MM>
+inline void tile_rows(const float *x, int64_t ldx, const uint8_t *q, int64_t QB, const float *sf, const float *cf,
+                      int64_t NG, int64_t K, int64_t G, float *y, int64_t ldy) {
+  constexpr float OFF = float(1 << (BITS - 1));
+  VF acc[MM][RR];
+  for (int m = 0; m < MM; ++m)
+    for (int r = 0; r < RR; ++r) acc[m][r] = vzero();
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
+    const int64_t len = std::min(G, K - k0);
+    VF d[RR], c[RR];
+    for (int r = 0; r < RR; ++r) {
+      const float dr = sf[r * NG + g];
+      d[r] = vset(dr);
+      c[r] = vset(cf ? cf[r * NG + g] : -OFF * dr);
+    }
+    if constexpr (BITS == 8) {
+      for (int64_t j = 0; j < len; j += L) {
+        VF w[RR];
+        for (int r = 0; r < RR; ++r) w[r] = vfma(d[r], codes8(q + r * QB + k0 + j), c[r]);
+        for (int m = 0; m < MM; ++m) {
+          const VF xv = vload(x + m * ldx + k0 + j);
+          for (int r = 0; r < RR; ++r) acc[m][r] = vfma(xv, w[r], acc[m][r]);
+        }
+      }
+    } else {
+      const int64_t h = len / 2;  // element j in byte j's low nibble, j + h in its high one
+      for (int64_t j = 0; j < h; j += L) {
+        VF lo[RR], hi[RR];
+        for (int r = 0; r < RR; ++r) {
+          codes4(q + r * QB + k0 / 2 + j, lo[r], hi[r]);
+          lo[r] = vfma(d[r], lo[r], c[r]);
+          hi[r] = vfma(d[r], hi[r], c[r]);
+        }
+        for (int m = 0; m < MM; ++m) {
+          const VF xl = vload(x + m * ldx + k0 + j), xh = vload(x + m * ldx + k0 + h + j);
+          for (int r = 0; r < RR; ++r) acc[m][r] = vfma(xh, hi[r], vfma(xl, lo[r], acc[m][r]));
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MM; ++m)
+    for (int r = 0; r < RR; ++r) y[m * ldy + r] = vsum(acc[m][r]);
+}
+
+// rows rows (RR or fewer) of the packed matrix against every row of x (M), four rows of x at a time
+template <int BITS, int RR>
+inline void tile_all(const float *x, int64_t M, const uint8_t *q, int64_t QB, const float *sf, const float *cf,
+                     int64_t NG, int64_t K, int64_t G, int64_t rows, float *y, int64_t N) {
+  if (rows < RR) {  // the matrix's last, short tile: a row at a time
+    for (int64_t r = 0; r < rows; ++r)
+      tile_all<BITS, 1>(x, M, q + r * QB, QB, sf + r * NG, cf ? cf + r * NG : nullptr, NG, K, G, 1, y + r, N);
+    return;
+  }
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile_rows<BITS, RR, 4>(x + m * K, K, q, QB, sf, cf, NG, K, G, y + m * N, N);
+  const float *xm = x + m * K;
+  float *ym = y + m * N;
+  switch (M - m) {
+    case 3: tile_rows<BITS, RR, 3>(xm, K, q, QB, sf, cf, NG, K, G, ym, N); break;
+    case 2: tile_rows<BITS, RR, 2>(xm, K, q, QB, sf, cf, NG, K, G, ym, N); break;
+    case 1: tile_rows<BITS, RR, 1>(xm, K, q, QB, sf, cf, NG, K, G, ym, N); break;
+    default: break;
+  }
+}
+
+constexpr int64_t RB = 2;  // packed rows a batch tile holds: 2 x 4 accumulators + 2 weights + 4 scales fit AVX2's 16
+
+template <int BITS>
+torch::Tensor run_batch(const torch::Tensor &x, const torch::Tensor &q, const torch::Tensor &s, const torch::Tensor &z,
+                        int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), NG = s.size(1), QB = q.size(1);
+  auto y = torch::empty({M, N}, x.options());  // (M, N)
+  const float *xp = x.data_ptr<float>();
+  const uint8_t *qp = q.data_ptr<uint8_t>();
+  const at::Half *sp = s.data_ptr<at::Half>(), *zp = z.defined() ? z.data_ptr<at::Half>() : nullptr;
+  float *yp = y.data_ptr<float>();
+  const int64_t tiles = (N + RB - 1) / RB;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * RB * M)), [&](int64_t t0, int64_t t1) {
+    std::vector<float> sf(RB * NG), cf(RB * NG);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * RB, rows = std::min(RB, N - n0);
+      half_to_float(sp + n0 * NG, sf.data(), rows * NG);  // rows n0.. are contiguous: one conversion
+      if (zp) half_to_float(zp + n0 * NG, cf.data(), rows * NG);
+      tile_all<BITS, RB>(xp, M, qp + n0 * QB, QB, sf.data(), zp ? cf.data() : nullptr, NG, K, G, rows, yp + n0, N);
     }
   });
   return y;
@@ -268,6 +385,10 @@ torch::Tensor run(const torch::Tensor &x, const torch::Tensor &q, const torch::T
 // the row kernel's time at 4 rows, 1.49-1.63x less at 16, 1.78-2.09x less at 32 and 2.3-4.4x less at 512. 32, not
 // 16: at 2 threads the GEMM path has two parallel regions to the row kernel's one (the dequantization, then the
 // GEMM's), each a wait on a descheduled thread on a busy machine, so it starts where its margin is about 2x.
+// Against the batch tiles (run_batch, which replaced that row kernel; --crossover --threads 2, 2026-12-07 on an
+// AVX2-only host, benchmarks/results/prefill_crossover_avx2_t2.json) the GEMM path was 1.01-1.21x faster at 32
+// rows and 1.24-1.46x at 48 (an earlier run that hour, in a slower phase of the machine: 0.72-0.81x at 32, even
+// at 48-64), so 32 stays.
 constexpr int64_t GEMM_MIN_ROWS = 32;
 constexpr int64_t GEMM_TILE_FLOATS = int64_t(1) << 20;  // 4 MiB of dequantized weights a tile (SmolLM2: one tile)
 
@@ -347,6 +468,10 @@ inline torch::Tensor packed_linear(torch::Tensor x, torch::Tensor q, torch::Tens
   if (gemm_rows < 0) gemm_rows = GEMM_MIN_ROWS;
   if (gemm_rows > 0 && x.size(0) >= gemm_rows) return bits == 8 ? run_gemm<8>(x, q, s, zz, group)
                                                             : run_gemm<4>(x, q, s, zz, group);
+#ifdef KVWALL_FUSED
+  if (fused_fits(bits, x.size(1), group)) return bits == 8 ? run_batch<8>(x, q, s, zz, group)
+                                                           : run_batch<4>(x, q, s, zz, group);
+#endif
   if (bits == 8) return run<8>(x, q, s, zz, group);
   return run<4>(x, q, s, zz, group);
 }

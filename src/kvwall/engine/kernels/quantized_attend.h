@@ -66,6 +66,49 @@ inline void fma16(const uint8_t *p, int64_t stride, int64_t CB, int64_t K, const
     }
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// fma_cols on AVX2 for 16- or 8-byte columns: as fma16, with 8 bytes (NH halves of a column) widened to 8 lanes and
+// their 8 / BITS fields multiplied into RC heads' sums held in registers (at most 8 of AVX2's 16: RC x NH x fields),
+// added into out in element order once at the end. The plain loop below read and wrote out's row for every k: on an
+// AVX2-only host it was 17 % of Gemma 3 270M's decode step at 4 rows of 2k tokens with the int4 cache.
+template <int BITS, int NH, int RC>
+inline void fma8(const uint8_t *p, int64_t stride, int64_t K, const float *coef, int64_t cs, float *out, int64_t os) {
+  constexpr int PER = 8 / BITS;
+  __m256 acc[RC][NH][PER];
+  for (int r = 0; r < RC; ++r)
+    for (int h = 0; h < NH; ++h)
+      for (int i = 0; i < PER; ++i) acc[r][h][i] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 f[NH][PER];  // lane l of field i of half h: value 8 PER h + PER l + i
+    for (int h = 0; h < NH; ++h) {
+      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p + k * stride + 8 * h)));
+      for (int i = 0; i < PER; ++i)
+        f[h][i] = _mm256_cvtepi32_ps(BITS == 8 ? b : _mm256_and_si256(_mm256_srli_epi32(b, i * BITS), mask));
+    }
+    for (int r = 0; r < RC; ++r) {
+      const __m256 c = _mm256_set1_ps(coef[r * cs + k]);
+      for (int h = 0; h < NH; ++h)
+        for (int i = 0; i < PER; ++i) acc[r][h][i] = _mm256_fmadd_ps(c, f[h][i], acc[r][h][i]);
+    }
+  }
+  for (int r = 0; r < RC; ++r)
+    for (int h = 0; h < NH; ++h)
+      for (int i = 0; i < PER; ++i) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[r][h][i]);
+        for (int l = 0; l < 8; ++l) out[r * os + 8 * PER * h + PER * l + i] += lanes[l];
+      }
+}
+
+template <int BITS, int NH>
+inline void fma8_heads(const uint8_t *p, int64_t stride, int64_t K, const float *coef, int64_t cs, int64_t R,
+                       float *out, int64_t os) {
+  constexpr int RC = std::max(1, 8 / (NH * (8 / BITS)));  // heads whose sums fit 8 registers
+  int64_t r = 0;
+  for (; r + RC <= R; r += RC) fma8<BITS, NH, RC>(p, stride, K, coef + r * cs, cs, out + r * os, os);
+  for (; r < R; ++r) fma8<BITS, NH, 1>(p, stride, K, coef + r * cs, cs, out + r * os, os);
+}
 #endif
 
 // out[r * os + v] += Σ_k coef[r * cs + k] code_k[v] for r < R, v < CB * 8 / BITS: code_k the values packed in
@@ -92,6 +135,9 @@ inline void fma_cols(const uint8_t *p, int64_t stride, int64_t CB, int64_t K, co
     }
     return;
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (CB == 16) return fma8_heads<BITS, 2>(p, stride, K, coef, cs, R, out, os);
+  if (CB == 8) return fma8_heads<BITS, 1>(p, stride, K, coef, cs, R, out, os);
 #endif
   const int64_t NV = CB * 8 / BITS;
   float v[128];  // CB <= 16 bytes: at most 64 values

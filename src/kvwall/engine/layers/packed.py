@@ -14,10 +14,10 @@ byte, within each group element j in the low nibble of byte j and element j + le
 is the predictor's ``Format.bytes(N, K)`` for the same format string (kvwall.spec.formats).
 
 Two paths: ``reference`` dequantizes the matrix and calls F.linear (eager, obviously correct); the fast
-path is kernels/packed_linear.cpp (packed.h). Below GEMM_MIN_ROWS rows of x (decode) it dequantizes a few rows
-at a time into L1 and never the whole matrix; from GEMM_MIN_ROWS rows on (a prefill) it dequantizes a tile of
-rows at a time to float32, exactly dequantize()'s values, and multiplies x by it with torch's GEMM. Without a
-compiler the fast path is the reference (correct, slower).
+path is kernels/packed_linear.cpp (packed.h). Below GEMM_MIN_ROWS rows of x (decode) it dequantizes each
+weight in a register, once per four rows of x, and never the whole matrix; from GEMM_MIN_ROWS rows on (a prefill)
+it dequantizes a tile of rows at a time to float32, exactly dequantize()'s values, and multiplies x by it with
+torch's GEMM. Without a compiler the fast path is the reference (correct, slower).
 """
 
 from __future__ import annotations
