@@ -322,6 +322,10 @@ def test_a_rate_and_a_fixed_cost_from_two_sizes():
     assert rate == pytest.approx(1e10) and fixed == pytest.approx(2e-5)
     assert line_fit([(1e6, 5e-4), (4e6, 4e-4)]) is None
     assert line_fit([(1e6, 0.5e-4), (4e6, 4.2e-4)]) is None
+    # 1 MB in 400 us and 4 MB in 401 us: a line of 3 MB per us (3e12 B/s) where 4 MB itself went at 1e10: a near-flat
+    # line from a busy spell, no fit (the caller takes the larger point's own rate); 100 us apart is 3e10, 3x: a fit
+    assert line_fit([(1e6, 4.0e-4), (4e6, 4.01e-4)]) is None
+    assert line_fit([(1e6, 3.0e-4), (4e6, 4.0e-4)])[0] == pytest.approx(3e10)
 
 
 def test_the_unfused_block_cost_is_read_and_checked(tmp_path, monkeypatch):

@@ -88,7 +88,11 @@ def test_chunk_cuts_by_hand():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,caches,rel", [
-    ("llama", ["contiguous", "fp8", "int4:g8", "int2:g8", "int8:g16", "sliding:16", "sliding:16:sink4", "paged"], 1e-5),
+    ("llama", ["contiguous", "fp8", "int4:g8", "int2:g8", "sliding:16", "sliding:16:sink4", "paged"], 1e-5),
+    # int8:g16 apart, at 1e-4: on an AVX2-only host (2026-12-07; every earlier run had AVX-512) its perplexity was
+    # 192.68725 chunked against 192.68919 step by step, 1.0e-5 apart, with db1253c's kernels as with 52e809d's; the
+    # float sums run in 8 lanes there, and a K/V value that differs in its last bits can round to another int8 code
+    ("llama", ["contiguous", "int8:g16", "sliding:16"], 1e-4),  # sliding:16: a strategy that loses (the last check)
     ("gemma3_text", ["contiguous", "sliding", "sliding:8:sink2"], 1e-5),
     # a KIVI cache on a windowed model: its decode kernel once read each row's query position from a non-contiguous
     # column (372.4, then 362.4 on identical runs, against 387.43 dequantized): caches/quantized.py passes it whole now

@@ -291,15 +291,21 @@ def stack_call(lin):
     return lin if mod is None else StackCall(proj(mod, lin), lin.in_features)
 
 
+LINE_RATE_MAX = 10.0  # the most a line's rate may exceed the larger point's own bytes / seconds (see line_fit)
+
+
 def line_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     """(bytes/s, fixed seconds) of time = fixed + bytes / rate through two (bytes, seconds) points; None when they
-    give no positive slope and intercept (a busy spell timed the small one slow)."""
+    give no positive slope and intercept (a busy spell timed the small one slow), or a rate over LINE_RATE_MAX
+    times the larger point's own: two times a hair apart make a near-flat line (under load on 2026-12-07 a README
+    `kvwall report` fitted 2.3e14 B/s at 64 rows and then refused its own profile; an honest line's rate was
+    1.2-2.1x its points' own in the measurements overhead.py cites)."""
     (b0, t0), (b1, t1) = sorted(points)
     if t1 <= t0:
         return None
     rate = (b1 - b0) / (t1 - t0)
     fixed = t0 - b0 / rate
-    return (rate, fixed) if fixed >= 0 else None
+    return (rate, fixed) if fixed >= 0 and rate <= LINE_RATE_MAX * b1 / t1 else None
 
 
 def packed_rates(total_bytes: int = 128 << 20, runs: int = 3) -> tuple[dict, dict]:

@@ -162,7 +162,8 @@ inline void fused_rows(const float *x, const float *xs, const uint8_t *q, int64_
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
     const int64_t len = std::min(G, K - k0);
     // two partial sums a row, each vector of the group into the other: a group's FMAs chained one after another
-    // (four at AVX2's 8 lanes and G = 32) made batch 1 latency-bound, ~4 cycles a vector instead of ~1.5
+    // (four at AVX2's 8 lanes and G = 32) left batch 1 waiting on FMA latency (Gemma 3's Q8_0 head, alone on 2
+    // AVX2 cores: 16.1 -> 12.4-13.6 ms a call, observations of 2026-12-07)
     VF p0[RR], p1[RR];
     for (int r = 0; r < RR; ++r) p0[r] = p1[r] = vzero();
     if constexpr (BITS == 8) {
