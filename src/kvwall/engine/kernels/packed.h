@@ -1,9 +1,10 @@
 // y = x W^T with W held packed (layers/packed.py says the layout): never dequantized as a whole.
 //
-// Each thread takes R output rows at a time, dequantizes just those R rows into an L1 buffer
-// (w = d q + c per group: one convert + one FMA per weight) and multiplies every row of x by them
-// (R independent FMA chains: x is loaded once per R weights). At batch 1 each weight is read once
-// from memory as bits/8 bytes; at batch M the dequantization is shared by M rows.
+// By rows of x: at 1, run_one (d Σxq + c Σx per group, each code converted and multiplied once); at a few,
+// run_batch (each weight dequantized in a register, w = d q + c, and multiplied into four rows of x); from
+// GEMM_MIN_ROWS, run_gemm (tiles dequantized to float32, then torch's GEMM). run<> is what a shape whose groups do
+// not split into whole vectors takes at any rows below GEMM_MIN_ROWS: R rows dequantized into an L1 buffer, then
+// every row of x over them. Each weight is read from memory once a call, as bits/8 bytes.
 // Included by packed_linear.cpp (PackedLinear's kernel) and decode_stack.cpp (a whole decode step).
 #pragma once
 #include "common.h"
