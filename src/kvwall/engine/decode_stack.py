@@ -65,7 +65,7 @@ def proj(mod, lin: nn.Module):
         p.fn = lin.forward
         return p
     if isinstance(lin, PackedLinear):
-        p.q, p.s, p.bits, p.group = lin.q, lin.scale, lin.bits, lin.group
+        p.q, p.s, p.bits, p.group, p.x8 = lin.q, lin.scale, lin.bits, lin.group, lin.x8
         if lin.zero is not None:
             p.z = lin.zero
     elif type(lin) is nn.Linear and lin.weight.dtype == torch.float32:

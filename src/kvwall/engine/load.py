@@ -20,7 +20,7 @@ from kvwall.engine.mixers import mixer_class
 from kvwall.engine.model import Transformer, check_supported
 from kvwall.errors import KvwallError, first_line
 from kvwall.spec.families import family
-from kvwall.spec.formats import NATIVE, engine_weights
+from kvwall.spec.formats import NATIVE, engine_weights, split_activations
 from kvwall.spec.hf import spec_from_config
 from kvwall.spec.model import ModelSpec
 from kvwall.spec.resolve import read_config_file
@@ -515,9 +515,16 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
 
     weights (`--weights`, kvwall.spec.formats.engine_weights): fp32 / bf16 / fp16 set the dtype; int8 / int4 /
     q4_0 / q4_1 / q8_0 quantize every projection into a PackedLinear after load (activations stay in dtype);
-    native keeps a .gguf's own Q4_0 / Q4_1 / Q8_0 blocks (no rounding at all)."""
-    path = Path(path).expanduser()
+    native keeps a .gguf's own Q4_0 / Q4_1 / Q8_0 blocks (no rounding at all); a +a8 suffix rounds the packed
+    projections' inputs to int8 per group (Transformer.set_activations)."""
+    model = _load_model(Path(path).expanduser(), dtype, device, weights)
+    activations = split_activations(weights)[1] if weights is not None else "fp32"
+    return model.set_activations(activations) if activations != "fp32" else model
+
+
+def _load_model(path: Path, dtype, device: str, weights: str | None) -> Transformer:
     if weights is not None:
+        weights = split_activations(weights)[0]
         fmt = engine_weights(weights)
         if fmt is None and path.suffix.lower() != ".gguf":
             raise KvwallError(f"--weights {NATIVE} keeps a .gguf file's own quantized blocks; {path} is not a .gguf: "

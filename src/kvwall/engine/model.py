@@ -187,6 +187,20 @@ class Transformer(nn.Module):
         """Weights or modules changed: the fused decode step is built again at the next step."""
         self.stack = None
 
+    def set_activations(self, activations: str = "fp32") -> Transformer:
+        """"int8": every packed projection rounds its input to int8 per weight group first (layers/packed.py
+        round_x8), as llama.cpp does for its integer dot products: approximate, and on a CPU with AVX-512 VNNI
+        the matmuls of one or two rows of x (a decode step) run on integer instructions. "fp32": exact (the default)."""
+        from kvwall.engine.layers.packed import PackedLinear
+
+        if activations not in ("fp32", "int8"):
+            raise KvwallError(f"activations {activations!r}: pick fp32 or int8")
+        for m in self.modules():
+            if isinstance(m, PackedLinear):
+                m.x8 = activations == "int8"
+        self.forget_stack()
+        return self
+
     def set_eager(self, eager: bool = True) -> Transformer:
         """eager: the reference path (every layer's plain ops, weights in their checkpoint layout), which the
         fast path is tested against; False: the fast path (fused norm, one rotation for q and k, projection

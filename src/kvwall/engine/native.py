@@ -83,11 +83,21 @@ def simd_flags(openmp: bool) -> list[str]:
     cap = torch.backends.cpu.get_cpu_capability()
     common = ["-O3"] + (["-fopenmp"] if openmp else [])
     if cap == "AVX512":
-        return common + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+        vnni = ["-mavx512vnni"] if has_vnni() else []  # int8 activations' integer kernel (packed.h, x8)
+        return common + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", *vnni,
                          "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
     if cap == "AVX2":
         return common + ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     return common
+
+
+def has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI (vpdpbusd), from the kernel's cpu flags (False where they cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512_vnni" in line for line in f)
+    except OSError:
+        return False
 
 
 def simd_width(flags: list[str]) -> int:

@@ -203,9 +203,17 @@ def _one_format(text: str) -> Format:
 
 
 NATIVE = "native"  # --weights native: a .gguf's own Q4_0 / Q4_1 / Q8_0 blocks, repacked at load
+A8 = "+a8"  # --weights ...+a8: packed projections round their input to int8 per group (Transformer.set_activations)
 ENGINE_WEIGHTS = ("fp32, bf16, fp16, int8[:gN][:sym], int4[:gN][:sym], q4_0, q4_1, q8_0 "
                   "(each with an optional /HEAD packed format for the embedding table and LM head, e.g. int4/q8_0) "
-                  "or native (a .gguf's own blocks)")
+                  "or native (a .gguf's own blocks); a packed one may end in +a8 (activations rounded to int8 per "
+                  "group, as llama.cpp does: approximate, faster)")
+
+
+def split_activations(text: str) -> tuple[str, str]:
+    """`--weights` text -> (the weight format's text, the activations: "int8" with a +a8 suffix, else "fp32")."""
+    t = str(text).strip()
+    return (t[:-len(A8)], "int8") if t.lower().endswith(A8) else (t, "fp32")
 
 
 def packed_weights(fmt: Format) -> bool:
@@ -217,8 +225,10 @@ def packed_weights(fmt: Format) -> bool:
 
 def engine_weights(text: str) -> Format | None:
     """`--weights` value -> the Format the engine holds its projections in (None: native). The engine's bytes for
-    a format equal the predictor's for the same string (`--weight-format`)."""
-    if str(text).strip().lower() == NATIVE:
+    a format equal the predictor's for the same string (`--weight-format`); a +a8 suffix (split_activations) is
+    the activations', not the weights'."""
+    text, activations = split_activations(text)
+    if text.lower() == NATIVE:
         return None
     try:
         fmt = get_format(text, head_ok=True)
@@ -229,6 +239,9 @@ def engine_weights(text: str) -> Format | None:
     if fmt.head is not None and not packed_weights(fmt.head):
         raise KvwallError(f"--weights {text}: the engine holds an embedding table / LM head format after '/' only "
                           "packed (int8, int4, q4_0, q4_1, q8_0); without '/' they stay in the model's dtype")
+    if activations == "int8" and fmt.is_float():
+        raise KvwallError(f"{text}{A8}: +a8 rounds the inputs of packed projections, and {text} packs none; "
+                          f"use a packed format (e.g. q8_0{A8}) or native{A8}")
     return fmt
 
 

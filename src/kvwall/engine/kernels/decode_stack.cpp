@@ -15,12 +15,13 @@ namespace py = pybind11;
 struct Proj {
   torch::Tensor w, q, s, z, b;
   int64_t bits = 0, group = 0;
+  bool x8 = false;  // int8 activations (packed.h's round_x8)
   py::object fn;
 
   torch::Tensor operator()(const torch::Tensor &x) const {  // x (B, K) -> (B, N)
     if (fn) return fn(x).cast<torch::Tensor>().contiguous();
     torch::Tensor y = bits ? packed_linear(x, q, s, z.defined() ? c10::optional<torch::Tensor>(z) : c10::nullopt,
-                                           bits, group)
+                                           bits, group, -1, x8)
                            : at::mm(x, w.t());
     return b.defined() ? y.add_(b) : y;
   }
@@ -388,6 +389,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("w", &Proj::w).def_readwrite("q", &Proj::q).def_readwrite("s", &Proj::s)
       .def_readwrite("z", &Proj::z).def_readwrite("b", &Proj::b)
       .def_readwrite("bits", &Proj::bits).def_readwrite("group", &Proj::group).def_readwrite("fn", &Proj::fn)
+      .def_readwrite("x8", &Proj::x8)
       .def("__call__", &Proj::operator(), "x (B, K) fp32 contiguous -> (B, N), as a step calls it");
   py::class_<Layer>(m, "Layer")
       .def(py::init<>())

@@ -4,7 +4,9 @@
 // run_batch (each weight dequantized in a register, w = d q + c, and multiplied into four rows of x); from
 // GEMM_MIN_ROWS, run_gemm (tiles dequantized to float32, then torch's GEMM). run<> is what a shape whose groups do
 // not split into whole vectors takes at any rows below GEMM_MIN_ROWS: R rows dequantized into an L1 buffer, then
-// every row of x over them. Each weight is read from memory once a call, as bits/8 bytes.
+// every row of x over them. Each weight is read from memory once a call, as bits/8 bytes. With int8 activations
+// (x8, approximate), x is rounded per group first (round_x8) and, up to X8_MAX_ROWS rows on AVX-512 VNNI, run_x8
+// takes the integer dot products.
 // Included by packed_linear.cpp (PackedLinear's kernel) and decode_stack.cpp (a whole decode step).
 #pragma once
 #include "common.h"
@@ -452,16 +454,187 @@ inline torch::Tensor packed_dequantize(torch::Tensor q, torch::Tensor s, c10::op
   return w;
 }
 
+// -- int8 activations (PackedLinear.x8; --weights ...+a8): approximate, llama.cpp's way ---------------------------
+// Each row of x is rounded to int8 per weight group before the matmul: m = max|x| over the group, a = round(x 127/m)
+// (ties to even; a = 0 where m = 0), and the group's x is s a with s = m/127; llama.cpp rounds activations the same
+// way (per 32, its q8_0) for its integer dot products. y is then exactly that rounded x times the dequantized W, on
+// every path: up to X8_MAX_ROWS rows of x, on a CPU with AVX-512 VNNI, the integer kernel below computes the sums in
+// int32 (the float path's values to float32 rounding); elsewhere the rounded x (M, K) goes through the float paths.
+
+// Row x (K) rounded per group of G: a (K) int8 codes, s (NG) their scales, as (NG) s Σ a, xr (K) = s a as floats
+inline void round_x8(const float *x, int64_t K, int64_t G, int8_t *a, float *s, float *as, float *xr) {
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
+    const int64_t len = std::min(G, K - k0);
+    float m = 0.f;
+    for (int64_t j = 0; j < len; ++j) m = std::max(m, std::fabs(x[k0 + j]));
+    const float inv = m > 0.f ? 127.f / m : 0.f, sg = m / 127.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      const int32_t v = int32_t(std::nearbyint(x[k0 + j] * inv));  // |v| <= 127: x inv <= 127 in float
+      a[k0 + j] = int8_t(v);
+      xr[k0 + j] = sg * float(v);
+      sum += v;
+    }
+    s[g] = sg;
+    as[g] = sg * float(sum);
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define KVWALL_X8 1
+// Rows of x up to which the integer kernel runs; from there the rounded x takes the float paths (batch tiles, GEMM).
+// Gemma 3 270M's 73 packed matrices, one call each, median of 5, in one process, exact against int8 activations
+// (2026-12-07, 2-core Xeon with VNNI, an observation): 1 row 30.0 -> 16.7 ms, 2 rows 25.9 -> 24.5, 3 rows 27.3 ->
+// 31.5, 4 rows 28.2 -> 30.9. From 3 rows the batch tiles' one FMA per weight and row of x beats the integer
+// step's convert, permute and FMA per 16 lanes and row (port 0 carries vpdpbusd, the convert and half the FMAs).
+constexpr int64_t X8_MAX_ROWS = 2;
+// Whether the integer kernel takes this shape: whole 4-byte lanes, each inside one group (a group's bytes, G bits/8,
+// a multiple of 4), whole groups; a row's last 64-byte step may be part of one (SmolLM2's 576 4-bit codes: 288 bytes)
+inline bool x8_fits(int bits, int64_t K, int64_t G) {
+  const int64_t gb = G * bits / 8;
+  return (bits == 8 || bits == 4) && G % 2 == 0 && gb % 4 == 0 && K % G == 0;
+}
+
+// Row m of x, rounded (round_x8) and laid out in the codes' byte order: lo (and, 4-bit, hi) QB bytes, off the
+// symmetric offset of each 4-byte lane (QB/4, then 16 zeros), s and as per group (NG)
+struct X8Rows {
+  int64_t QB, NG;
+  std::vector<int8_t> lo, hi;
+  std::vector<int32_t> off;
+  const float *s, *as;
+  const int8_t *lo_(int64_t m) const { return lo.data() + m * QB; }
+  const int8_t *hi_(int64_t m) const { return hi.empty() ? nullptr : hi.data() + m * QB; }
+  const int32_t *off_(int64_t m) const { return off.data() + m * (QB / 4 + 16); }
+};
+
+// y[m] (MM rows of x against one packed row) = Σ_g d_g s_mg Σ_{k in g} (q_k - OFF) a_mk (symmetric), or
+// Σ_g d_g s_mg Σ q_k a_mk + c_g as_mg with zeros c_g. 64 bytes of codes a step, loaded once for the MM rows (1, 2):
+// vpdpbusd multiplies unsigned codes by signed activations four at a time into 16 int32 lanes. 8-bit: one code a
+// byte, against lo. 4-bit: byte j of a group holds element j (low nibble, against lo) and j + G/2 (high nibble,
+// against hi), two vpdpbusd into the same lanes. Symmetric, each lane's OFF Σ a (off) comes off in int32, so the sum
+// is exact where subtracting OFF d Σ s a in float at the end cancelled to a few ulps of the group's Σ|x| (a row
+// whose true y was 0 came out 5e-7). Lane l of step j lies in group (64 j + 4 l) / gb (gb = a group's bytes), so the
+// lanes are scaled by d_g s_g permuted out of the 16 groups a window holds (perm: gb/4 index vectors, one per step
+// of a window): 7 instructions per 64 8-bit weights and row of x, where the float kernel (fused_rows) spends 12
+// and a group's scale FMA. Each row of x keeps two accumulators (even and odd steps), so its FMAs do not chain.
+template <int BITS, int MM>
+inline void x8_rows(const X8Rows &x, int64_t m0, const uint8_t *q, const float *sf, const float *cf, int64_t gb,
+                    const __m512i *perm, float *y, int64_t ldy) {
+  __m512 acc[MM][2];
+  for (int m = 0; m < MM; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const __m512i nib = _mm512_set1_epi8(15);
+  const __mmask64 all = ~__mmask64(0);
+  for (int64_t g0 = 0; g0 < x.NG; g0 += 16) {
+    const int64_t n = std::min<int64_t>(16, x.NG - g0), steps = n * gb / 64, rest = n * gb % 64;
+    const __mmask16 live = __mmask16((1u << n) - 1);
+    const __m512 d = _mm512_maskz_loadu_ps(live, sf + g0);
+    __m512 ds[MM];  // d_g s_mg for the window's 16 groups
+    for (int m = 0; m < MM; ++m) ds[m] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, x.s + (m0 + m) * x.NG + g0));
+    const int64_t b0 = g0 * gb;  // the window's first byte of codes (and of lo, hi)
+    // step j into the accumulators `e`; bytes past mask k read as 0 (a row's last, part step)
+    auto step = [&](int64_t j, __mmask64 k, int e) {
+      const int64_t b = b0 + 64 * j;
+      const __m512i c = _mm512_maskz_loadu_epi8(k, q + b);
+      __m512i clo = c, chi = c;
+      if constexpr (BITS == 4) clo = _mm512_and_si512(c, nib), chi = _mm512_and_si512(_mm512_srli_epi16(c, 4), nib);
+      for (int m = 0; m < MM; ++m) {
+        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), clo, _mm512_maskz_loadu_epi8(k, x.lo_(m0 + m) + b));
+        if constexpr (BITS == 4) t = _mm512_dpbusd_epi32(t, chi, _mm512_maskz_loadu_epi8(k, x.hi_(m0 + m) + b));
+        if (!cf) t = _mm512_sub_epi32(t, _mm512_loadu_si512(x.off_(m0 + m) + b / 4));  // 0 past the row's lanes
+        acc[m][e] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(perm[j], ds[m]), acc[m][e]);
+      }
+    };
+    int64_t j = 0;
+    for (; j + 2 <= steps; j += 2) step(j, all, 0), step(j + 1, all, 1);  // constant e: acc stays in registers
+    if (j < steps) step(j, all, 0);
+    if (rest) step(steps, (__mmask64(1) << rest) - 1, 1);  // perm[steps] < 16: any group's d s
+  }
+  for (int m = 0; m < MM; ++m) {
+    const __m512 t = _mm512_add_ps(acc[m][0], acc[m][1]);
+    y[m * ldy] = vsum(cf ? _mm512_add_ps(t, dot_groups(cf, x.as + (m0 + m) * x.NG, x.NG)) : t);  // + Σ_g c_g as_mg
+  }
+}
+
+// One or two rows of x (M <= X8_MAX_ROWS) rounded (a (M, K) codes, s and as (M, NG)) against every packed row: the
+// threads split the packed rows, as run_one's do
+template <int BITS>
+inline torch::Tensor run_x8(const int8_t *a, const float *s, const float *as, int64_t M, const torch::Tensor &q,
+                            const torch::Tensor &sc, const torch::Tensor &z, int64_t K, int64_t G) {
+  constexpr int32_t OFF = 1 << (BITS - 1);
+  TORCH_CHECK(M >= 1 && M <= X8_MAX_ROWS, "run_x8 takes 1 to X8_MAX_ROWS rows of x");
+  const int64_t N = q.size(0), NG = sc.size(1), QB = q.size(1), gb = G * BITS / 8;
+  auto y = torch::empty({M, N}, torch::kFloat32);  // (M, N)
+  std::vector<__m512i> perm(gb / 4);  // step j of a window: lane l -> group (64 j + 4 l) / gb
+  for (int64_t j = 0; j < gb / 4; ++j) {
+    alignas(64) int32_t idx[16];
+    for (int l = 0; l < 16; ++l) idx[l] = int32_t((64 * j + 4 * l) / gb);
+    perm[j] = _mm512_load_si512(idx);
+  }
+  // the activations in the codes' byte order: 8-bit, a itself; 4-bit, byte i of group g holds elements g G + i
+  // (lo) and g G + G/2 + i (hi)
+  X8Rows x{QB, NG, std::vector<int8_t>(a, a + M * K), {}, std::vector<int32_t>(M * (QB / 4 + 16), 0), s, as};
+  if (BITS == 4) {
+    x.hi.resize(M * QB);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < QB; ++b) {
+        const int64_t g = b / gb, i = b % gb;
+        x.lo[m * QB + b] = a[m * K + g * G + i], x.hi[m * QB + b] = a[m * K + g * G + G / 2 + i];
+      }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t *lo = x.lo_(m), *hi = x.hi_(m);
+    int32_t *off = x.off.data() + m * (QB / 4 + 16);
+    for (int64_t l = 0; l < QB / 4; ++l) {
+      int32_t t = 0;
+      for (int64_t b = 4 * l; b < 4 * l + 4; ++b) t += lo[b] + (hi ? hi[b] : 0);
+      off[l] = OFF * t;
+    }
+  }
+  const uint8_t *qp = q.data_ptr<uint8_t>();
+  const at::Half *sp = sc.data_ptr<at::Half>(), *zp = z.defined() ? z.data_ptr<at::Half>() : nullptr;
+  float *yp = y.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / (K * M)), [&](int64_t n0, int64_t n1) {
+    std::vector<float> sf(NG), cf(NG);
+    for (int64_t n = n0; n < n1; ++n) {
+      half_to_float(sp + n * NG, sf.data(), NG);
+      if (zp) half_to_float(zp + n * NG, cf.data(), NG);
+      const uint8_t *qn = qp + n * QB;
+      const float *c = zp ? cf.data() : nullptr;
+      if (M == 2)
+        x8_rows<BITS, 2>(x, 0, qn, sf.data(), c, gb, perm.data(), yp + n, N);
+      else
+        x8_rows<BITS, 1>(x, 0, qn, sf.data(), c, gb, perm.data(), yp + n, N);
+    }
+  });
+  return y;
+}
+#endif
+
 // x (M, K) float32 contiguous; q (N, K bits/8) uint8; s, z (N, ceil(K/G)) float16 (z undefined: symmetric).
 // gemm_rows: the GEMM path from that many rows on; -1: from GEMM_MIN_ROWS; 0: never (the row kernel at every M, the
 // path before the GEMM one: benchmarks/bench_prefill.py times both).
 inline torch::Tensor packed_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, c10::optional<torch::Tensor> z,
-                                   int64_t bits, int64_t group, int64_t gemm_rows = -1) {
+                                   int64_t bits, int64_t group, int64_t gemm_rows = -1, bool x8 = false) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x: contiguous (M, K) float32");
   TORCH_CHECK(q.dtype() == torch::kUInt8 && q.is_contiguous(), "q: contiguous uint8");
   TORCH_CHECK(s.dtype() == torch::kFloat16 && s.is_contiguous(), "scales: contiguous float16");
   TORCH_CHECK(q.size(1) * 8 == x.size(1) * bits, "q's row bytes do not match K");
   const torch::Tensor zz = z.has_value() ? z->contiguous() : torch::Tensor();
+  if (x8) {  // x rounded to int8 per group (round_x8), then the integer kernel or the float paths on the rounded x
+    const int64_t M = x.size(0), K = x.size(1), NG = s.size(1);
+    std::vector<int8_t> a(M * K);
+    std::vector<float> xs(M * NG), as(M * NG);
+    auto xr = torch::empty_like(x);  // (M, K) the rounded rows as floats
+    for (int64_t m = 0; m < M; ++m)
+      round_x8(x.data_ptr<float>() + m * K, K, group, a.data() + m * K, xs.data() + m * NG, as.data() + m * NG,
+               xr.data_ptr<float>() + m * K);
+#ifdef KVWALL_X8
+    if (M <= X8_MAX_ROWS && x8_fits(bits, K, group))
+      return bits == 8 ? run_x8<8>(a.data(), xs.data(), as.data(), M, q, s, zz, K, group)
+                       : run_x8<4>(a.data(), xs.data(), as.data(), M, q, s, zz, K, group);
+#endif
+    return packed_linear(xr, q, s, z, bits, group, gemm_rows, false);
+  }
 #ifdef KVWALL_FUSED
   if (x.size(0) == 1 && fused_fits(bits, x.size(1), group)) return bits == 8 ? run_one<8>(x, q, s, zz, group)
                                                                             : run_one<4>(x, q, s, zz, group);

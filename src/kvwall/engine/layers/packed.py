@@ -109,6 +109,22 @@ GEMM_ROWS = -1
 
 
 @functools.lru_cache(maxsize=1)
+def round_x8(x: torch.Tensor, G: int) -> torch.Tensor:
+    """x (..., K) rounded to int8 per group of G along K, as floats: per group m = max|x|, codes round(x 127/m)
+    (ties to even; 0 where m = 0), values codes m/127. The int8-activation mode's x (kernels/packed.h round_x8,
+    the same float operations: 127/m, x times it, m/127): llama.cpp rounds activations so for its q8_0 dot products."""
+    K = x.shape[-1]
+    pad = -K % G
+    xp = F.pad(x, (0, pad)).reshape(*x.shape[:-1], -1, G)  # (..., groups, G): a shorter last group padded with 0
+    m = xp.abs().amax(-1, keepdim=True)  # (..., groups, 1)
+    # tensor by tensor: torch divides by a Python number as a multiply by its reciprocal (and 127.0 / t as
+    # t.reciprocal() * 127), which misses the kernel's quotient by an ulp and flips a code at a tie
+    c127 = torch.full_like(m, 127.0)
+    inv = torch.where(m > 0, c127 / torch.where(m > 0, m, c127), torch.zeros_like(m))
+    codes = torch.round(xp * inv)  # (..., groups, G) in -127 .. 127
+    return (codes * (m / c127)).reshape(*x.shape[:-1], -1)[..., :K]  # (..., K)
+
+
 def packed_kernel():
     """The compiled matmul, or None when it cannot be built (then the reference path runs)."""
     from kvwall.engine.native import compiled
@@ -145,6 +161,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("zero", zero)  # (N, groups) float16, or None (symmetric)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.eager = False  # True: the reference path (Transformer.set_eager)
+        self.x8 = False  # True: x rounded to int8 per group first (round_x8; Transformer.set_activations)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, fmt: Format) -> PackedLinear:
@@ -161,7 +178,8 @@ class PackedLinear(nn.Module):
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         w = self.dequantized()  # (N, K) float32
         b = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), w, b).to(x.dtype)  # (..., N)
+        xf = round_x8(x.float(), self.group) if self.x8 else x.float()  # (..., K)
+        return F.linear(xf, w, b).to(x.dtype)  # (..., N)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = None if self.eager or x.device.type != "cpu" else packed_kernel()
@@ -172,14 +190,15 @@ class PackedLinear(nn.Module):
         buf, bias = self._buffers, self._parameters.get("bias")
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         x2 = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-        y = kernel(x2, buf["q"], buf["scale"], buf["zero"], self.bits, self.group, GEMM_ROWS)  # (M, N)
+        y = kernel(x2, buf["q"], buf["scale"], buf["zero"], self.bits, self.group, GEMM_ROWS, self.x8)  # (M, N)
         if bias is not None:
             y = y + bias.float()
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.label}"
+        x8 = ", activations=int8" if self.x8 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.label}{x8}"
 
 
 class PackedEmbedding(nn.Module):
