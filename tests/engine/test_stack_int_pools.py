@@ -115,17 +115,20 @@ def test_int_pools_in_the_stack_equal_the_layers(mod, model_type, name, monkeypa
             built, m.stack = m.stack, False
             expected = m(nxt, at, layered)
             m.stack = built
-            flips = 0
+            flips = scale_flips = 0
             for a, b in zip(parts(stacked), parts(layered)):
                 if a.dtype == torch.uint8:
                     flips += int((a != b).sum())
                 else:  # scales, zero points: fp16 of keys equal to float-sum order
                     torch.testing.assert_close(a.float(), b.float(), rtol=2e-3, atol=1e-4)
+                    scale_flips += int((a != b).sum())
             assert flips <= 8, f"{flips} code bytes differ"
             exact += flips == 0
-            # the same codes: the same arithmetic to float-sum order; a code flipped at a rounding boundary (one
-            # step of its format) moves the layers after it: 2.7e-4 seen at int8 on llama
-            tol = 1e-5 if flips == 0 else 1e-2
+            # the same codes and scales: the same arithmetic to float-sum order; a code flipped at a rounding
+            # boundary (one step of its format) moves the layers after it: 2.7e-4 seen at int8 on llama; so does
+            # a scale one fp16 step apart (1.4e-4 at int4 on gemma3_text, codes equal, on a 2-core Xeon, 2026-12-07;
+            # it failed so on b5a10da too)
+            tol = 1e-5 if flips == 0 and scale_flips == 0 else 1e-2
             torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
             nxt = expected[:, -1].argmax(-1, keepdim=True)
     assert len(ran) == steps  # one stack call a step, each taken

@@ -24,7 +24,7 @@ from kvwall.spec.model import MLP, MoE as MoESpec
 
 
 class Router(nn.Module):
-    """x (N, D) -> weights (N, k), experts (N, k), computed in fp32."""
+    """x (N, D) -> weights (N, k), experts (N, k), computed in fp32 (float64 for a float64 model)."""
 
     def __init__(self, spec: MoESpec, hidden: int):
         super().__init__()
@@ -40,10 +40,14 @@ class Router(nn.Module):
         self.logit_bias = nn.Parameter(torch.zeros(spec.n_experts)) if spec.bias else None  # gpt-oss: on the logits
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b = None if self.logit_bias is None else self.logit_bias.float()
-        logits = F.linear(x.float(), self.weight.float(), b)  # (N, E)
+        # fp32 at least (a bf16 model's router too); a float64 model's in float64, whose decode and full forward
+        # then agree to 1e-12: in fp32 one row against forty rounded differently on a Xeon's sgemm (2.7e-6 at a
+        # lightning mixer after one MoE layer, 2026-12-07), though not on the hosts before it
+        dt = torch.promote_types(x.dtype, torch.float32)
+        b = None if self.logit_bias is None else self.logit_bias.to(dt)
+        logits = F.linear(x.to(dt), self.weight.to(dt), b)  # (N, E)
         scores = logits.softmax(-1) if self.routing.score == "softmax" else logits.sigmoid()  # (N, E)
-        choice = scores if self.bias is None else scores + self.bias.float()  # (N, E)
+        choice = scores if self.bias is None else scores + self.bias.to(dt)  # (N, E)
         if self.routing.n_group > 1:
             choice = self.keep_best_groups(choice)
         experts = choice.topk(self.k, dim=-1).indices  # (N, k)
