@@ -108,7 +108,6 @@ def quantize(w: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor, 
 GEMM_ROWS = -1
 
 
-@functools.lru_cache(maxsize=1)
 def round_x8(x: torch.Tensor, G: int) -> torch.Tensor:
     """x (..., K) rounded to int8 per group of G along K, as floats: per group m = max|x|, codes round(x 127/m)
     (ties to even; 0 where m = 0), values codes m/127. The int8-activation mode's x (kernels/packed.h round_x8,
@@ -125,6 +124,7 @@ def round_x8(x: torch.Tensor, G: int) -> torch.Tensor:
     return (codes * (m / c127)).reshape(*x.shape[:-1], -1)[..., :K]  # (..., K)
 
 
+@functools.lru_cache(maxsize=1)
 def packed_kernel():
     """The compiled matmul, or None when it cannot be built (then the reference path runs)."""
     from kvwall.engine.native import compiled
