@@ -65,7 +65,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kvwall.measure import machine
-from kvwall.spec.formats import A8  # --weights' int8-activation suffix
+from kvwall.spec.formats import A8, split_activations  # --weights' int8-activation suffix
 
 import fair  # benchmarks/fair.py: the same threads for every engine, runs in turns
 
@@ -307,9 +307,11 @@ def quality_of(quality: list[dict], cache: str, context: int, weights: str = "na
     of one names them "<cache>", and they count when its weights round activations (+a8) as `weights` does."""
     out = {}
 
+    mode = split_activations(weights)[1]
+
     def named(data: dict, name: str) -> bool:
-        one = [str(w) for w in data.get("weights") or []]
-        plain = len(one) <= 1 and (A8 in "".join(one)) == (A8 in weights)
+        one = data.get("weights") or []
+        plain = len(one) <= 1 and all(split_activations(w)[1] == mode for w in one)
         return name == f"{cache} @ {weights}" or (plain and name == cache)
 
     for data in quality:
