@@ -68,6 +68,10 @@ def proj(mod, lin: nn.Module):
         p.q, p.s, p.bits, p.group, p.x8 = lin.q, lin.scale, lin.bits, lin.group, lin.x8
         if lin.zero is not None:
             p.z = lin.zero
+        if lin.x8_tiles is not None:
+            p.qt, p.st = lin.x8_tiles[:2]
+            if lin.x8_tiles[2] is not None:
+                p.zt = lin.x8_tiles[2]
     elif type(lin) is nn.Linear and lin.weight.dtype == torch.float32:
         p.w = lin.weight
     else:

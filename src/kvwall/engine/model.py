@@ -190,7 +190,9 @@ class Transformer(nn.Module):
     def set_activations(self, activations: str = "fp32") -> Transformer:
         """"int8": every packed projection rounds its input to int8 per weight group first (layers/packed.py
         round_x8), as llama.cpp does for its integer dot products: approximate, and on a CPU with AVX-512 VNNI
-        the matmuls of one or two rows of x (a decode step) run on integer instructions. "fp32": exact (the default)."""
+        the matmuls run on integer instructions at every number of rows, over a second copy of the codes in the
+        kernel's layout (PackedLinear.x8_tiles: the packed weights' bytes again, while on). "fp32": exact (the
+        default)."""
         from kvwall.engine.layers.packed import PackedLinear
 
         if activations not in ("fp32", "int8"):

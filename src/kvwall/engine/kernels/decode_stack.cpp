@@ -12,16 +12,21 @@ namespace py = pybind11;
 
 // y = x W^T (+ b): W packed (q, s, z: packed.h's layout; bits 4 or 8), float (w (N, K), any strides), or
 // another layout whose module's forward `fn` (bias included) is called back in Python (oneDNN's: layers/onednn.py)
+inline c10::optional<torch::Tensor> opt(const torch::Tensor &t) {
+  return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
 struct Proj {
   torch::Tensor w, q, s, z, b;
+  torch::Tensor qt, st, zt;  // int8 activations' tiles (PackedLinear.x8_tiles), if any
   int64_t bits = 0, group = 0;
   bool x8 = false;  // int8 activations (packed.h's round_x8)
   py::object fn;
 
   torch::Tensor operator()(const torch::Tensor &x) const {  // x (B, K) -> (B, N)
     if (fn) return fn(x).cast<torch::Tensor>().contiguous();
-    torch::Tensor y = bits ? packed_linear(x, q, s, z.defined() ? c10::optional<torch::Tensor>(z) : c10::nullopt,
-                                           bits, group, -1, x8)
+    torch::Tensor y = bits ? packed_linear(x, q, s, opt(z),
+                                           bits, group, -1, x8, opt(qt), opt(st), opt(zt))
                            : at::mm(x, w.t());
     return b.defined() ? y.add_(b) : y;
   }
@@ -390,6 +395,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("z", &Proj::z).def_readwrite("b", &Proj::b)
       .def_readwrite("bits", &Proj::bits).def_readwrite("group", &Proj::group).def_readwrite("fn", &Proj::fn)
       .def_readwrite("x8", &Proj::x8)
+      .def_readwrite("qt", &Proj::qt)
+      .def_readwrite("st", &Proj::st)
+      .def_readwrite("zt", &Proj::zt)
       .def("__call__", &Proj::operator(), "x (B, K) fp32 contiguous -> (B, N), as a step calls it");
   py::class_<Layer>(m, "Layer")
       .def(py::init<>())

@@ -5,8 +5,8 @@
 // GEMM_MIN_ROWS, run_gemm (tiles dequantized to float32, then torch's GEMM). run<> is what a shape whose groups do
 // not split into whole vectors takes at any rows below GEMM_MIN_ROWS: R rows dequantized into an L1 buffer, then
 // every row of x over them. Each weight is read from memory once a call, as bits/8 bytes. With int8 activations
-// (x8, approximate), x is rounded per group first (round_x8) and, up to X8_MAX_ROWS rows on AVX-512 VNNI, run_x8
-// takes the integer dot products.
+// (x8, approximate), x is rounded per group first (round_x8) and, on AVX-512 VNNI with the codes' second, tiled
+// layout (x8_tiles), run_x8 takes the integer dot products at every number of rows.
 // Included by packed_linear.cpp (PackedLinear's kernel) and decode_stack.cpp (a whole decode step).
 #pragma once
 #include "common.h"
@@ -458,7 +458,7 @@ inline torch::Tensor packed_dequantize(torch::Tensor q, torch::Tensor s, c10::op
 // Each row of x is rounded to int8 per weight group before the matmul: m = max|x| over the group, a = round(x 127/m)
 // (ties to even; a = 0 where m = 0), and the group's x is s a with s = m/127; llama.cpp rounds activations the same
 // way (per 32, its q8_0) for its integer dot products. y is then exactly that rounded x times the dequantized W, on
-// every path: up to X8_MAX_ROWS rows of x, on a CPU with AVX-512 VNNI, the integer kernel below computes the sums in
+// every path: on a CPU with AVX-512 VNNI, given the codes' tiles, the integer kernel below computes the sums in
 // int32 (the float path's values to float32 rounding); elsewhere the rounded x (M, K) goes through the float paths.
 
 // Row x (K) rounded per group of G: a (K) int8 codes, s (NG) their scales, as (NG) s Σ a, xr (K) = s a as floats
@@ -482,128 +482,105 @@ inline void round_x8(const float *x, int64_t K, int64_t G, int8_t *a, float *s, 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define KVWALL_X8 1
-// Rows of x up to which the integer kernel runs; from there the rounded x takes the float paths (batch tiles, GEMM).
-// Gemma 3 270M's 73 packed matrices, one call each, median of 5, in one process, exact against int8 activations
-// (2026-12-07, 2-core Xeon with VNNI, an observation): 1 row 30.0 -> 16.7 ms, 2 rows 25.9 -> 24.5, 3 rows 27.3 ->
-// 31.5, 4 rows 28.2 -> 30.9. From 3 rows the batch tiles' one FMA per weight and row of x beats the integer
-// step's convert, permute and FMA per 16 lanes and row (port 0 carries vpdpbusd, the convert and half the FMAs).
-constexpr int64_t X8_MAX_ROWS = 2;
+// The integer kernel reads the codes again in a second layout, 16 packed rows interleaved 4 bytes at a time
+// (layers/packed.py x8_tiles: q (N, QB) -> (N/16, QB/4, 16, 4), the scales and zeros (N, NG) -> (N/16, NG, 16)).
+// One 64-byte load then holds the same 4 bytes of 16 rows, all in one group (a group's bytes are a multiple of 4),
+// so one vpdpbusd against 4 activations broadcast adds 4 products into each of 16 rows' sums, a group's sums stay
+// in int32 to its last step, and 5 more instructions (an add, the offset, a convert, a multiply, an FMA) scale 16
+// outputs: G/4 vpdpbusd (8-bit; twice as many 4-bit) and 5 per group and row of x, 1.6 per 64 q8_0 weights. The
+// codes' own layout put lanes of two groups in one vector and needed a convert, a permute and an FMA per 16 lanes
+// (5), and the float batch tiles take 4 FMAs and the weights' unpacking.
+constexpr int64_t X8_TILE = 16;  // packed rows interleaved: one int32 lane each
+// rows of x per pass over a tile: 4 x 2 int32 sums and 4 outputs in registers. 8 was no faster (Gemma 3's 73
+// matrices at 8 rows: 21.7 ms against 19.6; at 16, 38.3 against 31.1; median of 3 interleaved runs, 2 threads,
+// 2026-12-07 on the AMD EPYC AVX-512 host, benchmarks/bench_packed_batch.py --activations int8: an observation)
+constexpr int X8_ROWS = 4;
 // Whether the integer kernel takes this shape: whole 4-byte lanes, each inside one group (a group's bytes, G bits/8,
-// a multiple of 4), whole groups; a row's last 64-byte step may be part of one (SmolLM2's 576 4-bit codes: 288 bytes)
+// a multiple of 4), whole groups
 inline bool x8_fits(int bits, int64_t K, int64_t G) {
   const int64_t gb = G * bits / 8;
   return (bits == 8 || bits == 4) && G % 2 == 0 && gb % 4 == 0 && K % G == 0;
 }
 
-// Row m of x, rounded (round_x8) and laid out in the codes' byte order: lo (and, 4-bit, hi) QB bytes, off the
-// symmetric offset of each 4-byte lane (QB/4, then 16 zeros), s and as per group (NG)
+// x rounded (round_x8) and laid out in the codes' byte order: per row, lo (and, 4-bit, hi) QB bytes: byte b of a
+// group holds element b (8-bit), or elements b (low nibble, lo) and b + G/2 (high nibble, hi); per row and group, s,
+// as (s Σ a) and off (Σ a: OFF times it comes off the group's int32 sum, symmetric formats)
 struct X8Rows {
   int64_t QB, NG;
   std::vector<int8_t> lo, hi;
+  std::vector<float> s, as;
   std::vector<int32_t> off;
-  const float *s, *as;
-  const int8_t *lo_(int64_t m) const { return lo.data() + m * QB; }
-  const int8_t *hi_(int64_t m) const { return hi.empty() ? nullptr : hi.data() + m * QB; }
-  const int32_t *off_(int64_t m) const { return off.data() + m * (QB / 4 + 16); }
 };
 
-// y[m] (MM rows of x against one packed row) = Σ_g d_g s_mg Σ_{k in g} (q_k - OFF) a_mk (symmetric), or
-// Σ_g d_g s_mg Σ q_k a_mk + c_g as_mg with zeros c_g. 64 bytes of codes a step, loaded once for the MM rows (1, 2):
-// vpdpbusd multiplies unsigned codes by signed activations four at a time into 16 int32 lanes. 8-bit: one code a
-// byte, against lo. 4-bit: byte j of a group holds element j (low nibble, against lo) and j + G/2 (high nibble,
-// against hi), two vpdpbusd into the same lanes. Symmetric, each lane's OFF Σ a (off) comes off in int32, so the sum
-// is exact where subtracting OFF d Σ s a in float at the end cancelled to a few ulps of the group's Σ|x| (a row
-// whose true y was 0 came out 5e-7). Lane l of step j lies in group (64 j + 4 l) / gb (gb = a group's bytes), so the
-// lanes are scaled by d_g s_g permuted out of the 16 groups a window holds (perm: gb/4 index vectors, one per step
-// of a window): 7 instructions per 64 8-bit weights and row of x, where the float kernel (fused_rows) spends 12
-// and a group's scale FMA. Each row of x keeps two accumulators (even and odd steps), so its FMAs do not chain.
+// MM (1 to X8_ROWS) rows of x, from row m0, against one tile of 16 packed rows: y[m][n] for the tile's n < live.
+// t[m][e]: group sums in int32, even and odd steps apart so that the dpbusd latency does not chain.
 template <int BITS, int MM>
-inline void x8_rows(const X8Rows &x, int64_t m0, const uint8_t *q, const float *sf, const float *cf, int64_t gb,
-                    const __m512i *perm, float *y, int64_t ldy) {
-  __m512 acc[MM][2];
-  for (int m = 0; m < MM; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+inline void x8_tile(const X8Rows &x, int64_t m0, const uint8_t *qt, const at::Half *st, const at::Half *zt,
+                    int64_t gb, float *y, int64_t ldy, __mmask16 live) {
+  constexpr int32_t OFF = 1 << (BITS - 1);
+  const int64_t steps = gb / 4;  // 4-byte steps per group
   const __m512i nib = _mm512_set1_epi8(15);
-  const __mmask64 all = ~__mmask64(0);
-  for (int64_t g0 = 0; g0 < x.NG; g0 += 16) {
-    const int64_t n = std::min<int64_t>(16, x.NG - g0), steps = n * gb / 64, rest = n * gb % 64;
-    const __mmask16 live = __mmask16((1u << n) - 1);
-    const __m512 d = _mm512_maskz_loadu_ps(live, sf + g0);
-    __m512 ds[MM];  // d_g s_mg for the window's 16 groups
-    for (int m = 0; m < MM; ++m) ds[m] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, x.s + (m0 + m) * x.NG + g0));
-    const int64_t b0 = g0 * gb;  // the window's first byte of codes (and of lo, hi)
-    // step j into the accumulators `e`; bytes past mask k read as 0 (a row's last, part step)
-    auto step = [&](int64_t j, __mmask64 k, int e) {
-      const int64_t b = b0 + 64 * j;
-      const __m512i c = _mm512_maskz_loadu_epi8(k, q + b);
+  __m512 acc[MM];
+  for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < x.NG; ++g) {
+    __m512i t[MM][2];
+    for (int m = 0; m < MM; ++m) t[m][0] = t[m][1] = _mm512_setzero_si512();
+    const int64_t b0 = g * gb;  // the group's first byte in a row (of codes and of lo, hi)
+    auto step = [&](int64_t j, int e) {
+      const __m512i c = _mm512_loadu_si512(qt + (b0 + 4 * j) * X8_TILE);  // (16, 4) bytes
       __m512i clo = c, chi = c;
       if constexpr (BITS == 4) clo = _mm512_and_si512(c, nib), chi = _mm512_and_si512(_mm512_srli_epi16(c, 4), nib);
       for (int m = 0; m < MM; ++m) {
-        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), clo, _mm512_maskz_loadu_epi8(k, x.lo_(m0 + m) + b));
-        if constexpr (BITS == 4) t = _mm512_dpbusd_epi32(t, chi, _mm512_maskz_loadu_epi8(k, x.hi_(m0 + m) + b));
-        if (!cf) t = _mm512_sub_epi32(t, _mm512_loadu_si512(x.off_(m0 + m) + b / 4));  // 0 past the row's lanes
-        acc[m][e] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(perm[j], ds[m]), acc[m][e]);
+        int32_t a;
+        std::memcpy(&a, x.lo.data() + (m0 + m) * x.QB + b0 + 4 * j, 4);
+        t[m][e] = _mm512_dpbusd_epi32(t[m][e], clo, _mm512_set1_epi32(a));
+        if constexpr (BITS == 4) {
+          std::memcpy(&a, x.hi.data() + (m0 + m) * x.QB + b0 + 4 * j, 4);
+          t[m][e] = _mm512_dpbusd_epi32(t[m][e], chi, _mm512_set1_epi32(a));
+        }
       }
     };
     int64_t j = 0;
-    for (; j + 2 <= steps; j += 2) step(j, all, 0), step(j + 1, all, 1);  // constant e: acc stays in registers
-    if (j < steps) step(j, all, 0);
-    if (rest) step(steps, (__mmask64(1) << rest) - 1, 1);  // perm[steps] < 16: any group's d s
-  }
-  for (int m = 0; m < MM; ++m) {
-    const __m512 t = _mm512_add_ps(acc[m][0], acc[m][1]);
-    y[m * ldy] = vsum(cf ? _mm512_add_ps(t, dot_groups(cf, x.as + (m0 + m) * x.NG, x.NG)) : t);  // + Σ_g c_g as_mg
-  }
-}
-
-// One or two rows of x (M <= X8_MAX_ROWS) rounded (a (M, K) codes, s and as (M, NG)) against every packed row: the
-// threads split the packed rows, as run_one's do
-template <int BITS>
-inline torch::Tensor run_x8(const int8_t *a, const float *s, const float *as, int64_t M, const torch::Tensor &q,
-                            const torch::Tensor &sc, const torch::Tensor &z, int64_t K, int64_t G) {
-  constexpr int32_t OFF = 1 << (BITS - 1);
-  TORCH_CHECK(M >= 1 && M <= X8_MAX_ROWS, "run_x8 takes 1 to X8_MAX_ROWS rows of x");
-  const int64_t N = q.size(0), NG = sc.size(1), QB = q.size(1), gb = G * BITS / 8;
-  auto y = torch::empty({M, N}, torch::kFloat32);  // (M, N)
-  std::vector<__m512i> perm(gb / 4);  // step j of a window: lane l -> group (64 j + 4 l) / gb
-  for (int64_t j = 0; j < gb / 4; ++j) {
-    alignas(64) int32_t idx[16];
-    for (int l = 0; l < 16; ++l) idx[l] = int32_t((64 * j + 4 * l) / gb);
-    perm[j] = _mm512_load_si512(idx);
-  }
-  // the activations in the codes' byte order: 8-bit, a itself; 4-bit, byte i of group g holds elements g G + i
-  // (lo) and g G + G/2 + i (hi)
-  X8Rows x{QB, NG, std::vector<int8_t>(a, a + M * K), {}, std::vector<int32_t>(M * (QB / 4 + 16), 0), s, as};
-  if (BITS == 4) {
-    x.hi.resize(M * QB);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t b = 0; b < QB; ++b) {
-        const int64_t g = b / gb, i = b % gb;
-        x.lo[m * QB + b] = a[m * K + g * G + i], x.hi[m * QB + b] = a[m * K + g * G + G / 2 + i];
-      }
-  }
-  for (int64_t m = 0; m < M; ++m) {
-    const int8_t *lo = x.lo_(m), *hi = x.hi_(m);
-    int32_t *off = x.off.data() + m * (QB / 4 + 16);
-    for (int64_t l = 0; l < QB / 4; ++l) {
-      int32_t t = 0;
-      for (int64_t b = 4 * l; b < 4 * l + 4; ++b) t += lo[b] + (hi ? hi[b] : 0);
-      off[l] = OFF * t;
+    for (; j + 2 <= steps; j += 2) step(j, 0), step(j + 1, 1);  // constant e: the sums stay in registers
+    if (j < steps) step(j, 0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(st + g * X8_TILE)));
+    const __m512 c = zt ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(zt + g * X8_TILE)))
+                        : _mm512_setzero_ps();
+    for (int m = 0; m < MM; ++m) {
+      const int64_t mg = (m0 + m) * x.NG + g;
+      __m512i sum = _mm512_add_epi32(t[m][0], t[m][1]);
+      if (!zt) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(OFF * x.off[mg]));  // Σ (q - OFF) a, exact
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x.s[mg])), acc[m]);
+      if (zt) acc[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(x.as[mg]), acc[m]);  // + c_g s Σ a
     }
   }
-  const uint8_t *qp = q.data_ptr<uint8_t>();
-  const at::Half *sp = sc.data_ptr<at::Half>(), *zp = z.defined() ? z.data_ptr<at::Half>() : nullptr;
+  for (int m = 0; m < MM; ++m) _mm512_mask_storeu_ps(y + m * ldy, live, acc[m]);
+}
+
+// Every row of x (M) against the tiles: the threads split the tiles, and each pass over a tile takes X8_ROWS rows
+template <int BITS>
+inline torch::Tensor run_x8(const X8Rows &x, int64_t M, int64_t N, const torch::Tensor &qt, const torch::Tensor &st,
+                            const torch::Tensor &zt, int64_t G) {
+  const int64_t gb = G * BITS / 8, NT = (N + X8_TILE - 1) / X8_TILE;
+  TORCH_CHECK(qt.size(0) == NT && qt.numel() == NT * X8_TILE * x.QB, "x8 tiles do not match the codes");
+  auto y = torch::empty({M, N}, torch::kFloat32);  // (M, N)
+  const uint8_t *qp = qt.data_ptr<uint8_t>();
+  const at::Half *sp = st.data_ptr<at::Half>(), *zp = zt.defined() ? zt.data_ptr<at::Half>() : nullptr;
   float *yp = y.data_ptr<float>();
-  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / (K * M)), [&](int64_t n0, int64_t n1) {
-    std::vector<float> sf(NG), cf(NG);
-    for (int64_t n = n0; n < n1; ++n) {
-      half_to_float(sp + n * NG, sf.data(), NG);
-      if (zp) half_to_float(zp + n * NG, cf.data(), NG);
-      const uint8_t *qn = qp + n * QB;
-      const float *c = zp ? cf.data() : nullptr;
-      if (M == 2)
-        x8_rows<BITS, 2>(x, 0, qn, sf.data(), c, gb, perm.data(), yp + n, N);
-      else
-        x8_rows<BITS, 1>(x, 0, qn, sf.data(), c, gb, perm.data(), yp + n, N);
+  at::parallel_for(0, NT, std::max<int64_t>(1, 16384 / (x.QB * M)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t *q = qp + t * X8_TILE * x.QB;
+      const at::Half *s = sp + t * X8_TILE * x.NG, *z = zp ? zp + t * X8_TILE * x.NG : nullptr;
+      const int64_t n0 = t * X8_TILE, n = std::min(X8_TILE, N - n0);
+      const __mmask16 live = __mmask16((1u << n) - 1);
+      int64_t m = 0;
+      for (; m + X8_ROWS <= M; m += X8_ROWS) x8_tile<BITS, X8_ROWS>(x, m, q, s, z, gb, yp + m * N + n0, N, live);
+      switch (M - m) {
+        case 3: x8_tile<BITS, 3>(x, m, q, s, z, gb, yp + m * N + n0, N, live); break;
+        case 2: x8_tile<BITS, 2>(x, m, q, s, z, gb, yp + m * N + n0, N, live); break;
+        case 1: x8_tile<BITS, 1>(x, m, q, s, z, gb, yp + m * N + n0, N, live); break;
+        default: break;
+      }
     }
   });
   return y;
@@ -614,24 +591,47 @@ inline torch::Tensor run_x8(const int8_t *a, const float *s, const float *as, in
 // gemm_rows: the GEMM path from that many rows on; -1: from GEMM_MIN_ROWS; 0: never (the row kernel at every M, the
 // path before the GEMM one: benchmarks/bench_prefill.py times both).
 inline torch::Tensor packed_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, c10::optional<torch::Tensor> z,
-                                   int64_t bits, int64_t group, int64_t gemm_rows = -1, bool x8 = false) {
+                                   int64_t bits, int64_t group, int64_t gemm_rows = -1, bool x8 = false,
+                                   c10::optional<torch::Tensor> qt = c10::nullopt,
+                                   c10::optional<torch::Tensor> st = c10::nullopt,
+                                   c10::optional<torch::Tensor> zt = c10::nullopt) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x: contiguous (M, K) float32");
   TORCH_CHECK(q.dtype() == torch::kUInt8 && q.is_contiguous(), "q: contiguous uint8");
   TORCH_CHECK(s.dtype() == torch::kFloat16 && s.is_contiguous(), "scales: contiguous float16");
   TORCH_CHECK(q.size(1) * 8 == x.size(1) * bits, "q's row bytes do not match K");
   const torch::Tensor zz = z.has_value() ? z->contiguous() : torch::Tensor();
-  if (x8) {  // x rounded to int8 per group (round_x8), then the integer kernel or the float paths on the rounded x
-    const int64_t M = x.size(0), K = x.size(1), NG = s.size(1);
+  if (x8) {  // x rounded to int8 per group (round_x8), then the integer kernel (given its tiles) or the float paths
+    const int64_t M = x.size(0), K = x.size(1), NG = s.size(1), QB = q.size(1);
     std::vector<int8_t> a(M * K);
-    std::vector<float> xs(M * NG), as(M * NG);
+    X8Rows r{QB, NG, {}, {}, std::vector<float>(M * NG), std::vector<float>(M * NG), std::vector<int32_t>(M * NG)};
     auto xr = torch::empty_like(x);  // (M, K) the rounded rows as floats
     for (int64_t m = 0; m < M; ++m)
-      round_x8(x.data_ptr<float>() + m * K, K, group, a.data() + m * K, xs.data() + m * NG, as.data() + m * NG,
+      round_x8(x.data_ptr<float>() + m * K, K, group, a.data() + m * K, r.s.data() + m * NG, r.as.data() + m * NG,
                xr.data_ptr<float>() + m * K);
 #ifdef KVWALL_X8
-    if (M <= X8_MAX_ROWS && x8_fits(bits, K, group))
-      return bits == 8 ? run_x8<8>(a.data(), xs.data(), as.data(), M, q, s, zz, K, group)
-                       : run_x8<4>(a.data(), xs.data(), as.data(), M, q, s, zz, K, group);
+    if (qt.has_value() && st.has_value() && x8_fits(bits, K, group)) {
+      if (bits == 8) {
+        r.lo = std::move(a);  // byte b is element b
+      } else {  // byte i of group g holds elements g G + i (low nibble) and g G + G/2 + i (high)
+        const int64_t gb = group / 2;
+        r.lo.resize(M * QB), r.hi.resize(M * QB);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t b = 0; b < QB; ++b) {
+            const int64_t g = b / gb, i = b % gb;
+            r.lo[m * QB + b] = a[m * K + g * group + i], r.hi[m * QB + b] = a[m * K + g * group + group / 2 + i];
+          }
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < NG; ++g) {  // Σ a over each group, for the symmetric offset
+          int32_t t = 0;
+          for (int64_t b = g * (QB / NG); b < (g + 1) * (QB / NG); ++b)
+            t += r.lo[m * QB + b] + (r.hi.empty() ? 0 : r.hi[m * QB + b]);
+          r.off[m * NG + g] = t;
+        }
+      const torch::Tensor zz = zt.has_value() ? zt->contiguous() : torch::Tensor();
+      return bits == 8 ? run_x8<8>(r, M, q.size(0), *qt, *st, zz, group)
+                       : run_x8<4>(r, M, q.size(0), *qt, *st, zz, group);
+    }
 #endif
     return packed_linear(xr, q, s, z, bits, group, gemm_rows, false);
   }

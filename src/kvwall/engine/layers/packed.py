@@ -124,6 +124,21 @@ def round_x8(x: torch.Tensor, G: int) -> torch.Tensor:
     return (codes * (m / c127)).reshape(*x.shape[:-1], -1)[..., :K]  # (..., K)
 
 
+def x8_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> tuple:
+    """The codes again, in the layout of the int8-activation kernel (kernels/packed.h run_x8): 16 packed rows
+    interleaved 4 bytes at a time, q (N, QB) -> (T, QB/4, 16, 4) with T = ceil(N/16), and scale, zero (N, NG) ->
+    (T, NG, 16); rows past N are 0. One 64-byte load then holds 4 bytes of 16 rows in one group."""
+    N = q.shape[0]
+    T = -(-N // 16)
+
+    def tile(t: torch.Tensor, inner: int) -> torch.Tensor:  # (N, C) -> (T, C/inner, 16, inner)
+        padded = torch.zeros(T * 16, t.shape[1], dtype=t.dtype)  # (16 T, C)
+        padded[:N] = t
+        return padded.view(T, 16, -1, inner).transpose(1, 2).contiguous()
+
+    return (tile(q, 4), tile(scale, 1).view(T, -1, 16), None if zero is None else tile(zero, 1).view(T, -1, 16))
+
+
 @functools.lru_cache(maxsize=1)
 def packed_kernel():
     """The compiled matmul, or None when it cannot be built (then the reference path runs)."""
@@ -137,6 +152,17 @@ def dequantize_kernel():
     from kvwall.engine.native import compiled
 
     return compiled("packed_linear", "packed_dequantize", "dequantize (torch)")
+
+
+@functools.cache
+def x8_integer_fits(bits: int, K: int, G: int) -> bool:
+    """Whether the compiled matmul has the VNNI integer kernel (this CPU has AVX-512 VNNI) and it takes this shape
+    (packed.h x8_fits)."""
+    from kvwall.engine.native import build
+
+    built = build("packed_linear", "dequantize + F.linear (torch)") if packed_kernel() is not None else None
+    fits = None if built is None else getattr(built[0], "x8_fits", None)
+    return fits is not None and bool(fits(bits, K, G))
 
 
 def gemm_min_rows() -> int | None:
@@ -161,7 +187,20 @@ class PackedLinear(nn.Module):
         self.register_buffer("zero", zero)  # (N, groups) float16, or None (symmetric)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.eager = False  # True: the reference path (Transformer.set_eager)
+        self.x8_tiles = None  # (qt, st, zt): the codes in the integer kernel's layout, while x8 is on (x8_tiles)
         self.x8 = False  # True: x rounded to int8 per group first (round_x8; Transformer.set_activations)
+
+    @property
+    def x8(self) -> bool:
+        return self._x8
+
+    @x8.setter
+    def x8(self, on: bool) -> None:
+        """Int8 activations on or off. On, where the compiled kernel has the VNNI integer path and takes this shape,
+        the codes are laid out a second time for it (x8_tiles: as many bytes again as the packed matrix, while on)."""
+        self._x8 = bool(on)
+        fits = on and self.q.device.type == "cpu" and x8_integer_fits(self.bits, self.in_features, self.group)
+        self.x8_tiles = x8_tiles(self.q, self.scale, self.zero) if fits else None
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, fmt: Format) -> PackedLinear:
@@ -190,7 +229,8 @@ class PackedLinear(nn.Module):
         buf, bias = self._buffers, self._parameters.get("bias")
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         x2 = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-        y = kernel(x2, buf["q"], buf["scale"], buf["zero"], self.bits, self.group, GEMM_ROWS, self.x8)  # (M, N)
+        qt, st, zt = self.x8_tiles or (None, None, None)
+        y = kernel(x2, buf["q"], buf["scale"], buf["zero"], self.bits, self.group, GEMM_ROWS, self.x8, qt, st, zt)
         if bias is not None:
             y = y + bias.float()
         y = y if y.dtype == x.dtype else y.to(x.dtype)
