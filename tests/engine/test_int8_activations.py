@@ -179,6 +179,14 @@ def test_tiles_by_hand():
     assert zt[1, 1, 3].item() == 40
 
 
+def test_no_rows():
+    """Zero rows of x (a MoE expert no token chose) give zero rows of y, on the integer path and off it."""
+    built(packed_kernel, "packed_linear")
+    p = PackedLinear.from_linear(torch.nn.Linear(64, 20, bias=False), get_format("q8_0"))
+    p.x8 = True
+    assert p(torch.zeros(0, 64)).shape == (0, 20)
+
+
 def test_tiles_follow_the_mode():
     """x8 on builds the tiles where the integer kernel runs (X8_INTEGER and a fitting shape); off drops them."""
     built(packed_kernel, "packed_linear")

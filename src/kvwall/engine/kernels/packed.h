@@ -564,6 +564,7 @@ inline torch::Tensor run_x8(const X8Rows &x, int64_t M, int64_t N, const torch::
   const int64_t gb = G * BITS / 8, NT = (N + X8_TILE - 1) / X8_TILE;
   TORCH_CHECK(qt.size(0) == NT && qt.numel() == NT * X8_TILE * x.QB, "x8 tiles do not match the codes");
   auto y = torch::empty({M, N}, torch::kFloat32);  // (M, N)
+  if (M == 0) return y;  // no rows (an expert no token chose)
   const uint8_t *qp = qt.data_ptr<uint8_t>();
   const at::Half *sp = st.data_ptr<at::Half>(), *zp = zt.defined() ? zt.data_ptr<at::Half>() : nullptr;
   float *yp = y.data_ptr<float>();
