@@ -197,7 +197,8 @@ class PackedLinear(nn.Module):
     @x8.setter
     def x8(self, on: bool) -> None:
         """Int8 activations on or off. On, where the compiled kernel has the VNNI integer path and takes this shape,
-        the codes are laid out a second time for it (x8_tiles: as many bytes again as the packed matrix, while on)."""
+        the codes are laid out a second time for it (x8_tiles: as many bytes again as the packed matrix, while on),
+        from the codes as they are now: codes changed later need the mode set again."""
         self._x8 = bool(on)
         fits = on and self.q.device.type == "cpu" and x8_integer_fits(self.bits, self.in_features, self.group)
         self.x8_tiles = x8_tiles(self.q, self.scale, self.zero) if fits else None
@@ -229,7 +230,7 @@ class PackedLinear(nn.Module):
         buf, bias = self._buffers, self._parameters.get("bias")
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         x2 = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-        qt, st, zt = self.x8_tiles or (None, None, None)
+        qt, st, zt = self.x8_tiles or (None, None, None)  # y (M, N):
         y = kernel(x2, buf["q"], buf["scale"], buf["zero"], self.bits, self.group, GEMM_ROWS, self.x8, qt, st, zt)
         if bias is not None:
             y = y + bias.float()
