@@ -462,6 +462,7 @@ inline torch::Tensor packed_dequantize(torch::Tensor q, torch::Tensor s, c10::op
 // int32 (the float path's values to float32 rounding); elsewhere the rounded x (M, K) goes through the float paths.
 
 // Row x (K) rounded per group of G: a (K) int8 codes, s (NG) their scales, as (NG) s Σ a, xr (K) = s a as floats
+// (null: not wanted, the integer kernel reads a)
 inline void round_x8(const float *x, int64_t K, int64_t G, int8_t *a, float *s, float *as, float *xr) {
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
     const int64_t len = std::min(G, K - k0);
@@ -472,13 +473,23 @@ inline void round_x8(const float *x, int64_t K, int64_t G, int8_t *a, float *s, 
     for (int64_t j = 0; j < len; ++j) {
       const int32_t v = int32_t(std::nearbyint(x[k0 + j] * inv));  // |v| <= 127: x inv <= 127 in float
       a[k0 + j] = int8_t(v);
-      xr[k0 + j] = sg * float(v);
+      if (xr) xr[k0 + j] = sg * float(v);
       sum += v;
     }
     s[g] = sg;
     as[g] = sg * float(sum);
   }
 }
+
+// x rounded (round_x8) and laid out in the codes' byte order: per row, lo (and, 4-bit, hi) QB bytes: byte b of a
+// group holds element b (8-bit), or elements b (low nibble, lo) and b + G/2 (high nibble, hi); per row and group, s,
+// as (s Σ a) and off (Σ a: OFF times it comes off the group's int32 sum, symmetric formats)
+struct X8Rows {
+  int64_t QB, NG;
+  std::vector<int8_t> lo, hi;
+  std::vector<float> s, as;
+  std::vector<int32_t> off;
+};
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define KVWALL_X8 1
@@ -502,15 +513,6 @@ inline bool x8_fits(int bits, int64_t K, int64_t G) {
   return (bits == 8 || bits == 4) && G % 2 == 0 && gb % 4 == 0 && K % G == 0;
 }
 
-// x rounded (round_x8) and laid out in the codes' byte order: per row, lo (and, 4-bit, hi) QB bytes: byte b of a
-// group holds element b (8-bit), or elements b (low nibble, lo) and b + G/2 (high nibble, hi); per row and group, s,
-// as (s Σ a) and off (Σ a: OFF times it comes off the group's int32 sum, symmetric formats)
-struct X8Rows {
-  int64_t QB, NG;
-  std::vector<int8_t> lo, hi;
-  std::vector<float> s, as;
-  std::vector<int32_t> off;
-};
 
 // MM (1 to X8_ROWS) rows of x, from row m0, against one tile of 16 packed rows: y[m][n] for the tile's n < live.
 // t[m][e]: group sums in int32, even and odd steps apart so that the dpbusd latency does not chain.
@@ -603,14 +605,19 @@ inline torch::Tensor packed_linear(torch::Tensor x, torch::Tensor q, torch::Tens
   const torch::Tensor zz = z.has_value() ? z->contiguous() : torch::Tensor();
   if (x8) {  // x rounded to int8 per group (round_x8), then the integer kernel (given its tiles) or the float paths
     const int64_t M = x.size(0), K = x.size(1), NG = s.size(1), QB = q.size(1);
+#ifdef KVWALL_X8
+    const bool tiles = qt.has_value() && st.has_value() && x8_fits(bits, K, group);
+#else
+    const bool tiles = false;
+#endif
     std::vector<int8_t> a(M * K);
-    X8Rows r{QB, NG, {}, {}, std::vector<float>(M * NG), std::vector<float>(M * NG), std::vector<int32_t>(M * NG)};
-    auto xr = torch::empty_like(x);  // (M, K) the rounded rows as floats
+    X8Rows r{QB, NG, {}, {}, std::vector<float>(M * NG), std::vector<float>(M * NG), {}};
+    auto xr = tiles ? torch::Tensor() : torch::empty_like(x);  // (M, K) the rounded rows as floats, for the float paths
     for (int64_t m = 0; m < M; ++m)
       round_x8(x.data_ptr<float>() + m * K, K, group, a.data() + m * K, r.s.data() + m * NG, r.as.data() + m * NG,
-               xr.data_ptr<float>() + m * K);
+               tiles ? nullptr : xr.data_ptr<float>() + m * K);
 #ifdef KVWALL_X8
-    if (qt.has_value() && st.has_value() && x8_fits(bits, K, group)) {
+    if (tiles) {
       if (bits == 8) {
         r.lo = std::move(a);  // byte b is element b
       } else {  // byte i of group g holds elements g G + i (low nibble) and g G + G/2 + i (high)
@@ -622,13 +629,16 @@ inline torch::Tensor packed_linear(torch::Tensor x, torch::Tensor q, torch::Tens
             r.lo[m * QB + b] = a[m * K + g * group + i], r.hi[m * QB + b] = a[m * K + g * group + group / 2 + i];
           }
       }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t g = 0; g < NG; ++g) {  // Σ a over each group, for the symmetric offset
-          int32_t t = 0;
-          for (int64_t b = g * (QB / NG); b < (g + 1) * (QB / NG); ++b)
-            t += r.lo[m * QB + b] + (r.hi.empty() ? 0 : r.hi[m * QB + b]);
-          r.off[m * NG + g] = t;
-        }
+      if (!zt.has_value()) {  // Σ a over each group, for the symmetric offset
+        r.off.resize(M * NG);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t g = 0; g < NG; ++g) {
+            int32_t t = 0;
+            for (int64_t b = g * (QB / NG); b < (g + 1) * (QB / NG); ++b)
+              t += r.lo[m * QB + b] + (r.hi.empty() ? 0 : r.hi[m * QB + b]);
+            r.off[m * NG + g] = t;
+          }
+      }
       const torch::Tensor zz = zt.has_value() ? zt->contiguous() : torch::Tensor();
       return bits == 8 ? run_x8<8>(r, M, q.size(0), *qt, *st, zz, group)
                        : run_x8<4>(r, M, q.size(0), *qt, *st, zz, group);

@@ -147,6 +147,14 @@ def packed_kernel():
     return compiled("packed_linear", "packed_linear", "dequantize + F.linear (torch)")
 
 
+def packed_module():
+    """The compiled packed_linear module (its constants and x8_fits), or None without it."""
+    from kvwall.engine.native import build
+
+    built = build("packed_linear", "dequantize + F.linear (torch)") if packed_kernel() is not None else None
+    return None if built is None else built[0]
+
+
 def dequantize_kernel():
     """The compiled dequantize() (bit for bit its values), or None when it cannot be built."""
     from kvwall.engine.native import compiled
@@ -158,20 +166,15 @@ def dequantize_kernel():
 def x8_integer_fits(bits: int, K: int, G: int) -> bool:
     """Whether the compiled matmul has the VNNI integer kernel (this CPU has AVX-512 VNNI) and it takes this shape
     (packed.h x8_fits)."""
-    from kvwall.engine.native import build
-
-    built = build("packed_linear", "dequantize + F.linear (torch)") if packed_kernel() is not None else None
-    fits = None if built is None else getattr(built[0], "x8_fits", None)
+    fits = getattr(packed_module(), "x8_fits", None)
     return fits is not None and bool(fits(bits, K, G))
 
 
 def gemm_min_rows() -> int | None:
     """Rows of x from which the compiled matmul dequantizes to float32 and runs a GEMM (packed.h's GEMM_MIN_ROWS),
     or None without the kernel."""
-    from kvwall.engine.native import build
-
-    built = build("packed_linear", "dequantize + F.linear (torch)") if packed_kernel() is not None else None
-    return None if built is None else int(built[0].GEMM_MIN_ROWS)
+    mod = packed_module()
+    return None if mod is None else int(mod.GEMM_MIN_ROWS)
 
 
 class PackedLinear(nn.Module):
