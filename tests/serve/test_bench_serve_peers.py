@@ -79,14 +79,18 @@ def test_results_file_keeps_runs_and_medians_and_reads_old_lists(tmp_path):
 
 
 def test_every_engine_is_given_the_same_threads():
-    """--threads 3: kvwall (both weight formats) through OMP_NUM_THREADS, vLLM through its OpenMP binding to cores
+    """--threads 3: kvwall (each weight format) through OMP_NUM_THREADS, vLLM through its OpenMP binding to cores
     0-2 and OMP_NUM_THREADS, llama.cpp through --n_threads and --n_threads_batch; no engine keeps a fixed 2."""
     args = argparse.Namespace(threads=3, kv_memory="1GiB", max_batch=32, model="m", vllm_python="/v/python",
                               llama_python="/l/python")
     known = peers.servers(args, Path("/m.gguf"))
-    assert set(known) == {"kvwall", "kvwall-native", "vllm", "llama"}
+    assert set(known) == {"kvwall", "kvwall-native", "kvwall-a8", "vllm", "llama"}
     setting = {k: peers.thread_setting(env, argv) for k, (_, argv, env) in known.items()}
-    assert setting["kvwall"] == setting["kvwall-native"] == {"env": {"OMP_NUM_THREADS": "3"}, "flags": []}
+    assert setting["kvwall"] == setting["kvwall-native"] == setting["kvwall-a8"] == {"env": {"OMP_NUM_THREADS": "3"},
+                                                                                     "flags": []}
+    weights = {k: argv[argv.index("--weights") + 1] if "--weights" in argv else None
+               for k, (_, argv, _) in known.items() if k.startswith("kvwall")}
+    assert weights == {"kvwall": None, "kvwall-native": "native", "kvwall-a8": "native+a8"}
     assert setting["vllm"]["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0-2", "OMP_NUM_THREADS": "3"}
     assert setting["llama"]["flags"] == ["--n_threads 3", "--n_threads_batch 3"]
     assert known["vllm"][2]["VLLM_CPU_KVCACHE_SPACE"] == "1"
