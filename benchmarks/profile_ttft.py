@@ -31,7 +31,7 @@ import torch
 
 from kvwall.engine.caches import make_cache
 from kvwall.engine.load import load_model
-from kvwall.serve.runner import Runner
+from kvwall.serve.runner import Runner, block_bytes
 from kvwall.serve.scheduler import Request
 from kvwall.spec.gguf_meta import gguf_file
 
@@ -61,33 +61,27 @@ def _median_ms(times: list[float]) -> float:
     return statistics.median(times[WARM:]) * 1e3
 
 
+@torch.inference_mode()
+def prefill_once(model, prompt: int) -> float:
+    """Seconds of one plain prefill: a random prompt over a fresh contiguous cache, the last position's logits."""
+    cache = make_cache("contiguous", model.spec, 1, prompt + 64)
+    ids = torch.randint(0, model.spec.vocab, (1, prompt))  # (1, T)
+    t0 = time.perf_counter()
+    model(ids, torch.arange(prompt)[None], cache, last_only=True)  # (1, 1, V)
+    return time.perf_counter() - t0
+
+
 def plain_prefill(model, prompt: int, runs: int) -> list[float]:
-    times = []
-    with torch.inference_mode():
-        for _ in range(runs + WARM):
-            cache = make_cache("contiguous", model.spec, 1, prompt + 64)
-            ids = torch.randint(0, model.spec.vocab, (1, prompt))  # (1, T)
-            t0 = time.perf_counter()
-            model(ids, torch.arange(prompt)[None], cache, last_only=True)  # (1, 1, V)
-            times.append(time.perf_counter() - t0)
-    return times
+    return [prefill_once(model, prompt) for _ in range(runs + WARM)]
 
 
 def profile_plain(model, prompt: int, rows: int = 6) -> str:
     """torch.profiler's self time per aten op over one plain prefill (after one untimed): which part of a long
     prefill is attention and which the matmuls. kvwall's own kernels (packed weights) are not aten ops: they
     show only in the total's shortfall from the wall time."""
-    with torch.inference_mode():
-        for i in range(2):
-            cache = make_cache("contiguous", model.spec, 1, prompt + 64)
-            ids = torch.randint(0, model.spec.vocab, (1, prompt))  # (1, T)
-            if i == 0:
-                model(ids, torch.arange(prompt)[None], cache, last_only=True)  # (1, 1, V)
-                continue
-            with torch.profiler.profile() as prof:
-                t0 = time.perf_counter()
-                model(ids, torch.arange(prompt)[None], cache, last_only=True)  # (1, 1, V)
-                wall = time.perf_counter() - t0
+    prefill_once(model, prompt)
+    with torch.profiler.profile() as prof:
+        wall = prefill_once(model, prompt)
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:rows]
     return (f"  one profiled plain prefill: {wall * 1e3:.0f} ms wall; self time per op: "
             + ", ".join(f"{e.key} {e.self_cpu_time_total / 1e3:.0f} ms" for e in ops))
@@ -96,10 +90,8 @@ def profile_plain(model, prompt: int, rows: int = 6) -> str:
 def _runner(model, prompt: int) -> Runner:
     """chunk 512 and an fp32 pool, as kvwall serve's defaults; 64 MiB of blocks, or a prompt's worth and a
     margin where a long prompt needs more (one request runs at a time)."""
-    blocks = -(-(prompt + 64) // BLOCK) + 1
-    runner = Runner(model, kv_memory=64 << 20, chunk=CHUNK, max_batch=8, kv_dtype="fp32")
-    if runner.sched.pool.n_blocks < blocks:
-        runner = Runner(model, n_blocks=blocks, chunk=CHUNK, max_batch=8, kv_dtype="fp32")
+    blocks = max((64 << 20) // block_bytes(model.spec, BLOCK, "fp32"), -(-(prompt + 64) // BLOCK) + 1)
+    runner = Runner(model, n_blocks=blocks, block_size=BLOCK, chunk=CHUNK, max_batch=8, kv_dtype="fp32")
     runner.warm_up()
     return runner
 

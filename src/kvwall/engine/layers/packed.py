@@ -233,11 +233,11 @@ class PackedLinear(nn.Module):
         buf, bias = self._buffers, self._parameters.get("bias")
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         x2 = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-        qt, st, zt = self.x8_tiles or (None, None, None)  # y (M, N):
+        qt, st, zt = self.x8_tiles or (None, None, None)  # the +a8 tiles (x8_tiles), where built
         y = kernel(x2, buf["q"], buf["scale"], buf["zero"], self.bits, self.group, GEMM_ROWS, self.x8, qt, st, zt)
         if bias is not None:
             y = y + bias.float()
-        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)  # (M, N)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
