@@ -4,7 +4,8 @@ batch whose cache fits a budget (4 GiB), with each cache's quality at that conte
 
     python benchmarks/bench_long_race.py [--model smollm2 | gemma3] [--contexts 2048,4096,8192] [--batch 1,max]
         [--cache-budget 4GiB] [--max-batch-cap N] [--caches contiguous,fp8,int8,int4,int2,sliding:1024]
-        [--activations fp32,int8] [--kv f16,q8_0,q4_0] [--engines kvwall,llama.cpp,transformers,vllm]
+        [--activations fp32,int8] [--kvwall-threads fixed,auto] [--kv f16,q8_0,q4_0]
+        [--engines kvwall,llama.cpp,transformers,vllm]
         [--vllm-python /work/venvs/vllm/bin/python]
         [--quality quality.json[,...]] [--neighbour off | on | both] [--new 32] [--runs 3] [--threads 2]
         [--estimate] [--json benchmarks/results/long_race_t2.json] [--requality RESULTS.json]
@@ -17,7 +18,9 @@ Engines, each on --threads threads (benchmarks/fair.py), each row recording the 
     exact `contiguous`, `fp8`, `int8`, `int4`, `int2`, `sliding` (the model's own windows), `sliding:W[:sinkS]`),
     and with each --activations entry: fp32 (exact) or int8 (--weights native+a8: every packed projection's input
     rounded to int8 per group, as llama.cpp rounds its own; approximate, its Δ ppl from a --quality file of
-    `kvwall quality --weights native,native+a8`).
+    `kvwall quality --weights native,native+a8`). --kvwall-threads auto adds a row per setting whose decode steps
+    run on the count kvwall's ThreadGovernor picks (kvwall.engine.threads: at most --threads, fewer while its threads
+    wait to run beside another process), its name ending ", threads auto".
   * llama.cpp (llama-cpp-python) on the file itself with each --kv type for K and V, flash attention on (which a
     quantized V needs). Batch 1: Llama.eval; batch B > 1: a second llama.cpp context on the same model with
     n_seq_max = B and one KV stream per sequence, prefilled row by row and decoded with one llama_batch of B tokens
@@ -235,8 +238,9 @@ def transformers_engine(model, prompt):
     return e
 
 
-def timed(make, new: int) -> tuple[float, float]:
-    """(prefill seconds, decode seconds for `new` steps) of a fresh engine from make(), closed after."""
+def timed(make, new: int) -> tuple[float, float, list | None]:
+    """(prefill seconds, decode seconds for `new` steps, its ThreadGovernor's trials as [step, from, to, kept] or
+    None without one) of a fresh engine from make(), closed after."""
     t0 = time.perf_counter()
     e = make()
     t1 = time.perf_counter()
@@ -245,7 +249,8 @@ def timed(make, new: int) -> tuple[float, float]:
     t2 = time.perf_counter()
     if hasattr(e, "close"):
         e.close()
-    return t1 - t0, t2 - t1
+    governor = getattr(e, "governor", None)
+    return t1 - t0, t2 - t1, [list(t) for t in governor.trials] if governor else None
 
 
 # -- the batch each engine runs --------------------------------------------------------------------------------
@@ -362,7 +367,7 @@ def settings(args, kvs: list[str]) -> list[tuple[str, str]]:
     """(engine kind, setting) of every engine the race runs."""
     engines = args.engines.split(",")
     return ([("kvwall", c) for c in args.caches.split(",") for _ in args.activations.split(",")
-             if c and "kvwall" in engines]
+             for _ in args.kvwall_threads.split(",") if c and "kvwall" in engines]
             + [("llama.cpp", kv) for kv in kvs] + [(e, "fp32") for e in ("transformers", "vllm") if e in engines])
 
 
@@ -405,15 +410,17 @@ def race(args, ctx: dict, context: int, want: str, neighbour: str | None) -> lis
         elif make is not None:  # None: vLLM, which runs in its worker
             makers[name] = lambda b=b: make(row.expand(b, context).contiguous())  # (B, T): the row B times
 
-    def kvwall_engine(p, c: str, act: str):
+    def kvwall_engine(p, c: str, act: str, policy: str):
         ctx["model"].set_activations(act)  # one model, its packed projections' mode set before each run
-        return KvwallEngine(ctx["model"], c, p, context + args.new + 1, weights_of(act))
+        return KvwallEngine(ctx["model"], c, p, context + args.new + 1, weights_of(act), policy == "auto")
 
     for c in ctx["caches"]:
         for act in args.activations.split(","):
-            add(f"kvwall {weights_of(act)}, {c} cache", "kvwall", c, lambda p, c=c, a=act: kvwall_engine(p, c, a),
-                torch.get_num_threads(), "torch.get_num_threads()")
-            meta[f"kvwall {weights_of(act)}, {c} cache"]["activations"] = act
+            for policy in args.kvwall_threads.split(","):
+                name = f"kvwall {weights_of(act)}, {c} cache" + (", threads auto" if policy == "auto" else "")
+                add(name, "kvwall", c, lambda p, c=c, a=act, t=policy: kvwall_engine(p, c, a, t),
+                    torch.get_num_threads(), "torch.get_num_threads()")
+                meta[name] |= {"activations": act, "threads_policy": policy}
     for kv, llm in ctx["llms"].items():
         from bench_real_decode import LlamaCppEngine, llama_threads
 
@@ -431,13 +438,16 @@ def race(args, ctx: dict, context: int, want: str, neighbour: str | None) -> lis
             "fp32", None, vllm.threads, "vLLM's log: OpenMP threads bound")
     pre: dict[str, list[float]] = {k: [] for k in meta}
     dec: dict[str, list[float]] = {k: [] for k in meta}
+    thread_trials: dict[str, list[list]] = {k: [] for k in meta}  # per run: the governor's [step, from, to, kept]
     plan = fair.turns([k for k in meta if "skipped" not in meta[k]], args.runs)
     with torch.inference_mode():
         for i, (run, name) in enumerate(plan):
             b = meta[name]["batch"]
             t0 = time.perf_counter()
             if name in makers:
-                p, d = timed(makers[name], args.new)
+                p, d, trials = timed(makers[name], args.new)
+                if trials is not None:
+                    thread_trials[name].append(trials)
             else:
                 r = vllm.run(row[0].tolist(), b, args.new)
                 p, d = r["ttft_s"], r["decode_s"]
@@ -454,6 +464,8 @@ def race(args, ctx: dict, context: int, want: str, neighbour: str | None) -> lis
         if dec[name]:
             r |= {"decode_tok_s": m["batch"] * args.new / statistics.median(dec[name]),
                   "ttft_s": statistics.median(pre[name]), "decode_runs_s": dec[name], "prefill_runs_s": pre[name]}
+        if thread_trials[name]:
+            r["thread_trials_per_run"] = thread_trials[name]
         rows.append(r)
     fastest = {}
     for r in rows:
@@ -556,6 +568,9 @@ def main() -> None:
     ap.add_argument("--activations", default="fp32", help="kvwall's packed projections' inputs, comma-separated: "
                     "fp32 (exact) and/or int8 (rounded per group, --weights native+a8, as llama.cpp's are)")
     ap.add_argument("--kv", default="f16,q8_0,q4_0", help="llama.cpp K/V types")
+    ap.add_argument("--kvwall-threads", default="fixed", help="kvwall's decode threads, comma-separated: fixed "
+                    "(--threads every step) and/or auto (at most --threads, fewer while its threads wait to run: "
+                    "kvwall.engine.threads.ThreadGovernor)")
     ap.add_argument("--engines", default="kvwall,llama.cpp,transformers,vllm")
     ap.add_argument("--vllm-python", help="python of vLLM's CPU venv (e.g. /work/venvs/vllm/bin/python)")
     ap.add_argument("--quality", metavar="FILE[,FILE]", help="`kvwall quality --json` output(s) to read Δ ppl and "

@@ -73,6 +73,21 @@ def test_generate_ids_json(ckpt, cache, capsys):
     assert len(out["ids"]) == 8 and out["cache_bytes"] > 0 and out["decode_steps"] == 7
 
 
+@pytest.mark.parametrize("threads", ["auto", "1"])
+def test_generate_threads_option(ckpt, threads, capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", str(ckpt), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--threads", threads,
+                     "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert len(out["ids"]) == 8 and out["threads"] == (1 if threads == "1" else "auto")
+        assert ("thread_trials" in out) == (threads == "auto")  # 7 steps: none tried yet, an empty list
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_generate_text_through_tokenizer(ckpt, capsys):
     assert main(["generate", str(ckpt), "--prompt", "w1 w2 w3", "--max-new-tokens", "5", "--temperature", "0.8",
                  "--seed", "1"]) == 0
@@ -87,6 +102,8 @@ def test_generate_text_through_tokenizer(ckpt, capsys):
     (["--prompt-ids", "1", "--cache", "ring"], "unknown cache 'ring'"),
     (["--prompt-ids", "1", "--max-new-tokens", "600"], "maximum context of 512"),
     (["--prompt-ids", "999"], "outside the vocabulary"),
+    (["--prompt-ids", "1", "--threads", "0"], "--threads must be at least 1"),
+    (["--prompt-ids", "1", "--threads", "many"], "--threads must be a whole number"),
 ])
 def test_generate_user_errors_are_one_line(ckpt, argv, message, capsys):
     assert main(["generate", str(ckpt), *argv]) == 2

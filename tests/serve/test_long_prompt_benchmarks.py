@@ -115,3 +115,20 @@ def test_requality_gives_an_earlier_race_the_quality_measured_since(tmp_path):
     assert kv["quality"]["delta_ppl_pct"] == pytest.approx(1.0) and kv["quality"]["from"].startswith("band 4096-8192")
     assert kv["decode_tok_s"] == 59.0 and peer == rows[1]
     assert data["quality_files"] == str(quality) and "quality_read" in data
+
+
+def test_timed_reports_the_trials_of_a_governor():
+    from types import SimpleNamespace
+
+    class Governed:
+        governor = SimpleNamespace(trials=[(12, 2, 1, True)])
+
+        def step(self):
+            pass
+
+    class Plain:
+        def step(self):
+            pass
+
+    assert race.timed(Governed, 3)[2] == [[12, 2, 1, True]]
+    assert race.timed(Plain, 3)[2] is None

@@ -198,3 +198,26 @@ def test_a_step_runs_one_forward_per_chunk_length(tiny_model):
     runner.run_all()
     for r in [first, *later]:
         assert r.out == solo(model, r.prompt, r.max_tokens)
+
+
+def test_adapt_threads_serves_the_same_tokens_and_tries_fewer_threads(tiny_model, monkeypatch):
+    """--threads auto on a machine whose threads always wait to run (1 s more at every read): the governor tries 1
+    thread once 4 decode steps of one shape are timed, and every request still equals its solo run."""
+    from kvwall.engine import threads
+
+    _, model = tiny_model("llama")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    waits = iter(range(10**6))
+    monkeypatch.setattr(threads, "run_queue_s", lambda: float(next(waits)))
+    seen, real = [], torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n)))
+    try:
+        runner = Runner(model, n_blocks=40, block_size=4, chunk=8, max_batch=2, adapt_threads=True)
+        made = [(0, Request(i, PREFIX[:10] + [i], 20)) for i in range(2)]
+        serve(runner, made)
+        assert 1 in seen and torch.get_num_threads() in (1, 2)
+        for _, r in made:
+            assert r.out == solo(model, r.prompt, 20)
+    finally:
+        real(before)

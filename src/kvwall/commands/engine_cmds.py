@@ -12,7 +12,7 @@ from kvwall.engine import CACHE_NAMES as CACHES
 from kvwall.engine.caches.registry import parse_cache
 from kvwall.errors import KvwallError
 from kvwall.spec.gguf_meta import INSTALL_HINT, PACKAGED
-from kvwall.units import fmt_bytes, ids_arg, real, whole
+from kvwall.units import THREADS_HELP, fmt_bytes, ids_arg, real, threads_arg, whole
 
 CHECKPOINT_HELP = ("directory with config.json and safetensors weights, a .gguf file, or "
                    f"{' / '.join(PACKAGED)} ({INSTALL_HINT})")
@@ -48,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=whole(1))
     p.add_argument("--top-p", type=real(0, 1, lo_open=True))
     p.add_argument("--seed", type=whole(0, 2**63 - 1))
+    p.add_argument("--threads", type=threads_arg, metavar="N|auto", help=THREADS_HELP)
     common.add_json(p)
     p.set_defaults(func=cmd_generate)
 
@@ -141,6 +142,8 @@ def cmd_generate(args) -> int:
     cache = parse_cache(args.cache).text  # a one-line error for a name or option it does not know
     path = _checkpoint(args.checkpoint)
     common.need_torch("the engine needs torch")
+    import torch
+
     from kvwall.engine.generate import Sampling, generate
     from kvwall.engine.load import load_model
     from kvwall.engine.tokenizer import load_tokenizer
@@ -154,15 +157,20 @@ def cmd_generate(args) -> int:
     model = load_model(path, args.dtype, weights=args.weights)
     if args.prompt is None:
         tok = _output_tokenizer(path, load_tokenizer)
+    if isinstance(args.threads, int):
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()  # each cache takes the keywords its registry entry lists
     out = generate(model, [ids], args.max_new_tokens, cache, sampling, block_size=args.block_size,
-                   residual=args.residual)
+                   residual=args.residual, adapt_threads=args.threads == "auto")
     wall = time.perf_counter() - t0
     new = out.tokens[0]
     text = tok.decode(new) if tok is not None else None
     result = {"checkpoint": str(path), "cache": args.cache, "weights": args.weights, "prompt_ids": ids, "ids": new,
               "text": text, "prefill_s": out.prefill_s, "decode_s": out.decode_s, "decode_steps": out.decode_steps,
-              "decode_tokens_per_s": out.decode_tok_s, "total_s": wall, "cache_bytes": out.cache_bytes}
+              "decode_tokens_per_s": out.decode_tok_s, "total_s": wall, "cache_bytes": out.cache_bytes,
+              "threads": args.threads or torch.get_num_threads()}
+    if out.thread_trials is not None:  # --threads auto: each trial of another count, [step, from, to, kept]
+        result["thread_trials"] = [list(t) for t in out.thread_trials]
     return common.emit(args, result, _print_generate)
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kvwall.engine.caches import CacheChoice, KVCache, make_cache
+from kvwall.engine.threads import ThreadGovernor
 from kvwall.errors import KvwallError
 
 # A temperature below float32's smallest normal number (2**-126, 1.2e-38) samples greedily: the logits are float32,
@@ -57,6 +59,7 @@ class Generation:
     decode_steps: int
     cache_bytes: int  # the most the cache held at any step (before finished rows were released)
     cache: KVCache = field(repr=False)
+    thread_trials: list[tuple[int, int, int, bool]] | None = None  # adapt_threads: (step, from, to, kept) each
 
     @property
     def decode_tok_s(self) -> float:
@@ -118,8 +121,10 @@ def right_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, tor
 def generate(model, prompts: list[list[int]], max_new_tokens: int = 32,
              cache: str | CacheChoice | KVCache = "contiguous", sampling: Sampling = Sampling(),
              stop: tuple[int, ...] | None = None, on_token: Callable[[int, int], None] | None = None,
-             **cache_opts) -> Generation:
-    """Generate up to max_new_tokens per prompt. on_token(row, token) streams each new token."""
+             adapt_threads: bool = False, **cache_opts) -> Generation:
+    """Generate up to max_new_tokens per prompt. on_token(row, token) streams each new token. adapt_threads: each
+    decode step runs on the thread count a ThreadGovernor picks (fewer beside a busy neighbour; kvwall.engine.threads),
+    at most torch's count, which it gets back at the end."""
     sampling.check()
     if max_new_tokens < 1:
         raise KvwallError(f"max new tokens must be at least 1 (got {max_new_tokens})")
@@ -134,10 +139,10 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int = 32,
         cache = make_cache(cache, model.spec, len(prompts), max_len, dtype, device, **cache_opts)
     stop = tuple(model.spec.eos_token_ids) if stop is None else tuple(stop)
     gen = torch.Generator(device=device).manual_seed(sampling.seed) if sampling.seed is not None else None
-    return _loop(model, prompts, max_new_tokens, cache, sampling, stop, on_token, gen, device)
+    return _loop(model, prompts, max_new_tokens, cache, sampling, stop, on_token, gen, device, adapt_threads)
 
 
-def _loop(model, prompts, max_new, cache, sampling, stop, on_token, gen, device) -> Generation:
+def _loop(model, prompts, max_new, cache, sampling, stop, on_token, gen, device, adapt_threads=False) -> Generation:
     tokens, pos = right_pad(prompts)
     t0 = time.perf_counter()
     logits = model(tokens.to(device), pos.to(device), cache, last_only=True)[:, 0]  # (B, V)
@@ -148,24 +153,31 @@ def _loop(model, prompts, max_new, cache, sampling, stop, on_token, gen, device)
     length = [len(p) for p in prompts]
     live = [True] * len(prompts)
     steps, held = 0, cache.nbytes()
-    while True:
-        for b, t in enumerate(nxt.tolist()):
-            if live[b]:
-                out[b].append(t)
-                if on_token:
-                    on_token(b, t)
-                live[b] = t not in stop and len(out[b]) < max_new
-        held = max(held, cache.nbytes())
-        for b in range(len(prompts)):
-            if not live[b] and length[b] >= 0:
-                cache.release(b)
-                length[b] = -1
-        if not any(live):
-            break
-        step_pos = torch.tensor([[length[b]] if live[b] else [-1] for b in range(len(prompts))], device=device)
-        logits = model(nxt[:, None], step_pos, cache)[:, -1]  # (B, V)
-        check_logits(logits, f"at decode step {steps + 1}")  # pick() waits for the logits anyway
-        nxt = pick(logits, sampling, gen)
-        steps += 1
-        length = [n + 1 if n >= 0 else n for n in length]
-    return Generation(out, t1 - t0, time.perf_counter() - t1, steps, held, cache)
+    governor = ThreadGovernor() if adapt_threads else None
+    try:
+        while True:
+            for b, t in enumerate(nxt.tolist()):
+                if live[b]:
+                    out[b].append(t)
+                    if on_token:
+                        on_token(b, t)
+                    live[b] = t not in stop and len(out[b]) < max_new
+            held = max(held, cache.nbytes())
+            for b in range(len(prompts)):
+                if not live[b] and length[b] >= 0:
+                    cache.release(b)
+                    length[b] = -1
+            if not any(live):
+                break
+            step_pos = torch.tensor([[length[b]] if live[b] else [-1] for b in range(len(prompts))], device=device)
+            with governor.step(key=sum(live)) if governor else nullcontext():  # key: rows still decoding
+                logits = model(nxt[:, None], step_pos, cache)[:, -1]  # (B, V)
+                check_logits(logits, f"at decode step {steps + 1}")  # pick() waits for the logits anyway
+            nxt = pick(logits, sampling, gen)
+            steps += 1
+            length = [n + 1 if n >= 0 else n for n in length]
+    finally:
+        if governor:
+            governor.close()
+    return Generation(out, t1 - t0, time.perf_counter() - t1, steps, held, cache,
+                      governor.trials if governor else None)

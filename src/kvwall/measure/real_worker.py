@@ -15,6 +15,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -38,8 +39,10 @@ class Engine:
 
 
 class KvwallEngine(Engine):
-    def __init__(self, model, cache: str, prompt: torch.Tensor, max_len: int, weights: str = "fp32"):
+    def __init__(self, model, cache: str, prompt: torch.Tensor, max_len: int, weights: str = "fp32",
+                 adapt_threads: bool = False):
         from kvwall.engine.caches import make_cache
+        from kvwall.engine.threads import ThreadGovernor
 
         self.name, self.model, self.weights = f"kvwall:{cache}", model, weights
         self.key = f"{self.name}@{weights}"  # the name twice under two weight formats
@@ -48,12 +51,19 @@ class KvwallEngine(Engine):
         logits = model(prompt, None, self.cache, last_only=True)  # (B, 1, V)
         self.tok = greedy(logits[:, -1])[:, None]  # (B, 1)
         self.pos, self.tokens = prompt.shape[1], [self.tok]
+        self.governor = ThreadGovernor() if adapt_threads else None  # made after the prefill: decode steps only
 
     def step(self) -> None:
         pos = torch.full((self.tok.shape[0], 1), self.pos, dtype=torch.long)  # (B, 1)
-        self.tok = greedy(self.model(self.tok, pos, self.cache)[:, -1])[:, None]  # (B, 1)
+        with self.governor.step() if self.governor else nullcontext():
+            logits = self.model(self.tok, pos, self.cache)[:, -1]  # (B, V)
+        self.tok = greedy(logits)[:, None]  # (B, 1)
         self.pos += 1
         self.tokens.append(self.tok)
+
+    def close(self) -> None:
+        if self.governor:
+            self.governor.close()
 
 
 class TransformersEngine(Engine):

@@ -24,6 +24,7 @@ scale, as the fp8 cache): the predictor's paged figure for one row of block_size
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -35,6 +36,7 @@ from kvwall.engine.caches.quant import dequantize, group_size, quantize
 from kvwall.engine.caches.registry import predicted_bytes
 from kvwall.engine.caches.state import has_state
 from kvwall.engine.generate import Sampling, check_logits, greedy, pick
+from kvwall.engine.threads import ThreadGovernor
 from kvwall.errors import KvwallError
 from kvwall.serve import logits as rules_
 from kvwall.serve.scheduler import Chunk, Request, Scheduler, Step, forward_groups
@@ -189,7 +191,7 @@ def make_pool(spec, block_size: int, n_blocks: int, kv, device) -> ScheduledPage
 
 class Runner:
     def __init__(self, model, kv_memory: int | None = None, n_blocks: int | None = None, block_size: int = 16,
-                 chunk: int = 512, max_batch: int = 64, kv_dtype=None):
+                 chunk: int = 512, max_batch: int = 64, kv_dtype=None, adapt_threads: bool = False):
         if has_state(model.spec):
             raise KvwallError(f"{model.spec.name} has SSM layers; serving runs attention-only models for now")
         w = next(model.parameters())
@@ -208,6 +210,8 @@ class Runner:
         self.token_logprobs: dict[Request, tuple[float, list[tuple[int, float]]]] = {}
         self.generated = self.computed = self.steps = 0
         self.busy_s = 0.0
+        self.adapt_threads = adapt_threads  # each forward on the count a ThreadGovernor picks (engine/threads.py)
+        self.governor: ThreadGovernor | None = None  # made by the thread that steps (torch's count is per thread)
 
     def _blocks_in(self, kv_memory: int | None) -> int:
         if not kv_memory or kv_memory < self.block_bytes:
@@ -251,6 +255,9 @@ class Runner:
             self.step()
         self.generated = self.computed = self.steps = 0
         self.busy_s = 0.0
+        if self.governor:  # the warm-up ran in this thread, not in the worker's that steps from now on
+            self.governor.close()
+            self.governor = None
 
     def abort(self, r: Request) -> None:
         self.sched.abort(r)
@@ -269,7 +276,9 @@ class Runner:
         sampled, failed = {}, {}
         self._whole, self.token_logprobs = [], {}
         for rows in forward_groups(step.chunks):
-            sampled.update(self.sample(rows, self.forward(rows), failed))  # forward: (B, V)
+            with self._threads(rows):
+                logits = self.forward(rows)  # (B, V)
+            sampled.update(self.sample(rows, logits, failed))
         self._drop(step, failed)
         self.scored = {r: self.prompt_logprobs.pop(r) for r in self._whole if r in self.prompt_logprobs}
         done = self.sched.finish(step, sampled)
@@ -279,6 +288,15 @@ class Runner:
         self.computed += sum(c.n for c in step.chunks)
         self.busy_s += time.perf_counter() - t0
         return step, done
+
+    def _threads(self, rows: list[Chunk]):
+        """The governor's step for a forward of these rows (its times compare within one shape: rows, longest chunk),
+        or nothing without --threads auto."""
+        if not self.adapt_threads:
+            return nullcontext()
+        if self.governor is None:
+            self.governor = ThreadGovernor()
+        return self.governor.step(key=(len(rows), max(c.n for c in rows)))
 
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Chunks as right-padded rows -> logits (B, V) at each row's last token."""
