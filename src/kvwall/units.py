@@ -138,10 +138,6 @@ def whole(lo: int, hi: int = MAX_COUNT) -> Callable[[str], int]:
     return parse
 
 
-THREADS_HELP = ("torch threads (default: all cores); auto: each decode step on at most all cores, fewer while kvwall's "
-                "threads wait to run beside other busy processes (Linux; kvwall.engine.threads)")
-
-
 def threads_arg(text: str) -> int | str:
     """--threads: a whole number of threads, or auto (the engine's ThreadGovernor picks each decode step's count)."""
     return "auto" if str(text).strip() == "auto" else whole(1, 1 << 16)(text)

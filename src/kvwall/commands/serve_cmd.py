@@ -11,7 +11,7 @@ from kvwall.commands import common
 from kvwall.commands.engine_cmds import CHECKPOINT_HELP
 from kvwall.errors import KvwallError
 from kvwall.spec.formats import get_format
-from kvwall.units import THREADS_HELP, fmt_bytes, parse_bytes, threads_arg, whole
+from kvwall.units import fmt_bytes, parse_bytes, whole
 
 POOL_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # serve.runner.POOL_FORMATS (torch-free here); plus int8 / int4
 
@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=whole(1, 1 << 16), default=64, help="most requests running at once (default 64)")
     p.add_argument("--chunk", type=whole(1, 1 << 24), default=512, metavar="TOKENS",
                    help="token budget of one step: prefill chunks + decode tokens (default 512)")
-    p.add_argument("--threads", type=threads_arg, metavar="N|auto", help=THREADS_HELP)
+    common.add_threads(p)
     p.add_argument("--dtype", default="float32", help="model weights: float32, bfloat16 or float16 (default float32)")
     common.add_weights(p)
     p.add_argument("--name", help="the model name clients send (default: the checkpoint's name)")
@@ -114,12 +114,9 @@ def _run(args, path: Path, kv_memory: int) -> int:
 
     model = load_model(path, args.dtype, weights=args.weights)
     kv_dtype = args.cache  # a name: serve.runner.make_pool makes the pool for it
-    if isinstance(args.threads, int):
-        import torch
-
-        torch.set_num_threads(args.threads)
+    auto = common.use_threads(args)
     runner = Runner(model, kv_memory=kv_memory, block_size=args.block_size, chunk=args.chunk,
-                    max_batch=args.max_batch, kv_dtype=kv_dtype, adapt_threads=args.threads == "auto")
+                    max_batch=args.max_batch, kv_dtype=kv_dtype, adapt_threads=auto)
     runner.warm_up()  # before the server says it is up
     name = args.name or Path(args.checkpoint).name
     pool = runner.sched.pool

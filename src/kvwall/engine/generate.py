@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kvwall.engine.caches import CacheChoice, KVCache, make_cache
-from kvwall.engine.threads import ThreadGovernor
+from kvwall.engine.threads import ThreadGovernor, step_on
 from kvwall.errors import KvwallError
 
 # A temperature below float32's smallest normal number (2**-126, 1.2e-38) samples greedily: the logits are float32,
@@ -142,7 +141,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int = 32,
     return _loop(model, prompts, max_new_tokens, cache, sampling, stop, on_token, gen, device, adapt_threads)
 
 
-def _loop(model, prompts, max_new, cache, sampling, stop, on_token, gen, device, adapt_threads=False) -> Generation:
+def _loop(model, prompts, max_new, cache, sampling, stop, on_token, gen, device, adapt_threads) -> Generation:
     tokens, pos = right_pad(prompts)
     t0 = time.perf_counter()
     logits = model(tokens.to(device), pos.to(device), cache, last_only=True)[:, 0]  # (B, V)
@@ -170,7 +169,7 @@ def _loop(model, prompts, max_new, cache, sampling, stop, on_token, gen, device,
             if not any(live):
                 break
             step_pos = torch.tensor([[length[b]] if live[b] else [-1] for b in range(len(prompts))], device=device)
-            with governor.step(key=sum(live)) if governor else nullcontext():  # key: rows still decoding
+            with step_on(governor, key=sum(live)):  # key: rows still decoding
                 logits = model(nxt[:, None], step_pos, cache)[:, -1]  # (B, V)
                 check_logits(logits, f"at decode step {steps + 1}")  # pick() waits for the logits anyway
             nxt = pick(logits, sampling, gen)

@@ -29,7 +29,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -142,3 +142,8 @@ class ThreadGovernor:
             self.down_at, self.down_wait = self.steps + self.down_wait, min(2 * self.down_wait, BACKOFF_MOST)
         else:
             self.up_at, self.up_wait = self.steps + self.up_wait, min(2 * self.up_wait, BACKOFF_MOST)
+
+
+def step_on(governor: ThreadGovernor | None, key=None):
+    """governor.step(key), or a plain block where there is no governor (a fixed thread count)."""
+    return governor.step(key) if governor else nullcontext()

@@ -15,11 +15,11 @@ import json
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 
 from kvwall.engine.generate import greedy  # every engine's pick: the same argmax, numpy's on the CPU
+from kvwall.engine.threads import ThreadGovernor, step_on
 
 
 class Engine:
@@ -42,7 +42,6 @@ class KvwallEngine(Engine):
     def __init__(self, model, cache: str, prompt: torch.Tensor, max_len: int, weights: str = "fp32",
                  adapt_threads: bool = False):
         from kvwall.engine.caches import make_cache
-        from kvwall.engine.threads import ThreadGovernor
 
         self.name, self.model, self.weights = f"kvwall:{cache}", model, weights
         self.key = f"{self.name}@{weights}"  # the name twice under two weight formats
@@ -55,7 +54,7 @@ class KvwallEngine(Engine):
 
     def step(self) -> None:
         pos = torch.full((self.tok.shape[0], 1), self.pos, dtype=torch.long)  # (B, 1)
-        with self.governor.step() if self.governor else nullcontext():
+        with step_on(self.governor):
             logits = self.model(self.tok, pos, self.cache)[:, -1]  # (B, V)
         self.tok = greedy(logits)[:, None]  # (B, 1)
         self.pos += 1

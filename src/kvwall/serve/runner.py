@@ -24,7 +24,6 @@ scale, as the fp8 cache): the predictor's paged figure for one row of block_size
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 
 import torch
 
@@ -36,7 +35,7 @@ from kvwall.engine.caches.quant import dequantize, group_size, quantize
 from kvwall.engine.caches.registry import predicted_bytes
 from kvwall.engine.caches.state import has_state
 from kvwall.engine.generate import Sampling, check_logits, greedy, pick
-from kvwall.engine.threads import ThreadGovernor
+from kvwall.engine.threads import ThreadGovernor, step_on
 from kvwall.errors import KvwallError
 from kvwall.serve import logits as rules_
 from kvwall.serve.scheduler import Chunk, Request, Scheduler, Step, forward_groups
@@ -291,12 +290,10 @@ class Runner:
 
     def _threads(self, rows: list[Chunk]):
         """The governor's step for a forward of these rows (its times compare within one shape: rows, longest chunk),
-        or nothing without --threads auto."""
-        if not self.adapt_threads:
-            return nullcontext()
-        if self.governor is None:
+        or a plain block without --threads auto."""
+        if self.adapt_threads and self.governor is None:
             self.governor = ThreadGovernor()
-        return self.governor.step(key=(len(rows), max(c.n for c in rows)))
+        return step_on(self.governor, key=(len(rows), max(c.n for c in rows)))
 
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Chunks as right-padded rows -> logits (B, V) at each row's last token."""
